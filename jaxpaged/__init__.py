@@ -1,0 +1,1 @@
+"""jaxpaged: vLLM-style serving in JAX."""

@@ -1,0 +1,51 @@
+"""Pallas GPU kernels for paged attention, with plain-jnp references.
+
+This package imports nothing from the rest of jaxpaged. The model calls only `attention` and `write_kv`;
+which implementation runs below them is chosen by `backend`:
+
+  "reference"  plain jnp (the `*_reference` functions, memory-hungry; tests only)
+  "xla"        chunked online-softmax jnp (CPU default, GPU fallback)
+  "pallas"     Pallas GPU kernels (GPU default once they exist)
+
+`default_backend()` picks by the JAX platform; JAXPAGED_ATTENTION_BACKEND overrides it (read in
+jaxpaged.envs, passed down as an argument: this package reads no environment itself).
+"""
+from __future__ import annotations
+
+import jax
+
+from .kv_write import write_kv_reference
+from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
+
+BACKENDS = ("reference", "xla", "pallas")
+
+
+def default_backend() -> str:
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
+
+
+def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
+              decode_only: bool = False, sliding_window: int | None = None,
+              soft_cap: float | None = None, backend: str = "xla"):
+    """Attention of a flat ragged batch over the paged cache; see ragged_paged_attention.py for shapes.
+
+    decode_only: static promise that every request has exactly one query token (T == R), which lets the
+    decode kernel run instead of the ragged one.
+    """
+    if backend == "reference":
+        return ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens,
+                                                query_start_loc, scale=scale,
+                                                sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "xla":
+        return ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
+                                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "pallas":
+        raise NotImplementedError("Pallas kernels not wired yet")
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla"):
+    """Scatter new K/V (dtype[T, K, D]) into the pool at slot_mapping (i32[T]); returns the pool."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    return write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)
