@@ -1,0 +1,122 @@
+"""The model facts the Flax decoder needs, read from an HF config.json. Explicit sizes, no engine config."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# architectures (config.json) -> family; every family runs through models/decoder.py with its flags.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple | None          # sorted (key, value) pairs of HF's rope_scaling dict, hashable
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool                      # Qwen2
+    qk_norm: bool                       # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+
+def _get(cfg: dict, key: str, default=None):
+    # transformers 5 nests rope settings in rope_parameters; 4.x keeps them flat.
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    rope = cfg.get("rope_parameters") or {}
+    if key == "rope_theta" and "rope_theta" in rope:
+        return rope["rope_theta"]
+    return default
+
+
+def _rope_scaling(cfg: dict) -> tuple | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UnsupportedArchitectureError(f"rope_scaling type {rope_type!r} is not supported (supported: llama3)")
+    return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (dict, list))))
+
+
+def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"Model architectures {archs} are not supported by jaxpaged. "
+            f"Supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    return DecoderConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(_get(cfg, "rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(cfg),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        sliding_window=sliding,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
+
+
+def rope_inv_freq(cfg: DecoderConfig):
+    """Inverse frequencies f32[D/2] with Llama 3's scaling applied when configured (as HF computes them)."""
+    import numpy as np
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if cfg.rope_scaling is None:
+        return inv_freq
+    rs = dict(cfg.rope_scaling)
+    factor = rs["factor"]
+    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)

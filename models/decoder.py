@@ -1,0 +1,142 @@
+"""One Flax decoder for the Llama, Qwen2 and Qwen3 families, reading and writing the paged KV cache.
+
+Legend: T tokens, R requests, H hidden, N heads, K kv heads, D head dim, F MLP width, V vocab, L layers.
+Layers run under `nn.scan` over stacked weights, so compile time does not grow with depth; the whole KV
+pool `kv_cache: dtype[L, 2, B, K, S, D]` rides in the scan carry with the layer index, and each layer
+writes its new K/V into it in place before attending (the kernels index the layer themselves).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxpaged import pallas_kernels
+
+from .config import DecoderConfig, rope_inv_freq
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Device arrays describing one flat batch (see pallas_kernels/ragged_paged_attention.py)."""
+    positions: jax.Array         # i32[T]     absolute position of each token
+    slot_mapping: jax.Array      # i32[T]     cache slot each token's K/V is written to
+    block_tables: jax.Array      # i32[R, M]  physical block ids of each request
+    seq_lens: jax.Array          # i32[R]     context length including this step's tokens
+    query_start_loc: jax.Array   # i32[R+1]   prefix sums of per-request query lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """Static (hashable) choices that pick compiled variants."""
+    attn_backend: str = "xla"
+    decode_only: bool = False
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * x32.astype(x.dtype)
+
+
+def _rotate(x, cos, sin):
+    """HF's rotate_half RoPE. x: [T, N, D]; cos, sin: [T, D/2]."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nn.Module):
+    cfg: DecoderConfig
+    dtype: Any
+    options: RuntimeOptions
+
+    @nn.compact
+    def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
+        c = self.cfg
+        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        q = dense(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x).reshape(-1, c.num_heads, c.head_dim)
+        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x).reshape(-1, c.num_kv_heads, c.head_dim)
+        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x).reshape(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        backend = self.options.attn_backend
+        kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend)
+        o = pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale=c.head_dim ** -0.5,
+                                     decode_only=self.options.decode_only,
+                                     sliding_window=c.sliding_window, backend=backend)
+        o = o.reshape(-1, c.num_heads * c.head_dim)
+        return dense(c.hidden_size, False, "o_proj")(o), kv_cache
+
+
+class MLP(nn.Module):
+    cfg: DecoderConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        gate = dense(self.cfg.intermediate_size, "gate_proj")(x)
+        up = dense(self.cfg.intermediate_size, "up_proj")(x)
+        return dense(self.cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: DecoderConfig
+    dtype: Any
+    options: RuntimeOptions
+
+    @nn.compact
+    def __call__(self, carry, meta: AttentionMetadata, cos, sin):
+        h, kv_cache, layer_idx = carry
+        eps = self.cfg.rms_norm_eps
+        attn_out, kv_cache = Attention(self.cfg, self.dtype, self.options, name="self_attn")(
+            RMSNorm(eps, self.dtype, name="input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
+        h = h + attn_out
+        h = h + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(h))
+        return (h, kv_cache, layer_idx + 1), None
+
+
+class DecoderModel(nn.Module):
+    """token_ids i32[T] -> (logits f32[R, V] at logits_indices, updated kv_cache)."""
+    cfg: DecoderConfig
+    dtype: Any
+    options: RuntimeOptions = RuntimeOptions()
+
+    @nn.compact
+    def __call__(self, token_ids, kv_cache, meta: AttentionMetadata, logits_indices):
+        c = self.cfg
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        h = embed(token_ids)
+        freqs = meta.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)                   # f32[T, D/2]
+        layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
+        (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
+            (h, kv_cache, jnp.int32(0)), meta, cos, sin)
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(h[logits_indices])
+        if c.tie_word_embeddings:
+            logits = embed.attend(h)
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                              name="lm_head")(h)
+        return logits.astype(jnp.float32), kv_cache
+
+
+def kv_cache_shape(cfg: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The one place the pool layout is declared: [L, 2, B, K, S, D]."""
+    return (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)

@@ -1,0 +1,174 @@
+"""Load an HF checkpoint folder (config.json + safetensors) into the Flax decoder's parameter tree.
+
+HF parameter names map to Flax params in `_LAYER_TABLE` / `_TOP_TABLE` (one table for every family the
+decoder supports); per-layer weights are stacked on a leading [L] axis for `nn.scan`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DecoderConfig, decoder_config_from_hf
+from .decoder import AttentionMetadata, DecoderModel
+
+# HF name inside model.layers.{i}. -> (path under params["layers"], transpose?)
+_LAYER_TABLE = {
+    "self_attn.q_proj.weight": (("self_attn", "q_proj", "kernel"), True),
+    "self_attn.k_proj.weight": (("self_attn", "k_proj", "kernel"), True),
+    "self_attn.v_proj.weight": (("self_attn", "v_proj", "kernel"), True),
+    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True),
+    "self_attn.q_proj.bias": (("self_attn", "q_proj", "bias"), False),
+    "self_attn.k_proj.bias": (("self_attn", "k_proj", "bias"), False),
+    "self_attn.v_proj.bias": (("self_attn", "v_proj", "bias"), False),
+    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), False),
+    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), False),
+    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
+    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
+    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
+    "input_layernorm.weight": (("input_layernorm", "scale"), False),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False),
+}
+_TOP_TABLE = {
+    "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+    "model.norm.weight": (("norm", "scale"), False),
+    "lm_head.weight": (("lm_head", "kernel"), True),
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "float": jnp.float32, "half": jnp.float16}
+
+
+class LoadedModel(NamedTuple):
+    config: DecoderConfig
+    hf_config: dict
+    params: Any          # Flax params tree, stacked layers
+    dtype: Any
+
+
+def read_hf_config(model_dir: os.PathLike) -> dict:
+    path = pathlib.Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Model folder {str(path)!r} does not exist (jaxpaged loads local HF folders).")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{str(cfg_file)!r} not found: a model folder needs config.json.")
+    return json.loads(cfg_file.read_text())
+
+
+def resolve_dtype(dtype: str, cfg: DecoderConfig):
+    """vLLM's `--dtype auto`: the checkpoint's dtype, but float32 checkpoints run in bf16 on GPUs."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; choose from auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    on_cpu = jax.default_backend() == "cpu"
+    ckpt = DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), jnp.float32)
+    if on_cpu:
+        return jnp.float32          # CPU bf16 matmuls are slow and less exact; CPU is for testing
+    return jnp.bfloat16 if ckpt == jnp.float32 else ckpt
+
+
+def param_shapes(cfg: DecoderConfig, dtype) -> Any:
+    """The parameter tree's ShapeDtypeStructs, without running or allocating anything."""
+    model = DecoderModel(cfg, dtype)
+    num_blocks, block_size = 2, 4
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim), dtype)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    meta = AttentionMetadata(i32(4), i32(4), i32(1, 2), i32(1), i32(2))
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), i32(4), kv, meta, i32(1))
+    return shapes["params"]
+
+
+def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0) -> Any:
+    """Random weights of the right shapes (vLLM's --load-format dummy): uniform(-1e-3, 1e-3), norms 1."""
+    shapes = param_shapes(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = []
+    for (path, sds), key in zip(leaves, keys):
+        is_norm = getattr(path[-1], "key", None) == "scale"
+        init = jax.jit(lambda k, s=sds, n=is_norm: (jnp.ones(s.shape, s.dtype) if n else
+                       jax.random.uniform(k, s.shape, jnp.float32, -1e-3, 1e-3).astype(s.dtype)))
+        out.append(init(key))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _safetensor_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {str(model_dir)!r} "
+                                "(use load_format='dummy' for random weights)")
+    return files
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) -> Any:
+    from safetensors import safe_open
+    shapes = param_shapes(cfg, dtype)
+    per_layer: dict[tuple, list] = {}
+    params: dict = {}
+    for file in _safetensor_files(model_dir):
+        # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
+        with safe_open(str(file), framework="flax") as f:
+            for name in f.keys():
+                if name.startswith("model.layers."):
+                    rest = name[len("model.layers."):]
+                    idx, sub = rest.split(".", 1)
+                    if sub not in _LAYER_TABLE:
+                        continue   # e.g. rotary_emb.inv_freq in old checkpoints
+                    path, transpose = _LAYER_TABLE[sub]
+                    t = f.get_tensor(name).astype(dtype)
+                    per_layer.setdefault(path, [None] * cfg.num_layers)[int(idx)] = t.T if transpose else t
+                elif name in _TOP_TABLE:
+                    path, transpose = _TOP_TABLE[name]
+                    if path[0] == "lm_head" and cfg.tie_word_embeddings:
+                        continue
+                    t = f.get_tensor(name).astype(dtype)
+                    _set(params, path, t.T if transpose else t)
+    for path, layers in per_layer.items():
+        missing = [i for i, t in enumerate(layers) if t is None]
+        if missing:
+            raise ValueError(f"checkpoint lacks {'.'.join(path)} for layers {missing}")
+        _set(params, ("layers",) + path, jnp.stack(layers))
+        layers.clear()
+    # Every parameter the model needs must have arrived, with the right shape.
+    flat_need = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
+    flat_have = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, sds in flat_need.items():
+        name = jax.tree_util.keystr(path)
+        if path not in flat_have:
+            raise ValueError(f"checkpoint in {str(model_dir)!r} lacks parameter {name}")
+        if tuple(flat_have[path].shape) != tuple(sds.shape):
+            raise ValueError(f"parameter {name}: checkpoint shape {flat_have[path].shape} != {sds.shape}")
+    return params
+
+
+def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "auto", seed: int = 0) -> LoadedModel:
+    hf_config = read_hf_config(model_dir)
+    cfg = decoder_config_from_hf(hf_config)
+    jdtype = resolve_dtype(dtype, cfg)
+    if load_format == "dummy":
+        params = dummy_params(cfg, jdtype, seed)
+    elif load_format in ("auto", "safetensors"):
+        params = load_safetensors_params(pathlib.Path(model_dir), cfg, jdtype)
+    else:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose auto, safetensors or dummy")
+    return LoadedModel(cfg, hf_config, params, jdtype)

@@ -1,0 +1,212 @@
+"""Paged decode attention (one query token per request), split-K flash-decoding, Pallas (Triton) on GPU.
+
+Legend as in ragged_paged_attention.py: R requests, N query heads, K kv heads, G = N // K, Gp = G padded
+to a power of two >= 16 (the smallest tile a tensor-core dot takes), D head dim, L layers, B blocks,
+S block size, M max blocks per request, NS splits of the context, P blocks loaded per loop iteration.
+
+Grid (R, K, NS): one program owns one request, one kv head and one contiguous range of the request's
+blocks. All G query heads of the kv head are one [Gp, D] tile, so each K/V block is read from memory
+exactly once per step (GQA without re-reads). Each program writes its normalised partial output and its
+log-sum-exp; a small jnp epilogue merges the NS splits. Splits lying past a request's length exit at once.
+
+The cache is passed whole ([L, 2, B, K, S, D]) and the layer is picked inside the kernel, so the model's
+lax.scan over layers never copies a layer out of the pool.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NUM_SMS = 132            # H100 SXM; only steers how many splits are made
+_NEG = -1e30             # finite "minus infinity": empty splits merge to zeros, never NaN
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, lse_ref, *,
+                   scale, sliding_window, soft_cap, blocks_per_split, blocks_per_iter):
+    # layer_ref:        i32[1]
+    # seq_lens_ref:     i32[R]
+    # block_tables_ref: i32[R, NS * blocks_per_split + P]   (padded with null-block entries)
+    # q_ref:            dtype[R, K, Gp, D]
+    # kv_ref:           dtype[L, 2, B, K, S, D]
+    # o_ref:            f32[R, K, NS, Gp, D]   this split's output, already divided by its softmax sum
+    # lse_ref:          f32[R, K, NS, Gp]      this split's log-sum-exp (_NEG when the split is empty)
+    r, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
+    group_pad = q_ref.shape[2]
+    tile = blocks_per_iter * block_size
+    layer = layer_ref[0]
+    seq_len = seq_lens_ref[r]
+    first_block = split * blocks_per_split
+    end_block = jnp.minimum(first_block + blocks_per_split, pl.cdiv(seq_len, block_size))
+    if sliding_window is not None:
+        # keys before seq_len - sliding_window are never seen; skip whole blocks of them
+        first_block = jnp.maximum(first_block, jnp.maximum(seq_len - sliding_window, 0) // block_size)
+    num_iters = pl.cdiv(jnp.maximum(end_block - first_block, 0), blocks_per_iter)
+    q = q_ref[r, h, :, :]                                                     # [Gp, D]
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def body(i, carry):
+        m, l, acc = carry
+        block0 = first_block + i * blocks_per_iter
+        blocks = block_tables_ref[r, pl.ds(block0, blocks_per_iter)]          # [P]
+        k = kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
+        v = kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale       # [Gp, P*S] f32
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (group_pad, tile), 1)
+        mask = pos < seq_len
+        if sliding_window is not None:
+            mask &= pos >= seq_len - sliding_window
+        s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))                            # [Gp]
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)                 # [Gp, P*S]
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return m_new, l, acc
+
+    init = (jnp.full((group_pad,), _NEG, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
+            jnp.zeros((group_pad, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
+    nonempty = l > 0.0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    o_ref[r, h, split, :, :] = acc / l_safe[:, None]
+    lse_ref[r, h, split, :] = jnp.where(nonempty, m + jnp.log(l_safe), _NEG)
+
+
+def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int) -> int:
+    """Enough (request, head, split) programs to fill the GPU ~4 times over, never under a tile each."""
+    max_splits = max(1, -(-max_blocks // blocks_per_iter))
+    want = -(-4 * NUM_SMS // (num_reqs * num_kv_heads))
+    return int(min(max(want, 1), max_splits))
+
+
+def _launch(q4, kv_cache, layer, seq_lens, tables, *, scale, sliding_window, soft_cap, num_splits,
+            blocks_per_split, blocks_per_iter, num_warps, num_stages, interpret):
+    num_reqs, num_kv_heads, group_pad, head_dim = q4.shape
+    kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, blocks_per_split=blocks_per_split,
+                               blocks_per_iter=blocks_per_iter)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_reqs, num_kv_heads, num_splits),
+        out_shape=(jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad, head_dim),
+                                        jnp.float32),
+                   jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(layer, seq_lens, tables, q4, kv_cache)
+
+
+def _validate(q, kv_cache, layer_idx, block_tables, seq_lens):
+    if q.ndim != 3 or kv_cache.ndim != 6:
+        raise ValueError(f"expected q[R, N, D] and kv_cache[L, 2, B, K, S, D]; got {q.shape}, "
+                         f"{kv_cache.shape}")
+    num_reqs, num_heads, head_dim = q.shape
+    _, two, _, num_kv_heads, block_size, cache_dim = kv_cache.shape
+    if two != 2 or cache_dim != head_dim:
+        raise ValueError(f"kv_cache {kv_cache.shape} does not match q {q.shape}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if block_size not in (8, 16, 32, 64) or head_dim not in (64, 128, 256):
+        raise ValueError(f"block size {block_size} / head dim {head_dim} unsupported "
+                         "(block sizes 8/16/32/64, head dims 64/128/256)")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
+        raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} do not match "
+                         f"{num_reqs} requests")
+    if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if jnp.shape(layer_idx) not in ((), (1,)):
+        raise ValueError(f"layer_idx must be a scalar; got shape {jnp.shape(layer_idx)}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
+                                             "blocks_per_iter", "num_warps", "num_stages", "interpret"))
+def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           num_splits: int | None = None, blocks_per_iter: int | None = None,
+                           num_warps: int | None = None, num_stages: int = 2,
+                           interpret: bool | None = None):
+    """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
+
+    kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
+    (context including this step's token, 0 for padding requests, whose output is zeros).
+    """
+    _validate(q, kv_cache, layer_idx, block_tables, seq_lens)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    group_pad = max(16, _next_pow2(group))
+    max_blocks = block_tables.shape[1]
+    if blocks_per_iter is None:
+        blocks_per_iter = max(1, (64 if head_dim > 64 else 128) // block_size)
+    if num_splits is None:
+        num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter)
+    blocks_per_split = -(-max_blocks // num_splits)
+    blocks_per_split = -(-blocks_per_split // blocks_per_iter) * blocks_per_iter
+    if num_warps is None:
+        num_warps = 4
+    # Pad the table so that every tile can be sliced whole (a sliding window starts a split mid-way,
+    # hence the extra blocks_per_iter); the pads point at the null block.
+    tables = jnp.pad(block_tables,
+                     ((0, 0), (0, num_splits * blocks_per_split + blocks_per_iter - max_blocks)))
+    q4 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
+    o, lse = _launch(q4, kv_cache, layer, seq_lens, tables, scale=scale, sliding_window=sliding_window,
+                     soft_cap=soft_cap, num_splits=num_splits, blocks_per_split=blocks_per_split,
+                     blocks_per_iter=blocks_per_iter, num_warps=num_warps, num_stages=num_stages,
+                     interpret=interpret)
+    o, lse = o[:, :, :, :group], lse[:, :, :, :group]                  # [R, K, NS, G, D], [R, K, NS, G]
+    if num_splits == 1:
+        out = o[:, :, 0]
+    else:
+        # merge splits: weights exp(lse_s - max_s lse); empty splits carry _NEG and weigh 0
+        w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
+        out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
+    return out.reshape(num_reqs, num_heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
+                                     sliding_window: int | None = None, soft_cap: float | None = None):
+    """Plain jnp, f32 math: q dtype[R, N, D] -> dtype[R, N, D]. Gathers every request's whole table."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    layer = kv_cache[layer_idx]                                              # [2, B, K, S, D]
+    k = layer[0][block_tables].transpose(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, -1, head_dim)
+    v = layer[1][block_tables].transpose(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, -1, head_dim)
+    qg = q.reshape(num_reqs, num_kv_heads, group, head_dim).astype(jnp.float32)
+    s = jnp.einsum("rkgd,rkcd->rkgc", qg, k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * scale              # [R, K, G, M*S]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    pos = jnp.arange(max_blocks * block_size)
+    mask = pos[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= seq_lens[:, None] - sliding_window
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("rkgc,rkcd->rkgd", p, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) / jnp.where(l == 0, 1.0, l)
+    return o.reshape(num_reqs, num_heads, head_dim).astype(q.dtype)
+
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "choose_splits"]
