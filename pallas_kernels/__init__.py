@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import jax
 
-from .kv_write import write_kv_reference
+from .kv_write import write_kv_pallas, write_kv_reference
+from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
+from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 
 BACKENDS = ("reference", "xla", "pallas")
 
@@ -40,7 +42,12 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         return ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "pallas":
-        raise NotImplementedError("Pallas kernels not wired yet")
+        if decode_only:
+            return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
+                                          sliding_window=sliding_window, soft_cap=soft_cap)
+        return ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens,
+                                             query_start_loc, scale=scale,
+                                             sliding_window=sliding_window, soft_cap=soft_cap)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 
@@ -48,4 +55,6 @@ def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla"):
     """Scatter new K/V (dtype[T, K, D]) into the pool at slot_mapping (i32[T]); returns the pool."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "pallas":
+        return write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping)
     return write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)
