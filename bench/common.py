@@ -57,14 +57,30 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+def gpu_name_from_nvidia_smi() -> str | None:
+    """The GPU's name without initialising CUDA in this process (a client beside a running server)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout.strip().splitlines()
+        return out[0].strip() if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def stamp(argv: list[str] | None = None, with_device: bool = True) -> dict[str, Any]:
-    """The provenance every result carries: command, date, git revision, device, JAX version."""
+    """The provenance every result carries: command, date, git revision, device, JAX version.
+
+    with_device=False (HTTP client, HF baseline) names the GPU from nvidia-smi instead of importing JAX.
+    """
     argv = sys.argv if argv is None else argv
     out = {"command": " ".join(shlex.quote(a) for a in [sys.executable] + list(argv)),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "git_revision": git_revision()}
     if with_device:
         out.update(device_info())
+    else:
+        out.update(python=platform.python_version(), host=platform.node(),
+                   device=gpu_name_from_nvidia_smi() or f"cpu ({platform.machine()})")
     return out
 
 

@@ -1,0 +1,309 @@
+"""Serving benchmark: an async streaming client for any OpenAI-compatible /v1/completions endpoint.
+
+Mirrors vLLM's benchmarks/benchmark_serving.py: requests arrive as a Poisson process (`--request-rate`,
+inf = all at once) under an optional `--max-concurrency`; each streams its completion, and the client
+records TTFT, inter-token latencies (ITL, one per streamed chunk after the first), TPOT (excluding the
+first token) and end-to-end latency; goodput counts requests that meet the SLOs (default TTFT <= 1 s,
+TPOT <= 150 ms). Prompts go out as token-id lists with `max_tokens` = the workload's output length and
+`ignore_eos: true`, so every request produces exactly its output length.
+
+Example (a jaxpaged server on port 8000):
+  python -m bench.serve --base-url http://localhost:8000 --dataset openqa --max-concurrency 10
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.datasets import DATASETS, SampleRequest  # noqa: E402
+
+AIOHTTP_TIMEOUT_S = 6 * 60 * 60
+
+
+@dataclass
+class RequestFuncInput:
+    prompt: list[int] | str         # token ids (what we send) or text
+    api_url: str                    # full URL of /v1/completions
+    prompt_len: int
+    output_len: int
+    model: str
+    ignore_eos: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestFuncOutput:
+    generated_text: str = ""
+    success: bool = False
+    latency: float = 0.0            # s, request sent -> last chunk
+    output_tokens: int = 0          # usage.completion_tokens, else the number of content chunks
+    ttft: float = 0.0               # s, request sent -> first content chunk
+    itl: list[float] = field(default_factory=list)   # s, gaps between content chunks
+    prompt_len: int = 0
+    error: str = ""
+
+
+async def async_request_openai_completions(inp: RequestFuncInput, session,
+                                           pbar=None) -> RequestFuncOutput:
+    """One streamed completion; never raises (a failure is recorded in the output)."""
+    payload = {"model": inp.model, "prompt": inp.prompt, "temperature": 0.0, "max_tokens": inp.output_len,
+               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": inp.ignore_eos,
+               **inp.extra_body}
+    out = RequestFuncOutput(prompt_len=inp.prompt_len)
+    num_chunks = 0
+    st = most_recent = time.perf_counter()
+    try:
+        async with session.post(inp.api_url, json=payload) as response:
+            if response.status != 200:
+                out.error = f"HTTP {response.status}: {(await response.text())[:500]}"
+                return out
+            async for data in _sse_events(response.content):
+                now = time.perf_counter()
+                if data.get("choices"):
+                    if num_chunks == 0:
+                        out.ttft = now - st
+                    else:
+                        out.itl.append(now - most_recent)
+                    most_recent = now
+                    num_chunks += 1
+                    out.generated_text += data["choices"][0].get("text") or ""
+                if data.get("usage"):
+                    out.output_tokens = int(data["usage"].get("completion_tokens") or 0)
+        if num_chunks == 0:
+            out.error = "no content chunk received"
+        else:
+            out.success = True
+            out.latency = most_recent - st
+            out.output_tokens = out.output_tokens or num_chunks
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        if pbar is not None:
+            pbar.update(1)
+    return out
+
+
+async def _sse_events(stream) -> AsyncIterator[dict[str, Any]]:
+    """JSON payloads of a server-sent-event stream ("data: {...}\\n\\n", ending with "data: [DONE]")."""
+    buffer = b""
+    async for chunk in stream.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                body = line[5:].strip()
+                if body == b"[DONE]":
+                    return
+                yield json.loads(body)
+
+
+async def get_request(requests: list[SampleRequest], request_rate: float, burstiness: float = 1.0,
+                      seed: int = 0) -> AsyncIterator[SampleRequest]:
+    """Requests spaced by gamma(burstiness, 1/(rate*burstiness)) gaps: Poisson at burstiness 1, all at
+    once at rate inf (as vLLM)."""
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness) if request_rate != float("inf") else 0.0
+    for req in requests:
+        yield req
+        if request_rate == float("inf"):
+            continue
+        await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
+
+
+def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[str, float]:
+    """mean/median/std/pXX of `values_s` in ms, vLLM's key names (e.g. mean_ttft_ms, p99_ttft_ms)."""
+    arr = np.asarray(values_s if values_s else [0.0], dtype=float) * 1000
+    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+           f"std_{name}_ms": float(arr.std())}
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
+    return out
+
+
+def calculate_metrics(input_requests: list[SampleRequest], outputs: list[RequestFuncOutput], dur_s: float,
+                      percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0,
+                      slo_tpot_ms: float = 150.0) -> dict[str, Any]:
+    """vLLM's BenchmarkMetrics from per-request outputs: TPOT = (latency - ttft) / (output_tokens - 1),
+    ITL pooled over all requests, goodput = requests meeting both SLOs per second."""
+    completed = failed = good = total_input = 0
+    output_lens, ttfts, tpots, itls, e2els = [], [], [], [], []
+    for req, out in zip(input_requests, outputs):
+        if not out.success:
+            failed += 1
+            output_lens.append(0)
+            continue
+        n_out = out.output_tokens
+        output_lens.append(n_out)
+        total_input += len(req.prompt_token_ids)
+        tpot = (out.latency - out.ttft) / (n_out - 1) if n_out > 1 else 0.0
+        if n_out > 1:
+            tpots.append(tpot)
+        itls += out.itl
+        ttfts.append(out.ttft)
+        e2els.append(out.latency)
+        completed += 1
+        if out.ttft * 1000 <= slo_ttft_ms and tpot * 1000 <= slo_tpot_ms:
+            good += 1
+    total_output = int(sum(output_lens))
+    metrics: dict[str, Any] = {
+        "duration": dur_s, "completed": completed, "failed": failed, "total_input_tokens": total_input,
+        "total_output_tokens": total_output, "request_throughput": completed / dur_s,
+        "request_goodput": good / dur_s, "output_throughput": total_output / dur_s,
+        "total_token_throughput": (total_input + total_output) / dur_s,
+        "goodput_slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
+    }
+    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        metrics.update(_stats(name, vals, list(percentiles)))
+    return metrics
+
+
+def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate: float) -> str:
+    """vLLM's printed summary."""
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    row = lambda k, v: lines.append(f"{k:<40}{v:<10}")  # noqa: E731
+    row("Successful requests:", m["completed"])
+    row("Failed requests:", m["failed"])
+    row("Maximum request concurrency:", max_concurrency)
+    row("Request rate (req/s):", request_rate)
+    row("Benchmark duration (s):", f"{m['duration']:.2f}")
+    row("Total input tokens:", m["total_input_tokens"])
+    row("Total generated tokens:", m["total_output_tokens"])
+    row("Request throughput (req/s):", f"{m['request_throughput']:.2f}")
+    row("Request goodput (req/s):", f"{m['request_goodput']:.2f}")
+    row("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}")
+    row("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for key, title in titles.items():
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+        for stat in [k for k in m if k.endswith(f"_{key}_ms") and not k.startswith("std")]:
+            label = stat.split("_")[0].capitalize() if not stat.startswith("p") else stat.split("_")[0].upper()
+            row(f"{label} {key.upper()} (ms):", f"{m[stat]:.2f}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+RequestFunc = Callable[..., Awaitable[RequestFuncOutput]]
+
+
+async def benchmark(api_url: str, model: str, requests: list[SampleRequest], request_rate: float = float("inf"),
+                    max_concurrency: int | None = None, burstiness: float = 1.0, seed: int = 0,
+                    percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 150.0,
+                    warmup: bool = True, disable_tqdm: bool = False, send_text: bool = False,
+                    request_func: RequestFunc = async_request_openai_completions) -> dict[str, Any]:
+    """Runs the whole benchmark against `api_url` (…/v1/completions); returns metrics + per-request data."""
+    import aiohttp
+    from tqdm.asyncio import tqdm
+
+    def make_input(r: SampleRequest) -> RequestFuncInput:
+        prompt = r.prompt if (send_text and r.prompt is not None) else r.prompt_token_ids
+        return RequestFuncInput(prompt, api_url, len(r.prompt_token_ids), r.output_len, model)
+
+    timeout = aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=True) as session:
+        if warmup and requests:   # as vLLM: one request first, so a broken endpoint fails fast
+            test = await request_func(make_input(requests[0]), session)
+            if not test.success:
+                raise RuntimeError(f"warm-up request failed: {test.error}")
+        pbar = None if disable_tqdm else tqdm(total=len(requests), desc="requests")
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def limited(r: SampleRequest) -> RequestFuncOutput:
+            if sem is None:
+                return await request_func(make_input(r), session, pbar=pbar)
+            async with sem:
+                return await request_func(make_input(r), session, pbar=pbar)
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(limited(r)) async for r in get_request(requests, request_rate, burstiness, seed)]
+        outputs = await asyncio.gather(*tasks)
+        dur_s = time.perf_counter() - start
+        if pbar is not None:
+            pbar.close()
+    metrics = calculate_metrics(requests, outputs, dur_s, percentiles, slo_ttft_ms, slo_tpot_ms)
+    errors = sorted({o.error for o in outputs if o.error})[:5]
+    return {"metrics": metrics, "errors": errors,
+            "per_request": {"ttfts": [o.ttft for o in outputs], "latencies": [o.latency for o in outputs],
+                            "output_tokens": [o.output_tokens for o in outputs],
+                            "prompt_lens": [o.prompt_len for o in outputs]},
+            "itls": [x for o in outputs for x in o.itl]}
+
+
+async def served_model_name(base_url: str) -> str:
+    """The first model of GET /v1/models."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s, s.get(base_url.rstrip("/") + "/v1/models") as r:
+        r.raise_for_status()
+        return (await r.json())["data"][0]["id"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/completions is used)")
+    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--served-model-name", default=None, help="'model' field; default: first of /v1/models")
+    p.add_argument("--model", default="qwen2-0.5b", help="bench model (tokenizer / vocab of the workload)")
+    p.add_argument("--dataset", choices=DATASETS, default="openqa")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=None, help="override random/openqa/longalpaca input length")
+    p.add_argument("--output-len", type=int, default=None, help="override their output length")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--goodput-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--goodput-tpot-ms", type=float, default=150.0)
+    p.add_argument("--send-text", action="store_true", help="send prompt text where the workload has it")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--result-name", default=None, help="results file stem (default serve-<dataset>-c<conc>)")
+    p.add_argument("--save-per-request", action="store_true", help="keep per-request timings in the JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from bench.common import stamp, write_result
+    from bench.datasets import get_dataset, summarize
+    args = parse_args(argv)
+    requests = get_dataset(args.dataset, args.model, args.num_prompts, args.seed, args.input_len, args.output_len)
+    model = args.served_model_name or asyncio.run(served_model_name(args.base_url))
+    api_url = args.base_url.rstrip("/") + args.endpoint
+    result = asyncio.run(benchmark(
+        api_url, model, requests, args.request_rate, args.max_concurrency, args.burstiness, args.seed,
+        [float(p) for p in args.percentiles.split(",")], args.goodput_ttft_ms, args.goodput_tpot_ms,
+        warmup=not args.no_warmup, disable_tqdm=args.disable_tqdm, send_text=args.send_text))
+    m = result["metrics"]
+    print(format_metrics(m, args.max_concurrency, args.request_rate))
+    if result["errors"]:
+        print("errors:", *result["errors"], sep="\n  ")
+    metrics = dict(m, dataset=args.dataset, workload=summarize(requests), model=args.model,
+                   served_model_name=model, max_concurrency=args.max_concurrency,
+                   request_rate=str(args.request_rate), errors=result["errors"])
+    if args.save_per_request:
+        metrics["per_request"] = result["per_request"]
+    name = args.result_name or f"serve-{args.dataset}-c{args.max_concurrency or 'inf'}"
+    # The client needs no JAX: the device stamp describes this process's view, the server's is its own.
+    path = write_result(name, metrics, meta=stamp(sys.argv if argv is None else ["bench/serve.py"] + argv,
+                                                  with_device=False), title=f"serving: {name}")
+    print(f"results: {path}")
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""bench/serve.py: the metric math on synthetic timings, and the streaming client against a stub.
+
+The stub below is a tiny aiohttp SSE server that exists only to test the CLIENT's parsing and timing
+math. It is NOT a substitute for the real jaxpaged server in product tests: those start
+`python -m jaxpaged.server` (see bench/run_gpu_suite.sh and the server's own tests).
+"""
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from bench.datasets import SampleRequest
+from bench.serve import (RequestFuncOutput, benchmark, calculate_metrics, format_metrics, get_request,
+                         parse_args)
+
+
+def _req(n_in, n_out):
+    return SampleRequest(None, list(range(n_in)), n_out)
+
+
+def test_metrics_math_exact():
+    reqs = [_req(10, 5), _req(20, 3), _req(30, 4)]
+    outs = [
+        RequestFuncOutput(success=True, latency=1.0, ttft=0.2, output_tokens=5, itl=[0.2, 0.2, 0.2, 0.2]),
+        RequestFuncOutput(success=True, latency=2.0, ttft=1.5, output_tokens=3, itl=[0.25, 0.25]),
+        RequestFuncOutput(success=False, error="boom"),
+    ]
+    m = calculate_metrics(reqs, outs, dur_s=4.0, percentiles=[50, 99])
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 8
+    assert m["request_throughput"] == pytest.approx(0.5)
+    assert m["output_throughput"] == pytest.approx(2.0)
+    assert m["total_token_throughput"] == pytest.approx(38 / 4)
+    # TPOT excludes the first token: (1.0 - 0.2) / 4 = 0.2 s, (2.0 - 1.5) / 2 = 0.25 s
+    assert m["mean_tpot_ms"] == pytest.approx(225.0)
+    assert m["median_ttft_ms"] == pytest.approx(850.0)
+    assert m["p99_ttft_ms"] == pytest.approx(np.percentile([200.0, 1500.0], 99))
+    assert m["mean_itl_ms"] == pytest.approx((4 * 200 + 2 * 250) / 6)
+    assert m["mean_e2el_ms"] == pytest.approx(1500.0)
+    # goodput (TTFT <= 1 s and TPOT <= 150 ms): neither request qualifies
+    assert m["request_goodput"] == 0.0
+    m2 = calculate_metrics(reqs, outs, dur_s=4.0, slo_ttft_ms=1000, slo_tpot_ms=200)
+    assert m2["request_goodput"] == pytest.approx(0.25)
+    text = format_metrics(m, 10, float("inf"))
+    for label in ("Successful requests:", "Failed requests:", "Mean TTFT (ms):", "P99 TPOT (ms):",
+                  "Median ITL (ms):", "Output token throughput (tok/s):", "Request goodput (req/s):"):
+        assert label in text
+
+
+def test_single_token_output_has_no_tpot():
+    m = calculate_metrics([_req(4, 1)], [RequestFuncOutput(success=True, latency=0.1, ttft=0.1, output_tokens=1)],
+                          1.0)
+    assert m["mean_tpot_ms"] == 0.0 and m["request_goodput"] == 1.0
+
+
+def test_poisson_arrivals_rate_and_inf():
+    async def arrivals(rate, n):
+        loop = asyncio.get_running_loop()
+        t0, times = loop.time(), []
+        async for _ in get_request([_req(1, 1)] * n, rate, seed=1):
+            times.append(loop.time() - t0)
+        return times
+    assert max(asyncio.run(arrivals(float("inf"), 50))) < 0.05
+    times = asyncio.run(arrivals(200.0, 40))
+    assert 0.05 < times[-1] < 0.6   # 39 gaps of mean 5 ms
+
+
+def test_defaults():
+    a = parse_args([])
+    assert a.request_rate == float("inf") and a.goodput_ttft_ms == 1000 and a.goodput_tpot_ms == 150
+
+
+# ---- client against a stub streaming server (client math only; see the module docstring) ----
+
+def _stub_app(chunk_delay_s, seen):
+    from aiohttp import web
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(chunk_delay_s)
+            chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}"}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                          "completion_tokens": body["max_tokens"]}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "stub"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+def test_client_against_stub():
+    from aiohttp import web
+    seen = []
+
+    async def run():
+        runner = web.AppRunner(_stub_app(0.01, seen))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            reqs = [_req(7, 5), _req(9, 6), _req(3, 4), _req(5, 5)]
+            return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", reqs,
+                                   max_concurrency=2, disable_tqdm=True)
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(run())
+    m = res["metrics"]
+    assert m["completed"] == 4 and m["failed"] == 0
+    assert m["total_output_tokens"] == 20 and m["total_input_tokens"] == 24
+    body = seen[-1]
+    assert body["ignore_eos"] is True and body["stream"] is True and isinstance(body["prompt"], list)
+    assert len(seen) == 5   # one warm-up request, then the four
+    assert 9.0 <= m["mean_itl_ms"] < 60 and m["mean_tpot_ms"] >= 9.0 and m["mean_ttft_ms"] >= 9.0
+    assert len(res["itls"]) == 4 + 5 + 3 + 4
+
+
+def test_client_records_http_errors():
+    from aiohttp import web
+
+    async def run():
+        app = web.Application()
+
+        async def bad(request):
+            return web.Response(status=500, text="nope")
+        app.router.add_post("/v1/completions", bad)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", [_req(3, 4)] * 2,
+                                   warmup=False, disable_tqdm=True)
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(run())
+    assert res["metrics"]["failed"] == 2 and res["metrics"]["completed"] == 0
+    assert "HTTP 500" in res["errors"][0]
