@@ -1,0 +1,400 @@
+"""Pallas kernel check + benchmark on the GPU (issue 3).
+
+  python3 bench/bench_kernels.py --out DIR [--git-rev REV] [--budget-s 420] [--parts check,decode,prefill,kvwrite]
+
+1. Checks every kernel against its reference at real sizes (decode, ragged mixed batch, KV write).
+2. Decode: {16, 64, 256} seqs x {1k, 4k, 8k} ctx, layouts 14q/2kv D64 (qwen2-0.5b) and 32q/8kv D128
+   (llama3-8b), bf16, block 16: our kernel (a few tile configs, best reported) and JAX's own
+   jax.experimental.pallas.ops.gpu.paged_attention on the same data in its layout; time = median of
+   >= 20 device-synchronised samples, each sample running the op on several block tables drawn at random
+   from a pool >= 1 GiB (so L2 never holds the cache); TB/s of K+V bytes read vs 2.53 TB/s.
+3. Prefill: {1..16} seqs x {512..8k} tokens, causal, whole prompts as single chunks through the ragged
+   kernel, vs jax.nn.dot_product_attention(implementation="cudnn") on dense equal-length inputs;
+   TFLOP/s counting the causal half (2 * 2 * seqs * len^2 * N * D / 2).
+Writes kernels_<device>.json / .md / .png under --out; prints a short table last.
+Runs uninstalled: the repo root goes on sys.path and `pallas_kernels` is imported as a top-level package.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels.paged_decode_attention import choose_splits  # noqa: E402
+
+HBM_TBPS = 2.53
+LAYOUTS = {"qwen2-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128)}
+BLOCK = 16
+POOL_MIN_BYTES = 1 << 30
+T0 = time.time()
+SMOKE = "--smoke" in sys.argv       # tiny sizes, CPU interpret mode: checks the script itself runs
+DECODE_SEQS, DECODE_CTX = ((2,), (64,)) if SMOKE else ((16, 64, 256), (1024, 4096, 8192))
+CHECK_SEQS, CHECK_CTX, CHECK_CHUNKS = (4, 128, [20, 33, 64]) if SMOKE else (64, 4096, [700, 513, 1000])
+
+
+PART_SHARE = {"check": 0.1, "decode": 0.6, "prefill": 0.93, "kvwrite": 1.0}   # cumulative budget shares
+_PART = ["check"]
+
+
+def over_budget(args) -> bool:
+    return time.time() - T0 > args.budget_s * PART_SHARE[_PART[0]]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def timeit(fn, *args, samples=3 if SMOKE else 21, per_call=1):
+    """Median seconds per op: fn runs `per_call` ops; one sample = one device-synchronised call."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t) / per_call)
+    return float(np.median(ts)), float(np.min(ts))
+
+
+# ----------------------------------------------------------------------------------------------- data
+def make_pool(rng, num_blocks, num_kv, head_dim, dtype=jnp.bfloat16, layers=1):
+    shape = (layers, 2, num_blocks, num_kv, BLOCK, head_dim)
+    return jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), shape, jnp.float32
+                             ).astype(dtype)
+
+
+def random_tables(rng, num_sets, num_reqs, max_blocks, pool_blocks):
+    """num_sets disjoint-within-a-set tables drawn from blocks 1..pool_blocks-1 (0 is the null block)."""
+    out = []
+    for _ in range(num_sets):
+        ids = rng.permutation(np.arange(1, pool_blocks))[: num_reqs * max_blocks]
+        out.append(ids.reshape(num_reqs, max_blocks).astype(np.int32))
+    return jnp.asarray(np.stack(out))
+
+
+# ---------------------------------------------------------------------------------------------- check
+def check(args, results):
+    rng = np.random.default_rng()
+    out = results["check"] = []
+    for name, (n, k, d) in LAYOUTS.items():
+        # decode, ragged lengths, real size
+        r, ctx = CHECK_SEQS, CHECK_CTX
+        m = ctx // BLOCK
+        pool = make_pool(rng, r * m + 1, k, d, layers=2)
+        tables = random_tables(rng, 1, r, m, r * m + 1)[0]
+        lens = jnp.asarray(rng.integers(1, ctx + 1, r).astype(np.int32))
+        lens = lens.at[3].set(0)
+        q = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), (r, n, d)).astype(jnp.bfloat16)
+        for kw in ({}, {"sliding_window": 1000, "soft_cap": 30.0}):
+            o = pk.paged_decode_attention(q, pool, jnp.int32(1), tables, lens, scale=d ** -0.5, **kw)
+            ref = pk.paged_decode_attention_reference(q, pool, 1, tables, lens, scale=d ** -0.5, **kw)
+            e = rel_err(o, ref)
+            out.append({"kernel": "decode", "layout": name, "opts": str(kw), "rel_err": e,
+                        "finite": bool(jnp.all(jnp.isfinite(o))), "ok": e <= 1e-2})
+        # ragged: 3 prefill chunks starting mid-sequence + 40 decodes, against the XLA path
+        nd = 3 if SMOKE else 40
+        ctx_before = [0, CHECK_CTX // 4, CHECK_CTX - 1] + list(rng.integers(1, CHECK_CTX, nd))
+        qlens = CHECK_CHUNKS + [1] * nd
+        r2 = len(qlens)
+        seq = np.array(ctx_before) + np.array(qlens)
+        m2 = int(-(-seq.max() // BLOCK))
+        pool2 = make_pool(rng, r2 * m2 + 1, k, d, layers=2)
+        tables2 = random_tables(rng, 1, r2, m2, r2 * m2 + 1)[0]
+        t = sum(qlens) + 37
+        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32))
+        q2 = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), (t, n, d)).astype(jnp.bfloat16)
+        seq = jnp.asarray(seq.astype(np.int32))
+        for kw in ({}, {"sliding_window": 600, "soft_cap": 30.0}):
+            o = pk.ragged_paged_attention_pallas(q2, pool2, jnp.int32(1), tables2, seq, qsl,
+                                                 scale=d ** -0.5, **kw)
+            ref = pk.ragged_paged_attention_xla(q2.astype(jnp.float32), pool2.astype(jnp.float32),
+                                                jnp.int32(1), tables2, seq, qsl, scale=d ** -0.5, **kw)
+            e = rel_err(o, ref)
+            pad_zero = bool(jnp.all(o[sum(qlens):] == 0))
+            out.append({"kernel": "ragged", "layout": name, "opts": str(kw), "rel_err": e,
+                        "finite": bool(jnp.all(jnp.isfinite(o))), "ok": e <= 1e-2 and pad_zero})
+        # KV write, exact
+        tk = 64 if SMOKE else 4096
+        kk = jax.random.normal(jax.random.PRNGKey(1), (tk, k, d)).astype(jnp.bfloat16)
+        vv = jax.random.normal(jax.random.PRNGKey(2), (tk, k, d)).astype(jnp.bfloat16)
+        slots = jnp.asarray(rng.permutation(np.arange(BLOCK, (r * m + 1) * BLOCK))[:tk].astype(np.int32))
+        a = pk.write_kv_reference(pool, 1, kk, vv, slots)
+        b = pk.write_kv_pallas(pool, jnp.int32(1), kk, vv, slots)
+        same = bool(jnp.array_equal(a, b))
+        out.append({"kernel": "write_kv", "layout": name, "opts": "", "rel_err": 0.0 if same else 1.0,
+                    "finite": True, "ok": same})
+        del pool, pool2, a, b
+    for row in out:
+        print(f"check {row['kernel']:9s} {row['layout']:11s} {row['opts']:45s} rel_err {row['rel_err']:.2e} "
+              f"{'OK' if row['ok'] and row['finite'] else 'FAIL'}", flush=True)
+    results["check"] = out
+
+
+# --------------------------------------------------------------------------------------------- decode
+DECODE_CONFIGS = [  # (keys per iteration, num_warps, split factor)
+    (64, 4, 1), (128, 4, 1), (32, 4, 1), (64, 4, 2), (64, 8, 1),
+]
+
+
+def decode_bench(args, results):
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+    rng = np.random.default_rng(0)
+    rows = results["decode"] = []
+    for name, (n, k, d) in LAYOUTS.items():
+        for r in DECODE_SEQS:
+            for ctx in DECODE_CTX:
+                if over_budget(args):
+                    print("decode: out of time budget, stopping", flush=True)
+                    results["decode"] = rows
+                    return
+                m = ctx // BLOCK
+                block_bytes = 2 * k * BLOCK * d * 2
+                kv_bytes = r * m * block_bytes
+                pool_blocks = max(r * m, (1 << 20 if SMOKE else POOL_MIN_BYTES) // block_bytes) + 1
+                nrot = int(min(32, max(4, math.ceil(64 * 2 ** 20 / kv_bytes))))
+                pool = make_pool(rng, pool_blocks, k, d)
+                tables = random_tables(rng, nrot, r, m, pool_blocks)
+                lens = jnp.full((r,), ctx, jnp.int32)
+                q = jax.random.normal(jax.random.PRNGKey(r + ctx), (r, n, d)).astype(jnp.bfloat16)
+                row = {"layout": name, "seqs": r, "ctx": ctx, "kv_bytes": kv_bytes, "rotations": nrot}
+                best = None
+                for keys, warps, sf in DECODE_CONFIGS[:2] if SMOKE else DECODE_CONFIGS:
+                    bpi = keys // BLOCK
+                    ns = min(choose_splits(r, k, m, bpi) * sf, max(1, m // bpi))
+
+                    @jax.jit
+                    def ours(q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns):
+                        return [pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,
+                                                          scale=d ** -0.5, blocks_per_iter=bpi,
+                                                          num_warps=warps, num_splits=ns)
+                                for i in range(tables.shape[0])]
+                    try:
+                        t, tmin = timeit(ours, q, pool, tables, lens, per_call=nrot)
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        print(f"decode cfg {keys},{warps},{sf} failed: {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    row[f"ours_us[{keys},{warps},{ns}]"] = t * 1e6
+                    if best is None or t < best[0]:
+                        best = (t, f"{keys},{warps},{ns}")
+                if best:
+                    row["ours_us"], row["ours_cfg"] = best[0] * 1e6, best[1]
+                    row["ours_tbps"] = kv_bytes / best[0] / 1e12
+                # JAX's op: [K, B, S, D] pools, same blocks
+                kp = pool[0, 0].transpose(1, 0, 2, 3)
+                vp = pool[0, 1].transpose(1, 0, 2, 3)
+
+                @jax.jit
+                def theirs(q, kp, vp, tables, lens):
+                    return [jax_pa.paged_attention(q, kp, vp, tables[i], lens)
+                            for i in range(tables.shape[0])]
+                try:
+                    t, _ = timeit(theirs, q, kp, vp, tables, lens, per_call=nrot)
+                    row["jax_us"], row["jax_tbps"] = t * 1e6, kv_bytes / t / 1e12
+                    if best:
+                        row["speedup"] = t / best[0]
+                except Exception as e:  # noqa: BLE001
+                    print(f"jax paged_attention failed: {type(e).__name__}: {str(e)[:300]}")
+                del kp, vp, pool
+                print("decode", json.dumps({k_: (round(v, 3) if isinstance(v, float) else v)
+                                            for k_, v in row.items()}), flush=True)
+                rows.append(row)
+    results["decode"] = rows
+
+
+# -------------------------------------------------------------------------------------------- prefill
+PREFILL_SHAPES = [(1, 512), (16, 512), (1, 2048), (4, 2048), (1, 8192), (4, 8192)]
+PREFILL_CONFIGS = [  # (block_m, block_k, num_warps, num_stages)
+    (128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 2),
+]
+
+
+def prefill_bench(args, results):
+    rng = np.random.default_rng(1)
+    rows = results["prefill"] = []
+    for name, (n, k, d) in LAYOUTS.items():
+        for seqs, length in [(2, 64)] if SMOKE else PREFILL_SHAPES:
+            if over_budget(args):
+                print("prefill: out of time budget, stopping", flush=True)
+                results["prefill"] = rows
+                return
+            t_tok = seqs * length
+            m = length // BLOCK
+            pool = make_pool(rng, seqs * m + 1, k, d)
+            tables = random_tables(rng, 1, seqs, m, seqs * m + 1)[0]
+            lens = jnp.full((seqs,), length, jnp.int32)
+            qsl = jnp.arange(seqs + 1, dtype=jnp.int32) * length
+            q = jax.random.normal(jax.random.PRNGKey(seqs + length), (t_tok, n, d)).astype(jnp.bfloat16)
+            flops = 4 * seqs * length * length * n * d / 2
+            row = {"layout": name, "seqs": seqs, "len": length}
+            best = None
+            for bm, bk, warps, stages in PREFILL_CONFIGS[:1] if SMOKE else PREFILL_CONFIGS:
+                f = jax.jit(lambda q, pool, tables, lens, qsl, bm=bm, bk=bk, w=warps, s=stages:
+                            pk.ragged_paged_attention_pallas(q, pool, jnp.int32(0), tables, lens, qsl,
+                                                             scale=d ** -0.5, block_m=bm, block_k=bk,
+                                                             num_warps=w, num_stages=s))
+                try:
+                    t, _ = timeit(f, q, pool, tables, lens, qsl)
+                except Exception as e:  # noqa: BLE001
+                    print(f"prefill cfg {bm},{bk},{warps},{stages} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                row[f"ours_tflops[{bm},{bk},{warps},{stages}]"] = flops / t / 1e12
+                if best is None or t < best[0]:
+                    best = (t, f"{bm},{bk},{warps},{stages}")
+            if best:
+                row["ours_us"], row["ours_cfg"] = best[0] * 1e6, best[1]
+                row["ours_tflops"] = flops / best[0] / 1e12
+            qd = q.reshape(seqs, length, n, d)
+            kd = jax.random.normal(jax.random.PRNGKey(7), (seqs, length, k, d)).astype(jnp.bfloat16)
+            vd = jax.random.normal(jax.random.PRNGKey(8), (seqs, length, k, d)).astype(jnp.bfloat16)
+            cud = jax.jit(lambda q, k_, v_: jax.nn.dot_product_attention(
+                q, k_, v_, is_causal=True, scale=d ** -0.5, implementation="cudnn"))
+            try:
+                t, _ = timeit(cud, qd, kd, vd)
+                row["cudnn_us"], row["cudnn_tflops"] = t * 1e6, flops / t / 1e12
+                if best:
+                    row["vs_cudnn"] = row["ours_tflops"] / row["cudnn_tflops"]
+            except Exception as e:  # noqa: BLE001
+                print(f"cudnn failed: {type(e).__name__}: {str(e)[:300]}")
+            del pool
+            print("prefill", json.dumps({k_: (round(v, 3) if isinstance(v, float) else v)
+                                         for k_, v in row.items()}), flush=True)
+            rows.append(row)
+    results["prefill"] = rows
+
+
+# -------------------------------------------------------------------------------------------- kvwrite
+def kvwrite_bench(args, results):
+    rng = np.random.default_rng(2)
+    rows = results["kvwrite"] = []
+    for name, (n, k, d) in LAYOUTS.items():
+        nb = 65 if SMOKE else 4097
+        for t_tok in (16,) if SMOKE else (256, 8192):
+            pool = make_pool(rng, nb, k, d, layers=4)
+            slots = jnp.asarray(rng.permutation(np.arange(BLOCK, nb * BLOCK))[:t_tok].astype(np.int32))
+            kk = jax.random.normal(jax.random.PRNGKey(1), (t_tok, k, d)).astype(jnp.bfloat16)
+            row = {"layout": name, "tokens": t_tok}
+            for label, fn in (("pallas", pk.write_kv_pallas), ("xla", pk.write_kv_reference)):
+                f = jax.jit(lambda pool, kk, slots, fn=fn: fn(pool, jnp.int32(2), kk, kk, slots),
+                            donate_argnums=0)
+                pool = f(pool, kk, slots)
+                ts = []
+                for _ in range(21):
+                    t = time.perf_counter()
+                    pool = f(pool, kk, slots)
+                    jax.block_until_ready(pool)
+                    ts.append(time.perf_counter() - t)
+                row[f"{label}_us"] = float(np.median(ts)) * 1e6
+            print("kvwrite", json.dumps(row), flush=True)
+            rows.append(row)
+            del pool
+    results["kvwrite"] = rows
+
+
+# -------------------------------------------------------------------------------------------- outputs
+def write_outputs(args, results):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0].device_kind.replace(" ", "_")
+    stem = out / f"kernels_{dev}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    lines = [f"# Kernel benchmark — {results['device']}, jax {results['jax']}, rev {results['git_rev']}",
+             f"command: `{results['command']}` at {results['date']}", ""]
+    lines += ["## Decode (bf16, block 16; TB/s of K+V read, ceiling 2.53)", "",
+              "| layout | seqs x ctx | ours µs | ours TB/s | cfg | JAX µs | JAX TB/s | speedup |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results.get("decode", []):
+        lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | {r.get('ours_us', float('nan')):.1f} | "
+                     f"{r.get('ours_tbps', float('nan')):.2f} | {r.get('ours_cfg', '')} | "
+                     f"{r.get('jax_us', float('nan')):.1f} | {r.get('jax_tbps', float('nan')):.2f} | "
+                     f"{r.get('speedup', float('nan')):.2f} |")
+    lines += ["", "## Prefill (causal, TFLOP/s counting the causal half)", "",
+              "| layout | seqs x len | ours µs | ours TFLOP/s | cfg | cuDNN TFLOP/s | ours / cuDNN |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results.get("prefill", []):
+        lines.append(f"| {r['layout']} | {r['seqs']} x {r['len']} | {r.get('ours_us', float('nan')):.1f} | "
+                     f"{r.get('ours_tflops', float('nan')):.1f} | {r.get('ours_cfg', '')} | "
+                     f"{r.get('cudnn_tflops', float('nan')):.1f} | {r.get('vs_cudnn', float('nan')):.2f} |")
+    if results.get("kvwrite"):
+        lines += ["", "## KV write (one layer, donated pool)", "", "| layout | tokens | pallas µs | xla µs |",
+                  "|---|---|---|---|"]
+        for r in results["kvwrite"]:
+            lines.append(f"| {r['layout']} | {r['tokens']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} |")
+    if results.get("check"):
+        lines += ["", "## Checks at real sizes", "", "| kernel | layout | opts | rel err | ok |", "|---|---|---|---|---|"]
+        for r in results["check"]:
+            lines.append(f"| {r['kernel']} | {r['layout']} | {r['opts']} | {r['rel_err']:.2e} | {r['ok']} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        dec = results.get("decode", [])
+        labels = [f"{r['layout'][:5]} {r['seqs']}x{r['ctx'] // 1024}k" for r in dec]
+        x = np.arange(len(dec))
+        axes[0].bar(x - 0.2, [r.get("ours_tbps", 0) for r in dec], 0.4, label="ours")
+        axes[0].bar(x + 0.2, [r.get("jax_tbps", 0) for r in dec], 0.4, label="JAX paged_attention")
+        axes[0].axhline(HBM_TBPS, color="k", ls="--", lw=0.8)
+        axes[0].set_xticks(x, labels, rotation=70, fontsize=7)
+        axes[0].set_ylabel("TB/s KV read")
+        axes[0].legend()
+        pre = results.get("prefill", [])
+        labels = [f"{r['layout'][:5]} {r['seqs']}x{r['len']}" for r in pre]
+        x = np.arange(len(pre))
+        axes[1].bar(x - 0.2, [r.get("ours_tflops", 0) for r in pre], 0.4, label="ours")
+        axes[1].bar(x + 0.2, [r.get("cudnn_tflops", 0) for r in pre], 0.4, label="cuDNN")
+        axes[1].set_xticks(x, labels, rotation=70, fontsize=7)
+        axes[1].set_ylabel("TFLOP/s (causal)")
+        axes[1].legend()
+        fig.suptitle(f"{results['device']} jax {results['jax']} {results['git_rev'][:10]}")
+        fig.tight_layout()
+        fig.savefig(stem.with_suffix(".png"), dpi=110)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+    print("\n".join(lines), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    ap.add_argument("--git-rev", default=os.environ.get("JAXPAGED_GIT_REV", "unknown"))
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--parts", default="check,decode,prefill,kvwrite")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
+    args = ap.parse_args()
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
+               "command": shlex.join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    print(results, flush=True)
+    parts = args.parts.split(",")
+    try:
+        for part, fn in (("check", check), ("decode", decode_bench), ("prefill", prefill_bench),
+                         ("kvwrite", kvwrite_bench)):
+            _PART[0] = part
+            if part in parts and not over_budget(args):
+                try:
+                    fn(args, results)
+                except Exception as e:  # noqa: BLE001 - keep the other parts' results
+                    import traceback
+                    traceback.print_exc()
+                    results[f"{part}_error"] = f"{type(e).__name__}: {e}"[:2000]
+    finally:
+        write_outputs(args, results)
+
+
+if __name__ == "__main__":
+    main()
