@@ -1,1 +1,33 @@
-"""jaxpaged: vLLM-style serving in JAX."""
+"""jaxpaged: vLLM-style LLM serving in JAX, Flax and Pallas.
+
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM()                      # the embedded SmolLM2-135M-Instruct
+    print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
+"""
+from jaxpaged import envs as _envs  # noqa: F401  (sets allocator defaults before jax starts)
+from jaxpaged.config import EngineArgs
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in jax and transformers: import it lazily so `import jaxpaged` stays cheap.
+    if name == "LLM":
+        from jaxpaged.llm import LLM
+        return LLM
+    if name == "AsyncLLM":
+        from jaxpaged.engine.async_llm import AsyncLLM
+        return AsyncLLM
+    raise AttributeError(name)
+
+
+def generate(prompts, sampling_params: SamplingParams | None = None, **engine_args):
+    """One-shot: build an LLM from engine_args, generate, return the RequestOutputs."""
+    from jaxpaged.llm import LLM
+    return LLM(**engine_args).generate(prompts, sampling_params)
+
+
+__all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "RequestOutputKind", "generate", "__version__"]

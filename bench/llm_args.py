@@ -1,0 +1,147 @@
+"""Engine arguments shared by throughput.py and latency.py, and the per-step timing split.
+
+Only arguments given on the command line are passed to `jaxpaged.LLM`, so the engine's own defaults
+hold otherwise. `--engine-kwargs '{"name": value}'` passes anything else through.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+# The per-step split that issue 6 asks `--profile` to print. The engine exposes its counters as
+# `llm.llm_engine.stats` (a dict). The names below are what this module looks for; each may be a
+# cumulative number (seconds) or a list of per-step values. Whatever else the dict holds is printed too.
+# TODO(engine): fields not present in `stats` are reported as "missing" by `step_split` -- keep these
+# names in sync with the engine once its stats land.
+STEP_FIELDS = {
+    "device_s": "device time of the jitted step",
+    "host_gap_s": "device idle between consecutive steps",
+    "schedule_s": "Scheduler.schedule()",
+    "prepare_inputs_s": "ModelRunner.prepare_inputs()",
+    "sampling_s": "sampling (device) + fetch of sampled ids",
+    "detokenize_s": "incremental detokenization",
+    "update_s": "Scheduler.update_from_output()",
+}
+NUM_STEPS_FIELDS = ("num_steps", "steps")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (only given values are passed to jaxpaged.LLM)")
+    g.add_argument("--model", default="qwen2-0.5b",
+                   help="qwen2-0.5b | llama3-8b | smollm2-135m | tiny-llama | a folder")
+    g.add_argument("--dtype", default=None, help="auto | bfloat16 | float16 | float32")
+    g.add_argument("--load-format", default=None,
+                   help="auto | dummy (default: dummy for generated bench models, else the engine's)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--engine-kwargs", default="{}", help="JSON dict of further LLM(...) arguments")
+
+
+def engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """(kwargs for jaxpaged.LLM, short model name)."""
+    from bench.models import MODELS, resolve_model
+    path, short = resolve_model(args.model)
+    kw: dict[str, Any] = {"model": path, "seed": args.seed}
+    load_format = args.load_format or ("dummy" if short in MODELS and path is not None else None)
+    for key, val in (("dtype", args.dtype), ("load_format", load_format), ("max_model_len", args.max_model_len),
+                     ("block_size", args.block_size), ("gpu_memory_utilization", args.gpu_memory_utilization),
+                     ("num_gpu_blocks_override", args.num_gpu_blocks_override),
+                     ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens),
+                     ("enable_prefix_caching", args.enable_prefix_caching)):
+        if val is not None:
+            kw[key] = val
+    kw.update(json.loads(args.engine_kwargs))
+    return kw, short
+
+
+def make_llm(args: argparse.Namespace):
+    """(LLM, kwargs, short model name, start-up seconds)."""
+    from jaxpaged import LLM
+    kw, short = engine_kwargs(args)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    return llm, kw, short, time.perf_counter() - t0
+
+
+def engine_stats(llm) -> dict[str, Any] | None:
+    """A copy of `llm.llm_engine.stats` (None where the engine exposes none yet)."""
+    stats = getattr(getattr(llm, "llm_engine", None), "stats", None)
+    if callable(stats):
+        stats = stats()
+    if stats is None:
+        return None
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(stats).items()}
+
+
+def _delta(before: Any, after: Any) -> Any:
+    """after - before for cumulative numbers; the new tail for lists; `after` otherwise."""
+    if isinstance(after, (int, float)) and isinstance(before, (int, float)) and not isinstance(after, bool):
+        return after - before
+    if isinstance(after, list) and isinstance(before, list):
+        return after[len(before):]
+    return after
+
+
+def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {k: _delta(before.get(k), v) for k, v in after.items()}
+
+
+def step_split(stats: dict[str, Any] | None) -> dict[str, Any]:
+    """Per-step means (ms) and shares of the STEP_FIELDS found in `stats` (a delta over one run)."""
+    if stats is None:
+        return {"available": False, "missing": list(STEP_FIELDS),
+                "note": "llm.llm_engine.stats not exposed by the engine yet"}
+    num_steps = next((stats[k] for k in NUM_STEPS_FIELDS if isinstance(stats.get(k), (int, float))), None)
+    totals: dict[str, float] = {}
+    for key in STEP_FIELDS:
+        v = stats.get(key)
+        if isinstance(v, list) and v:
+            totals[key] = float(sum(v))
+            num_steps = num_steps or len(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            totals[key] = float(v)
+    out: dict[str, Any] = {"available": True, "num_steps": num_steps,
+                           "missing": [k for k in STEP_FIELDS if k not in totals]}
+    whole = sum(totals.values())
+    for key, tot in totals.items():
+        out[key.replace("_s", "_total_s")] = tot
+        if num_steps:
+            out[key.replace("_s", "_per_step_ms")] = 1000 * tot / num_steps
+        if whole:
+            out[key.replace("_s", "_share")] = tot / whole
+    if "host_gap_s" in totals and "device_s" in totals and totals["device_s"]:
+        out["host_gap_over_device"] = totals["host_gap_s"] / totals["device_s"]
+    out["other_fields"] = {k: v for k, v in stats.items()
+                           if k not in STEP_FIELDS and not isinstance(v, list)}
+    return out
+
+
+def format_split(split: dict[str, Any]) -> str:
+    if not split.get("available"):
+        return f"per-step split: unavailable ({split.get('note')}); missing: {', '.join(split['missing'])}"
+    lines = [f"per-step split over {split.get('num_steps')} steps:"]
+    for key, what in STEP_FIELDS.items():
+        k = key.replace("_s", "")
+        if f"{k}_total_s" in split:
+            per = split.get(f"{k}_per_step_ms")
+            lines.append(f"  {key:<18} {split[f'{k}_total_s']:9.3f} s total"
+                         + (f"  {per:8.3f} ms/step" if per is not None else "")
+                         + f"  {100 * split.get(f'{k}_share', 0):5.1f}%   {what}")
+    if "host_gap_over_device" in split:
+        lines.append(f"  host gap / device time: {100 * split['host_gap_over_device']:.1f}% (target < 15%)")
+    if split["missing"]:
+        lines.append(f"  missing from llm.llm_engine.stats: {', '.join(split['missing'])}")
+    if split["other_fields"]:
+        lines.append(f"  other stats: {json.dumps(split['other_fields'], default=str)[:600]}")
+    return "\n".join(lines)

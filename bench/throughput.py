@@ -1,0 +1,153 @@
+"""Offline throughput through jaxpaged's `LLM.generate`, as vLLM's benchmarks/benchmark_throughput.py.
+
+All requests are handed to the engine at once; every request generates exactly its workload output
+length (`ignore_eos=True`, `max_tokens`=output length, temperature 1.0, top_p 1.0). Prints vLLM's line
+  Throughput: X requests/s, Y total tokens/s, Z output tokens/s
+and writes bench/results/<name>.json + .md.
+
+`--profile` wraps the timed run in `jax.profiler.trace` (bench/results/traces/<name>/, open it in
+Perfetto or TensorBoard), prints the engine's per-step split (llm.llm_engine.stats) and the device
+busy/idle split measured from the trace itself.
+
+Examples:
+  python -m bench.throughput --model qwen2-0.5b --dataset sharegpt --num-prompts 1000
+  python -m bench.throughput --model tiny-llama --dataset sharegpt-like --num-prompts 8 --max-model-len 2048
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.datasets import DATASETS, SampleRequest  # noqa: E402
+from bench.llm_args import add_engine_args  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", choices=DATASETS, default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=None, help="default: the workload's (1000 / 100)")
+    p.add_argument("--input-len", type=int, default=None, help="override random/openqa/longalpaca input length")
+    p.add_argument("--output-len", type=int, default=None, help="override their output length")
+    p.add_argument("--warmup-prompts", type=int, default=0,
+                   help="run this many prompts first, untimed (compilation not done at start-up)")
+    p.add_argument("--profile", action="store_true", help="JAX profiler trace + per-step split")
+    p.add_argument("--result-name", default=None, help="results file stem (default throughput-<model>-<dataset>)")
+    p.add_argument("--no-tqdm", action="store_true")
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def build_inputs(requests: list[SampleRequest]):
+    """(prompts as {"prompt_token_ids"} dicts, one SamplingParams per request)."""
+    from jaxpaged import SamplingParams
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
+              for r in requests]
+    return prompts, params
+
+
+def count_tokens(requests: list[SampleRequest], outputs) -> dict[str, int]:
+    """Prompt and generated tokens actually seen in the outputs, and how many requests got a wrong length."""
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    wrong = sum(len(o.outputs[0].token_ids) != r.output_len for r, o in zip(requests, outputs))
+    return {"total_prompt_tokens": prompt_tokens, "total_output_tokens": out_tokens,
+            "requested_output_tokens": sum(r.output_len for r in requests), "num_wrong_output_len": wrong}
+
+
+def request_latencies(outputs) -> dict[str, float]:
+    """Mean TTFT / E2E (s) from each output's `.metrics`, where the engine fills them."""
+    import numpy as np
+    ttft, e2e = [], []
+    for o in outputs:
+        m = getattr(o, "metrics", None)
+        if m is None or getattr(m, "first_token_time", None) is None:
+            continue
+        ttft.append(m.first_token_time - m.arrival_time)
+        if getattr(m, "finished_time", None) is not None:
+            e2e.append(m.finished_time - m.arrival_time)
+    out: dict[str, float] = {}
+    if ttft:
+        out.update(mean_ttft_s=float(np.mean(ttft)), p99_ttft_s=float(np.percentile(ttft, 99)))
+    if e2e:
+        out.update(mean_e2e_s=float(np.mean(e2e)), p99_e2e_s=float(np.percentile(e2e, 99)))
+    return out
+
+
+def throughput_line(num_requests: int, total_tokens: int, output_tokens: int, elapsed: float) -> str:
+    return (f"Throughput: {num_requests / elapsed:.2f} requests/s, {total_tokens / elapsed:.2f} total tokens/s, "
+            f"{output_tokens / elapsed:.2f} output tokens/s")
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
+    from bench import trace_analysis
+    from bench.common import RESULTS_DIR, stamp, write_result
+    from bench.datasets import get_dataset, summarize
+    from bench.llm_args import engine_stats, format_split, make_llm, stats_delta, step_split
+
+    requests = get_dataset(args.dataset, args.model, args.num_prompts, args.seed, args.input_len, args.output_len)
+    print(f"workload {args.dataset}: {summarize(requests)}")
+    llm, kw, short, startup_s = make_llm(args)
+    print(f"engine start-up: {startup_s:.1f} s  ({kw})")
+    if args.warmup_prompts:
+        prompts, params = build_inputs(requests[:args.warmup_prompts])
+        llm.generate(prompts, params, use_tqdm=False)
+    prompts, params = build_inputs(requests)
+    name = args.result_name or f"throughput-{short}-{args.dataset}"
+    trace_dir = RESULTS_DIR / "traces" / name
+    before = engine_stats(llm)
+    if args.profile:
+        import jax
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+            elapsed = time.perf_counter() - t0
+    else:
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+        elapsed = time.perf_counter() - t0
+    counts = count_tokens(requests, outputs)
+    total = counts["total_prompt_tokens"] + counts["total_output_tokens"]
+    print(throughput_line(len(requests), total, counts["total_output_tokens"], elapsed))
+    print(f"Total num prompt tokens:  {counts['total_prompt_tokens']}")
+    print(f"Total num output tokens:  {counts['total_output_tokens']}")
+    if counts["num_wrong_output_len"]:
+        print(f"WARNING: {counts['num_wrong_output_len']} requests did not generate exactly their output length")
+    metrics: dict[str, Any] = {
+        "model": short, "dataset": args.dataset, "num_requests": len(requests), "elapsed_time": elapsed,
+        "requests_per_second": len(requests) / elapsed, "tokens_per_second": total / elapsed,
+        "output_tokens_per_second": counts["total_output_tokens"] / elapsed, **counts,
+        "engine_startup_s": startup_s, "engine_kwargs": {k: str(v) for k, v in kw.items()},
+        "workload": summarize(requests), **request_latencies(outputs)}
+    delta = stats_delta(before, engine_stats(llm))
+    if args.profile:
+        split = step_split(delta)
+        print(format_split(split))
+        metrics["step_split"] = split
+        dev = trace_analysis.analyze(str(trace_dir))
+        metrics["trace"] = dev or {"note": "no device events in the trace (CPU backend?)", "dir": str(trace_dir)}
+        if dev:
+            print(f"trace: device busy {dev['device_busy_ms']:.1f} ms of {dev['span_ms']:.1f} ms "
+                  f"({100 * dev['device_busy_fraction']:.1f}%), idle {dev['device_idle_ms']:.1f} ms")
+        print(f"trace written to {trace_dir}")
+    elif delta is not None:
+        metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
+    meta = stamp(sys.argv if argv is None else ["bench/throughput.py"] + list(argv))
+    path = write_result(name, metrics, meta=meta, title=f"offline throughput: {short}, {args.dataset}")
+    print(f"results: {path}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run(parse_args(argv), argv)
+
+
+if __name__ == "__main__":
+    main()

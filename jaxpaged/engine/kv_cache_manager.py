@@ -1,0 +1,148 @@
+"""Per-request block lists over the BlockPool: prefix-cache lookups, slot allocation, copy-on-write of a
+shared partly filled block (beam forks), swap to host memory, and memory-waste accounting. No jax."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxpaged.engine.block_pool import BlockPool, KVCacheBlock
+from jaxpaged.engine.request import Request
+
+
+class ComputedBlocks(NamedTuple):
+    blocks: list[KVCacheBlock]     # prefix-cache hits, in order
+    num_tokens: int                # tokens they hold
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.blocks_to_copy: list[tuple[int, int]] = []          # (src, dst) pending copy-on-write copies
+        self.free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of full blocks. At least one token is always left to compute, since the
+        step must produce logits for the request's next token."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return ComputedBlocks([], 0)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.num_queries += max_blocks
+        self.pool.num_hits += len(hits)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed: int = 0) -> int:
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
+        return max(0, cdiv(total, self.block_size) - len(blocks) - num_new_computed)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones; None when the pool is short.
+
+        new_computed: prefix-cache hits to attach first (the request's num_computed_tokens does not yet
+        count them).
+        """
+        new_computed = new_computed or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_new = self.num_blocks_needed(request, num_new_tokens, len(new_computed))
+        cow = self._needs_copy_on_write(request, blocks) if not new_computed else False
+        # Hits on free cached blocks take those blocks out of the free queue too.
+        evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
+        if num_new + int(cow) > self.pool.num_free_blocks - evictable_hits:
+            return None
+        self.pool.touch(new_computed)
+        blocks.extend(new_computed)
+        if cow:
+            self._copy_on_write(request, blocks)
+        fresh = self.pool.get_new_blocks(num_new)
+        blocks.extend(fresh)
+        self._cache_full_blocks(request, blocks, request.num_computed_tokens
+                                + len(new_computed) * self.block_size + num_new_tokens)
+        return fresh
+
+    def _needs_copy_on_write(self, request: Request, blocks: list[KVCacheBlock]) -> bool:
+        idx = request.num_computed_tokens // self.block_size
+        return idx < len(blocks) and blocks[idx].ref_cnt > 1
+
+    def _copy_on_write(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """The block the next token lands in is shared and partly filled: give this request its own copy."""
+        idx = request.num_computed_tokens // self.block_size
+        shared = blocks[idx]
+        (own,) = self.pool.get_new_blocks(1)
+        self.blocks_to_copy.append((shared.block_id, own.block_id))
+        self.pool.free_blocks([shared])
+        blocks[idx] = own
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register blocks that are full once this step's tokens are in (their token ids are all known)."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (beam search); copy-on-write splits them later."""
+        blocks = list(self.req_to_blocks.get(parent.request_id, []))
+        self.pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
+        self.pool.free_blocks(reversed(blocks))
+        self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    # ---- swapping -----------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.req_to_blocks.get(request.request_id, [])) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        host = [self.free_cpu_blocks.pop() for _ in blocks]
+        self.swapped[request.request_id] = host
+        mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
+        self.pool.free_blocks(reversed(blocks))
+        return mapping
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Device blocks for a swapped request; returns (host block, device block) pairs, or None."""
+        host = self.swapped[request.request_id]
+        if len(host) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.get_new_blocks(len(host))
+        self.req_to_blocks[request.request_id] = blocks
+        del self.swapped[request.request_id]
+        self.free_cpu_blocks.extend(host)
+        self._cache_full_blocks(request, blocks, request.num_computed_tokens)
+        return [(h, b.block_id) for h, b in zip(host, blocks)]
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def memory_waste(self, requests) -> float:
+        """(allocated - used) token slots over allocated, over the given running requests."""
+        allocated = used = 0
+        for r in requests:
+            n = len(self.req_to_blocks.get(r.request_id, []))
+            allocated += n * self.block_size
+            used += min(r.num_computed_tokens, n * self.block_size)
+        return 0.0 if allocated == 0 else (allocated - used) / allocated

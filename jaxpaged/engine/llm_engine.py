@@ -1,0 +1,220 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time (synchronous core; AsyncLLM runs it
+on its own thread)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxpaged import envs
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.engine.stats import EngineStats
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxpaged.engine")
+
+PromptType = str | list[int] | dict
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from jaxpaged.models.gguf_convert import default_model_dir
+        return str(default_model_dir(envs.JAXPAGED_CACHE_ROOT / "models"))
+    return model
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        import jax
+        from transformers import AutoTokenizer
+
+        from jaxpaged import pallas_kernels
+        from jaxpaged.models import load_model
+        from jaxpaged.runner.buckets import BucketPolicy
+        from jaxpaged.runner.model_runner import ModelRunner
+
+        self.args = args
+        if envs.JAXPAGED_COMPILE_CACHE:
+            jax.config.update("jax_compilation_cache_dir", str(envs.JAXPAGED_CACHE_ROOT / "xla"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if envs.JAXPAGED_LOG_COMPILES:
+            jax.config.update("jax_log_compiles", True)
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(args.model)
+        loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed)
+        self.model_config = loaded.config
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_path)
+        cfg = loaded.config
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        max_tokens = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(self.max_model_len, 2048))
+        if not args.enable_chunked_prefill and max_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len "
+                             f"({self.max_model_len}) with chunked prefill disabled: long prompts could never run")
+        self.max_num_batched_tokens = max_tokens
+        self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id}
+                                                                    if self.tokenizer.eos_token_id is not None else set())))
+        backend = args.attention_backend or envs.JAXPAGED_ATTENTION_BACKEND or pallas_kernels.default_backend()
+        per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
+        weights = tree_bytes(loaded.params)
+        size = size_kv_cache(per_block, weights, self._activation_estimate(cfg, max_tokens, args.max_num_seqs),
+                             args.gpu_memory_utilization, args.num_gpu_blocks_override)
+        num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
+        self.num_blocks = size.num_blocks
+        self.block_size = args.block_size
+        self.buckets = BucketPolicy(max_tokens, args.max_num_seqs)
+        self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
+                                  backend, num_cpu_blocks)
+        self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, max_tokens, self.max_model_len,
+                                                   args.enable_chunked_prefill, args.scheduling_policy,
+                                                   args.preemption_mode or "recompute"), self.kv_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._rng = np.random.default_rng(args.seed)
+        tokens = (size.num_blocks - 1) * args.block_size
+        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s",
+                    self.model_path, cfg.architecture, np.dtype(loaded.dtype).name, weights / 2**30, backend)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
+                    "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
+                    size.num_blocks * per_block / 2**30, tokens, self.max_model_len, tokens / self.max_model_len)
+        self.kv_cache_tokens = tokens
+        compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
+        if compile_all:
+            secs = self.runner.warmup(self.buckets.all_buckets())
+            logger.info("Compiled %d buckets in %.1f s", len(self.buckets.all_buckets()), secs)
+        self.startup_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
+        """Peak of the step's temporaries: the logits, the widest MLP activations, slack for XLA."""
+        logits = max_seqs * cfg.vocab_size * 4 * 3
+        mlp = max_tokens * cfg.intermediate_size * 4 * 3
+        return logits + mlp + (256 << 20)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                         "'prompt_token_ids'")
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("The prompt cannot be empty.")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                             f"you requested {n + (params.max_tokens or 0)} tokens ({n} in the messages, "
+                             f"{params.max_tokens or 0} in the completion). Please reduce the length of "
+                             "the messages or completion.")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                             f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
+                             f"{params.max_tokens} in the completion). Please reduce the length of the "
+                             "messages or completion.")
+        if cdiv(n + 1, self.block_size) > self.num_blocks - 1:
+            raise ValueError(f"The prompt ({n} tokens) needs more KV cache blocks than the pool holds "
+                             f"({self.num_blocks - 1} blocks of {self.block_size}).")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.model_config.vocab_size}).")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> list[str]:
+        """Validate, tokenize and queue a request (n > 1 becomes n child requests sharing the prompt's
+        blocks through the prefix cache). Raises ValueError for a request that could never run."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids, params)
+        if request_id in self.output_processor.parents or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = []
+        for i in range(params.n):
+            child_params = params.clone(n=1, best_of=None,
+                                        seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seed = child_params.seed if child_params.seed is not None else int(self._rng.integers(0, 2**31))
+            req = Request(child_id, token_ids, child_params, self.eos_token_ids, arrival_time, priority,
+                          text, self.block_size, seed & 0xFFFFFFFF)
+            children.append(req)
+        self.output_processor.add(request_id, text, token_ids, params, children,
+                                  [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                                          params.stop, params.include_stop_str_in_output)
+                                   for _ in children])
+        for req in children:
+            self.scheduler.add_request(req)
+        self.stats.on_arrival(len(children))
+        return [r.request_id for r in children]
+
+    def abort_request(self, request_ids) -> None:
+        for rid in ([request_ids] if isinstance(request_ids, str) else request_ids):
+            for child in self.output_processor.children_of(rid):
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+                self.stats.on_finish(child)
+            self.output_processor.drop(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            return []
+        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
+        result = self.runner.execute(sched, block_ids)
+        t2 = time.perf_counter()
+        outputs = self._process(sched, result)
+        t3 = time.perf_counter()
+        self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t1 - t0, execute_s=t2 - t1,
+                           process_s=t3 - t2)
+        return outputs
+
+    def _process(self, sched, result) -> list:
+        now = time.time()
+        touched = []
+        for i, req in enumerate(sched.scheduled):
+            if req.is_finished or req.num_computed_tokens < req.num_tokens:
+                continue      # a prefill chunk that did not reach the end: its sample is not a token
+            token = int(result.sampled_ids[i])
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.stats.on_first_token(req, now)
+            else:
+                self.stats.on_token(req, now)
+            req.last_token_time = now
+            if req.sampling_params.logprobs is not None:
+                self.output_processor.record_logprobs(req, token, result, i)
+            status = self.scheduler.check_stop(req)
+            stop = self.output_processor.detokenize(req)
+            if stop is not None and status is None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                self.stats.on_finish(req)
+            touched.append(req)
+        return self.output_processor.make_outputs(touched)

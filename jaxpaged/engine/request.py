@@ -1,0 +1,90 @@
+"""A request as the scheduler sees it: token ids, progress counters and its status. No jax."""
+from __future__ import annotations
+
+import enum
+import time
+
+from jaxpaged.engine.block_pool import BlockHash, hash_block_tokens
+from jaxpaged.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2          # recompute: waiting again with no blocks
+    SWAPPED = 3            # blocks copied to host memory, waiting to come back
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None, priority: int = 0,
+                 prompt: str | None = None, block_size: int = 16, sample_seed: int = 0):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.all_token_ids = list(prompt_token_ids)      # prompt + output
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0                      # tokens whose K/V are in the cache
+        self.num_cached_tokens = -1                       # prompt tokens served by the prefix cache (first schedule)
+        self.num_preemptions = 0
+        self.sample_seed = sample_seed                    # the per-request PRNG seed (params.seed or drawn)
+        self.block_size = block_size
+        self.block_hashes: list[BlockHash] = []           # of every full block of all_token_ids
+        self.cumulative_logprob = 0.0
+        self.logprobs: list = []                          # per output token: {token_id: Logprob}
+        self.prompt_logprobs: list = []                   # filled chunk by chunk when asked for
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every newly full block: hash(parent_hash, block_token_ids)."""
+        s = self.block_size
+        while (len(self.block_hashes) + 1) * s <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * s:(i + 1) * s]))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,213 @@
+"""Token-budget scheduler (vLLM v1 style): no prefill or decode phase. Each step hands out
+`max_num_batched_tokens` across requests: running ones first, then waiting ones, a long prompt in chunks
+beside running decodes. Preempts (recompute or swap) the newest request when blocks run out. No jax."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+
+from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("jaxpaged.scheduler")
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256                 # requests in one step, at most
+    max_num_batched_tokens: int = 2048      # token budget of one step
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"                    # "fcfs" or "priority" (lower value first, as vLLM)
+    preemption_mode: str = "recompute"      # or "swap"
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one engine step computes; the runner turns it into padded device arrays."""
+    scheduled: list[Request]                      # requests in this step, in batch order
+    num_scheduled_tokens: dict[str, int]          # request id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    blocks_to_copy: list[tuple[int, int]]         # (src, dst) device block copies, before the step
+    blocks_to_swap_out: list[tuple[int, int]]     # (device, host), before the step
+    blocks_to_swap_in: list[tuple[int, int]]      # (host, device), before the step
+    preempted_ids: list[str]
+    finished_ids: set[str]                        # freed since the last step (the runner may drop state)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput([], {}, 0, [], [], [], [], self.finished_ids)
+        self.finished_ids = set()
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.blocks_to_copy = self.kv.blocks_to_copy
+        self.kv.blocks_to_copy = []
+        for req in out.scheduled:
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget,
+                self.config.max_model_len - req.num_computed_tokens)
+        return max(n, 0)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(req)
+                out.num_scheduled_tokens[req.request_id] = num_new
+                budget -= num_new
+                i = self.running.index(req) + 1   # a priority victim may have sat before req
+                continue
+            # req itself was preempted: it left self.running, so index i now holds the next one
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        if victim.request_id in out.num_scheduled_tokens:   # already given tokens this step: undo
+            out.scheduled.remove(victim)
+            del out.num_scheduled_tokens[victim.request_id]
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_ids.append(victim.request_id)
+        logger.warning("Request %s preempted by %s (total preemptions %d): not enough KV cache blocks",
+                       victim.request_id, victim.status.name.lower(), self.num_preemptions)
+        self.waiting.appendleft(victim)
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting()
+            if req.status == RequestStatus.SWAPPED:
+                if not self._swap_in(req, out, budget):
+                    break
+                budget -= out.num_scheduled_tokens.get(req.request_id, 0)
+                continue
+            computed = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - computed.num_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, computed.blocks) is None:
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = computed.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed.num_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+
+    def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
+        mapping = self.kv.swap_in(req)
+        if mapping is None:
+            return False
+        out.blocks_to_swap_in.extend(mapping)
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        num_new = self._num_new_tokens(req, budget)
+        if num_new and self.kv.allocate_slots(req, num_new) is not None:
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+        return True
+
+    # ---- results ------------------------------------------------------------------------------
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Finish (stop, length, abort): free the blocks now, whatever state the request is in."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self.finished_ids.add(req.request_id)
+
+    def check_stop(self, req: Request) -> RequestStatus | None:
+        """Stop conditions that need no text: EOS, stop token ids, max_tokens, max_model_len."""
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and last in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def max_blocks_per_req(self, block_size: int) -> int:
+        return cdiv(self.config.max_model_len, block_size)

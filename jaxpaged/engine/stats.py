@@ -1,0 +1,74 @@
+"""Counters and latency samples the engine keeps for /metrics and the benchmarks (vLLM's metric names)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0                 # fraction of blocks in use
+    kv_cache_waste: float = 0.0                 # allocated-but-unused slots over allocated (running requests)
+    prefix_cache_queries: int = 0               # blocks looked up
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    finished_by_reason: Counter = dataclasses.field(default_factory=Counter)
+    # latency samples since the last drain (the server moves them into histograms)
+    ttft: list = dataclasses.field(default_factory=list)
+    itl: list = dataclasses.field(default_factory=list)
+    e2e: list = dataclasses.field(default_factory=list)
+    # host timing of the last steps, seconds
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    process_s: float = 0.0
+    last_step_time: float = dataclasses.field(default_factory=time.time)
+    arrivals: int = 0
+    max_waste_seen: float = 0.0
+
+    def on_arrival(self, n: int) -> None:
+        self.arrivals += n
+
+    def on_first_token(self, req, now: float) -> None:
+        self.ttft.append(now - req.arrival_time)
+        self.generation_tokens += 1
+
+    def on_token(self, req, now: float) -> None:
+        self.generation_tokens += 1
+        if req.last_token_time is not None:
+            self.itl.append(now - req.last_token_time)
+
+    def on_finish(self, req) -> None:
+        reason = req.status.finish_reason
+        if reason:
+            self.finished_by_reason[reason] += 1
+        self.e2e.append(time.time() - req.arrival_time)
+
+    def on_step(self, sched, scheduler, kv, *, schedule_s: float, execute_s: float, process_s: float) -> None:
+        self.num_steps += 1
+        self.num_requests_running = scheduler.num_running
+        self.num_requests_waiting = scheduler.num_waiting
+        self.kv_cache_usage = kv.pool.usage
+        self.kv_cache_waste = kv.memory_waste(scheduler.running)
+        self.max_waste_seen = max(self.max_waste_seen, self.kv_cache_waste)
+        self.prefix_cache_queries = kv.pool.num_queries
+        self.prefix_cache_hits = kv.pool.num_hits
+        self.num_preemptions = scheduler.num_preemptions
+        for req in sched.scheduled:
+            n = sched.num_scheduled_tokens[req.request_id]
+            prompt_part = max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - (req.num_computed_tokens - n))
+            self.prompt_tokens += prompt_part
+        self.schedule_s += schedule_s
+        self.execute_s += execute_s
+        self.process_s += process_s
+        self.last_step_time = time.time()
+
+    def drain_latencies(self) -> tuple[list, list, list]:
+        out = (self.ttft, self.itl, self.e2e)
+        self.ttft, self.itl, self.e2e = [], [], []
+        return out

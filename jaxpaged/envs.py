@@ -1,0 +1,20 @@
+"""Every environment variable jaxpaged reads, in one place. Read once at import."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+# Where the converted default model and the XLA compilation cache live.
+JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib.Path.home() / ".cache" / "jaxpaged"))
+# Override the attention implementation: reference | xla | pallas (default: by backend).
+JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
+# Persistent XLA compilation cache (set to "0" to disable).
+JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
+# KV budget on the CPU backend, which reports no device memory (MiB).
+JAXPAGED_CPU_KV_CACHE_MIB = int(os.environ.get("JAXPAGED_CPU_KV_CACHE_MIB", "512"))
+# Log every XLA compilation (for checking that nothing recompiles in steady state).
+JAXPAGED_LOG_COMPILES = os.environ.get("JAXPAGED_LOG_COMPILES", "0") == "1"
+
+# JAX preallocates 75% of GPU memory by default; jaxpaged sizes its own pool from
+# gpu_memory_utilization, so let XLA's allocator see nearly all of it (the user's setting wins).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

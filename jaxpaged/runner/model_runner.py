@@ -1,0 +1,251 @@
+"""Turns a SchedulerOutput into padded device arrays, runs the one jitted step (model + sampler, the
+KV pool donated), and fetches the sampled ids with one device_get."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.engine.scheduler import SchedulerOutput
+from jaxpaged.models import AttentionMetadata, DecoderModel, LoadedModel, RuntimeOptions, kv_cache_shape
+from jaxpaged.runner.buckets import Bucket, BucketPolicy
+from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, sample
+
+logger = logging.getLogger("jaxpaged.runner")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelInput:
+    token_ids: jax.Array          # i32[T]
+    meta: AttentionMetadata       # positions, slot_mapping, block_tables, seq_lens, query_start_loc
+    logits_indices: jax.Array     # i32[R]  last scheduled token of each request
+
+
+class RunnerOutput(NamedTuple):
+    """Host-side results of one step, rows in SchedulerOutput.scheduled order."""
+    sampled_ids: np.ndarray       # i32[R]
+    logprobs: np.ndarray          # f32[R]   logprob of the sampled token (zeros when not asked)
+    ranks: np.ndarray             # i32[R]
+    top_ids: np.ndarray           # i32[R, X]
+    top_logprobs: np.ndarray      # f32[R, X]
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
+                 buckets: BucketPolicy, attn_backend: str, num_cpu_blocks: int = 0):
+        self.cfg = model.config
+        self.params = model.params
+        self.dtype = model.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.buckets = buckets
+        self.attn_backend = attn_backend
+        self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, num_blocks, block_size), self.dtype)
+        # Host memory for swapped-out blocks: [L, 2, num_cpu_blocks, K, S, D].
+        self.cpu_cache = (np.zeros(kv_cache_shape(self.cfg, num_cpu_blocks, block_size),
+                                   jnp.dtype(self.dtype)) if num_cpu_blocks else None)
+        self.compiled_keys: set = set()
+        self.step_times: list[float] = []
+
+    # ---- the jitted step ----------------------------------------------------------------------
+    @functools.partial(jax.jit, static_argnames=("self", "options", "flags"), donate_argnames=("kv_cache",))
+    def _step(self, params, kv_cache, model_input: ModelInput, sampling: SamplingInputs, *,
+              options: RuntimeOptions, flags: SamplerFlags):
+        model = DecoderModel(self.cfg, self.dtype, options)
+        logits, kv_cache = model.apply({"params": params}, model_input.token_ids, kv_cache, model_input.meta,
+                                       model_input.logits_indices)
+        return kv_cache, sample(logits, sampling, flags)
+
+    def __hash__(self):   # `self` is a static argument of the jitted step
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def prepare_inputs(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple[ModelInput, Bucket]:
+        reqs = out.scheduled
+        num_reqs = len(reqs)
+        n_sched = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], np.int32)
+        # the scheduler already advanced num_computed_tokens past this step's tokens
+        seq_lens = np.array([r.num_computed_tokens for r in reqs], np.int32)
+        starts = seq_lens - n_sched
+        num_tokens = int(n_sched.sum())
+        decode_only = bool((n_sched == 1).all())
+        bucket = self.buckets.pick(num_tokens, num_reqs, decode_only)
+        T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
+
+        qsl = np.full(R + 1, num_tokens, np.int32)
+        qsl[0] = 0
+        np.cumsum(n_sched, out=qsl[1:num_reqs + 1])
+        # token -> request row: n_sched [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+        req_of_token = np.repeat(np.arange(num_reqs), n_sched)
+        positions = np.zeros(T, np.int32)
+        positions[:num_tokens] = starts[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
+        token_ids = np.zeros(T, np.int32)
+        token_ids[:num_tokens] = np.concatenate(
+            [r.all_token_ids[s:s + n] for r, s, n in zip(reqs, starts.tolist(), n_sched.tolist())])
+        tables = np.zeros((R, self.max_blocks_per_req), np.int32)
+        for i, r in enumerate(reqs):
+            ids = block_ids[r.request_id]
+            tables[i, :len(ids)] = ids
+        slots = np.zeros(T, np.int32)      # padding tokens write into the null block
+        pos = positions[:num_tokens]
+        slots[:num_tokens] = tables[req_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
+        lens = np.zeros(R, np.int32)
+        lens[:num_reqs] = seq_lens
+        logits_idx = np.zeros(R, np.int32)
+        logits_idx[:num_reqs] = qsl[1:num_reqs + 1] - 1
+        meta = AttentionMetadata(positions, slots, tables, lens, qsl)
+        return ModelInput(token_ids, meta, logits_idx), bucket
+
+    def prepare_sampling(self, out: SchedulerOutput, padded_reqs: int) -> tuple[SamplingInputs, SamplerFlags]:
+        reqs = out.scheduled
+        R = padded_reqs
+        sps = [r.sampling_params for r in reqs]
+        f32 = lambda vals, fill: np.array(list(vals) + [fill] * (R - len(reqs)), np.float32)
+        temperature = f32((sp.temperature for sp in sps), 0.0)
+        top_k = np.array([sp.top_k for sp in sps] + [0] * (R - len(reqs)), np.int32)
+        top_p, min_p = f32((sp.top_p for sp in sps), 1.0), f32((sp.min_p for sp in sps), 0.0)
+        pres, freq = f32((sp.presence_penalty for sp in sps), 0.0), f32((sp.frequency_penalty for sp in sps), 0.0)
+        rep = f32((sp.repetition_penalty for sp in sps), 1.0)
+        seeds = np.array([r.sample_seed for r in reqs] + [0] * (R - len(reqs)), np.uint32)
+        positions = np.array([r.num_output_tokens for r in reqs] + [0] * (R - len(reqs)), np.int32)
+        penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
+        lp = [sp.logprobs for sp in sps if sp.logprobs is not None]
+        flags = SamplerFlags(
+            all_greedy=bool((temperature == 0).all()),
+            top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
+            penalties=penalties,
+            num_logprobs=(_pow2(max(lp), 1) if max(lp) > 0 else 0) if lp else -1,
+        )
+        out_ids = prompt_ids = np.full((R, 0), -1, np.int32)
+        if penalties:
+            out_ids = _pad_rows([r.output_token_ids for r in reqs], R)
+            prompt_ids = _pad_rows([r.prompt_token_ids for r in reqs], R)
+        bias_rows = [self._bias_entries(r) for r in reqs]
+        if any(bias_rows):
+            flags = dataclasses.replace(flags, logit_bias=True)
+            width = _pow2(max(len(b) for b in bias_rows), 4)
+            bias_ids = np.full((R, width), -1, np.int32)
+            bias_vals = np.zeros((R, width), np.float32)
+            for i, row in enumerate(bias_rows):
+                if row:
+                    bias_ids[i, :len(row)] = [t for t, _ in row]
+                    bias_vals[i, :len(row)] = [v for _, v in row]
+        else:
+            bias_ids, bias_vals = np.full((R, 0), -1, np.int32), np.zeros((R, 0), np.float32)
+        inputs = SamplingInputs(temperature, top_k, top_p, min_p, seeds, positions, pres, freq, rep,
+                                out_ids, prompt_ids, bias_ids, bias_vals)
+        return inputs, flags
+
+    def _bias_entries(self, req) -> list[tuple[int, float]]:
+        sp = req.sampling_params
+        row = list((sp.logit_bias or {}).items())
+        if req.num_output_tokens < sp.min_tokens:
+            # min_tokens: EOS and stop tokens may not be sampled yet
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+            row += [(t, -np.inf) for t in sorted(banned)]
+        return [(t, v) for t, v in row if 0 <= t < self.cfg.vocab_size]
+
+    # ---- execution ----------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+        self._apply_block_moves(out)
+        model_input, bucket = self.prepare_inputs(out, block_ids)
+        sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
+        options = RuntimeOptions(self.attn_backend, bucket.decode_only)
+        self.compiled_keys.add((bucket, flags))
+        t0 = time.perf_counter()
+        self.kv_cache, result = self._step(self.params, self.kv_cache, model_input, sampling,
+                                           options=options, flags=flags)
+        ids, lp, rank, top_ids, top_lp = jax.device_get(result)
+        self.step_times.append(time.perf_counter() - t0)
+        n = len(out.scheduled)
+        return RunnerOutput(ids[:n], lp[:n], rank[:n], top_ids[:n], top_lp[:n])
+
+    def _apply_block_moves(self, out: SchedulerOutput) -> None:
+        if out.blocks_to_swap_out:
+            dev = np.array([d for d, _ in out.blocks_to_swap_out])
+            host = np.array([h for _, h in out.blocks_to_swap_out])
+            self.cpu_cache[:, :, host] = np.asarray(jax.device_get(self.kv_cache[:, :, dev]))
+        if out.blocks_to_swap_in:
+            host = np.array([h for h, _ in out.blocks_to_swap_in])
+            dev = np.array([d for _, d in out.blocks_to_swap_in])
+            self.kv_cache = _set_blocks(self.kv_cache, *_pad_pair(dev, self.cpu_cache[:, :, host]))
+        if out.blocks_to_copy:
+            src = np.array([s for s, _ in out.blocks_to_copy])
+            dst = np.array([d for _, d in out.blocks_to_copy])
+            self.kv_cache = _copy_blocks(self.kv_cache, *_pad_ids(src, dst))
+
+    # ---- warm-up ------------------------------------------------------------------------------
+    def warmup(self, buckets: list[Bucket], progress: bool = True) -> float:
+        """Compile the step for every bucket (greedy and sampling variants) before serving."""
+        from tqdm.auto import tqdm
+        t0 = time.perf_counter()
+        variants = [SamplerFlags(all_greedy=True), SamplerFlags(all_greedy=False)]
+        for bucket in tqdm(buckets, desc="Compiling buckets", disable=not progress):
+            for flags in variants:
+                mi, si = self._dummy_inputs(bucket)
+                options = RuntimeOptions(self.attn_backend, bucket.decode_only)
+                self.kv_cache, res = self._step(self.params, self.kv_cache, mi, si, options=options, flags=flags)
+                jax.block_until_ready(res)
+                self.compiled_keys.add((bucket, flags))
+        return time.perf_counter() - t0
+
+    def _dummy_inputs(self, bucket: Bucket):
+        T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
+        z = lambda *s: np.zeros(s, np.int32)
+        qsl = z(R + 1)   # no real request: every token is padding, writes go to the null block
+        meta = AttentionMetadata(z(T), z(T), z(R, self.max_blocks_per_req), z(R), qsl)
+        f = lambda v: np.full(R, v, np.float32)
+        e = np.full((R, 0), -1, np.int32)
+        si = SamplingInputs(f(0), z(R), f(1), f(0), np.zeros(R, np.uint32), z(R), f(0), f(0), f(1), e, e, e,
+                            np.zeros((R, 0), np.float32))
+        return ModelInput(z(T), meta, z(R)), si
+
+
+def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:
+    width = _pow2(max((len(r) for r in rows), default=1), 16)
+    out = np.full((num_rows, width), -1, np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def _pad_ids(src: np.ndarray, dst: np.ndarray):
+    """Pad block-id lists to a power of two (fewer compiles); padding copies null block onto itself."""
+    n = _pow2(len(src))
+    return np.pad(src, (0, n - len(src))), np.pad(dst, (0, n - len(dst)))
+
+
+def _pad_pair(dst: np.ndarray, data: np.ndarray):
+    n = _pow2(len(dst))
+    pad = [(0, 0)] * data.ndim
+    pad[2] = (0, n - len(dst))
+    # padding rows write zeros into the null block, which holds nothing real
+    return np.pad(dst, (0, n - len(dst))), np.pad(data, pad)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_blocks(kv_cache, src, dst):
+    return kv_cache.at[:, :, dst].set(kv_cache[:, :, src])
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_blocks(kv_cache, dst, data):
+    return kv_cache.at[:, :, dst].set(data.astype(kv_cache.dtype))

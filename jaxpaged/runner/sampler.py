@@ -1,0 +1,126 @@
+"""Sampling on the device, vectorised over requests: per-request parameters are arrays, and the rarely
+used paths (top-k/top-p/min-p sort, penalties, logit bias, logprobs) are compiled in only when a batch
+needs them (static `SamplerFlags`), so a plain greedy or temperature batch pays for none of them.
+
+Legend: R requests (padded), V vocab, P padded prompt length, O padded output length, E bias entries,
+X top logprobs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerFlags:
+    """Static choices: each distinct value compiles its own variant of the step."""
+    all_greedy: bool = True
+    top_k_p: bool = False          # some request uses top_k, top_p or min_p
+    penalties: bool = False        # some request uses presence/frequency/repetition penalties
+    logit_bias: bool = False       # some request has a logit bias or tokens banned by min_tokens
+    num_logprobs: int = -1         # top logprobs to return (-1: none; 0: only the sampled token's)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingInputs:
+    temperature: jax.Array         # f32[R]   0 = greedy
+    top_k: jax.Array               # i32[R]   0 = all
+    top_p: jax.Array               # f32[R]
+    min_p: jax.Array               # f32[R]
+    seeds: jax.Array               # u32[R]   per-request seed
+    positions: jax.Array           # i32[R]   output index of the token being sampled (folded into the key)
+    presence_penalty: jax.Array    # f32[R]
+    frequency_penalty: jax.Array   # f32[R]
+    repetition_penalty: jax.Array  # f32[R]
+    output_ids: jax.Array          # i32[R, O]  tokens generated so far, padded with -1 (penalties only)
+    prompt_ids: jax.Array          # i32[R, P]  prompt tokens, padded with -1 (repetition penalty only)
+    bias_ids: jax.Array            # i32[R, E]  token ids, padded with -1
+    bias_values: jax.Array         # f32[R, E]  added to the logits (-inf bans a token)
+
+
+
+
+def _token_counts(ids, vocab: int):
+    """ids i32[R, O] padded with -1 -> f32[R, V] occurrence counts."""
+    rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+    valid = ids >= 0
+    return jnp.zeros((ids.shape[0], vocab), jnp.float32).at[rows, jnp.where(valid, ids, 0)].add(
+        valid.astype(jnp.float32))
+
+
+def apply_penalties(logits, inp: SamplingInputs):
+    vocab = logits.shape[-1]
+    out_counts = _token_counts(inp.output_ids, vocab)
+    prompt_seen = _token_counts(inp.prompt_ids, vocab) > 0
+    seen = prompt_seen | (out_counts > 0)
+    rep = inp.repetition_penalty[:, None]
+    # CTRL / HF repetition penalty: shrink positive logits, grow negative ones, for any token seen.
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - inp.frequency_penalty[:, None] * out_counts
+    logits = logits - inp.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32)
+    return logits
+
+
+def apply_logit_bias(logits, inp: SamplingInputs):
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], inp.bias_ids.shape)
+    valid = inp.bias_ids >= 0
+    return logits.at[rows, jnp.where(valid, inp.bias_ids, 0)].add(jnp.where(valid, inp.bias_values, 0.0))
+
+
+def _mask_top_k_p(logits, inp: SamplingInputs):
+    """Sort once; keep the top_k, the top_p nucleus and tokens with p >= min_p * p_max."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = jax.lax.sort_key_val(-logits, jnp.broadcast_to(jnp.arange(vocab), logits.shape))
+    sorted_logits = -sorted_logits                                          # descending
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(inp.top_k > 0, inp.top_k, vocab)[:, None]
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, _NEG_INF), axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= cum_before < inp.top_p[:, None]
+    keep &= probs >= inp.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    masked_sorted = jnp.where(keep, sorted_logits, _NEG_INF)
+    # back to vocabulary order
+    return jnp.zeros_like(logits).at[jnp.arange(logits.shape[0])[:, None], sorted_idx].set(masked_sorted)
+
+
+def _gumbel(seeds, positions, vocab: int):
+    """Per-request noise from (seed, output position): the same seed gives the same tokens in any batch."""
+    def one(seed, pos):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+    return jax.vmap(one)(seeds, positions)
+
+
+def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
+    """logits f32[R, V] -> (token_ids i32[R], sampled logprob f32[R], rank i32[R],
+    top ids i32[R, X], top logprobs f32[R, X]); logprobs are of the model's raw distribution, as vLLM's."""
+    raw = logits
+    if flags.penalties:
+        logits = apply_penalties(logits, inp)
+    if flags.logit_bias:
+        logits = apply_logit_bias(logits, inp)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if flags.all_greedy:
+        ids = greedy_ids
+    else:
+        temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)[:, None]
+        scaled = logits / temp
+        if flags.top_k_p:
+            scaled = _mask_top_k_p(scaled, inp)
+        noisy = scaled + _gumbel(inp.seeds, inp.positions, logits.shape[-1])
+        ids = jnp.where(inp.temperature > 0, jnp.argmax(noisy, axis=-1).astype(jnp.int32), greedy_ids)
+    if flags.num_logprobs < 0:
+        empty = jnp.zeros((logits.shape[0], 0))
+        return ids, jnp.zeros(ids.shape, jnp.float32), jnp.zeros(ids.shape, jnp.int32), empty.astype(jnp.int32), empty
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(logprobs, max(flags.num_logprobs, 0))
+    return ids, chosen, rank, top_ids.astype(jnp.int32), top_lp
