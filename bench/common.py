@@ -107,9 +107,19 @@ def markdown_report(title: str, meta: dict[str, Any], metrics: dict[str, Any]) -
     """A title, the provenance, then one line per metric."""
     lines = [f"# {title}", ""]
     lines += [f"- {k}: `{v}`" for k, v in meta.items()]
-    lines += ["", markdown_table([{"metric": k, "value": v} for k, v in metrics.items()
-                                  if not isinstance(v, (list, dict))])]
+    lines += ["", markdown_table([{"metric": k, "value": v} for k, v in flatten(metrics).items()])]
     return "\n".join(lines)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": 1} (lists, such as per-request timings, are left out)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        elif not isinstance(v, list):
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def write_result(name: str, metrics: dict[str, Any], *, meta: dict[str, Any] | None = None,
