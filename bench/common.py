@@ -159,4 +159,4 @@ def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, ti
 def add_repo_to_path() -> None:
     """Lets `python bench/x.py` import `bench.*` the same way `python -m bench.x` does."""
     if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+        sys.path.append(str(REPO_ROOT))   # appended: an installed jaxpaged (/tmp/jp on the GPU) wins

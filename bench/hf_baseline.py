@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # appended, not prepended: the repo root must not shadow an installed jaxpaged (GPU suite, /tmp/jp)
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from bench.datasets import DATASETS, SampleRequest  # noqa: E402
 

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # appended, not prepended: the repo root must not shadow an installed jaxpaged (GPU suite, /tmp/jp)
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from bench.llm_args import add_engine_args  # noqa: E402
 

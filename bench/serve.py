@@ -24,7 +24,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import numpy as np
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # appended, not prepended: the repo root must not shadow an installed jaxpaged (GPU suite, /tmp/jp)
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from bench.datasets import DATASETS, SampleRequest  # noqa: E402
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # appended, not prepended: the repo root must not shadow an installed jaxpaged (GPU suite, /tmp/jp)
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from bench.datasets import DATASETS, SampleRequest  # noqa: E402
 from bench.llm_args import add_engine_args  # noqa: E402
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "workload": summarize(requests), **request_latencies(outputs)}
     delta = stats_delta(before, engine_stats(llm))
     if args.profile:
-        split = step_split(delta)
+        split = step_split(delta, elapsed)
         print(format_split(split))
         metrics["step_split"] = split
         dev = trace_analysis.analyze(str(trace_dir))
