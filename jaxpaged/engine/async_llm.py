@@ -1,0 +1,154 @@
+"""AsyncLLM: the engine loop on its own thread; callers on an asyncio loop stream outputs per request.
+
+The loop never waits on a client: outputs are pushed into per-request asyncio queues with
+`call_soon_threadsafe`, so a slow or vanished client cannot stall the batch. `abort` frees a request's
+blocks on the engine thread's next turn (before its next step).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from jaxpaged.config import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxpaged.async_llm")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.dead_error: BaseException | None = None
+        self._stopped = False
+        self.last_progress = time.time()
+        self._thread = threading.Thread(target=self._loop, name="jaxpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(LLMEngine(args))
+
+    # ---- health -------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or not self._thread.is_alive()
+
+    def is_healthy(self, stall_seconds: float = 120.0) -> bool:
+        """False when the loop died, or has work waiting but made no progress for stall_seconds."""
+        if self.errored:
+            return False
+        busy = self.engine.has_unfinished_requests()
+        return not busy or time.time() - self.last_progress < stall_seconds
+
+    # ---- requests -----------------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs as tokens arrive (deltas when sampling_params.output_kind is DELTA).
+        Raises ValueError for invalid requests before anything is queued."""
+        if self.errored:
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
+        # Validation is read-only, so it runs here, and a bad request never reaches the engine thread.
+        text, token_ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate_prompt(token_ids, sampling_params)
+        prompt_in = {"prompt": text, "prompt_token_ids": token_ids}
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, q)
+        self._commands.put(("add", request_id, prompt_in, sampling_params, priority))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))   # client went away or cancelled
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self.last_progress = time.time()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                self.last_progress = time.time()
+                for out in outputs:
+                    self._push(out.request_id, out)
+        except BaseException as e:  # the loop is dead: fail every waiting stream, /health turns 503
+            logger.exception("engine loop died")
+            self.dead_error = e
+            with self._lock:
+                streams = list(self._streams)
+            for rid in streams:
+                self._push(rid, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, priority = cmd
+                with self._lock:
+                    alive = rid in self._streams
+                if not alive:
+                    continue          # cancelled before it reached the engine
+                try:
+                    self.engine.add_request(rid, prompt, params, priority=priority)
+                except ValueError as e:
+                    self._push(rid, e)
+            elif cmd[0] == "abort":
+                self.engine.abort_request(cmd[1])
+
+    def _push(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, q = target
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:
+            pass          # the caller's loop is closed
