@@ -1,0 +1,141 @@
+"""End-to-end checks on the GPU (issue 2 and 3's end-to-end points), one call:
+
+1. SmolLM2-135M-Instruct, float32, greedy: jaxpaged (each attention backend) vs HF transformers on the
+   same GPU, token for token, for a batch of prompts.
+2. qwen2-0.5b with dummy weights, bf16: a generate of a few prompts, then sharegpt-like throughput.
+
+    python3 bench/gpu_e2e.py --out DIR [--skip-throughput]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPTS = [
+    "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Hi",
+    "List three primary colors:",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived an old clockmaker who",
+    "Translate to French: The weather is nice today and I would like to go for a walk in the park.",
+    "1, 2, 3, 4, 5,",
+]
+
+
+def smollm2_check(backends: list[str], max_tokens: int = 32) -> dict:
+    import jax
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged import LLM, SamplingParams
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {}
+    with jax.default_matmul_precision("highest"):
+        for backend in backends:
+            t0 = time.perf_counter()
+            llm = LLM(dtype="float32", max_model_len=512, attention_backend=backend, gpu_memory_utilization=0.3)
+            start = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+            res[backend] = {"startup_s": start, "generate_s": time.perf_counter() - t1,
+                            "token_ids": [o.outputs[0].token_ids for o in outs],
+                            "texts": [o.outputs[0].text for o in outs]}
+            path, tok, eos = llm.llm_engine.model_path, llm.get_tokenizer(), set(llm.llm_engine.eos_token_ids)
+            del llm
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ref = []
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p)]).cuda()
+        with torch.no_grad():
+            g = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                               pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        ref.append(g[:next((i + 1 for i, t in enumerate(g) if t in eos), len(g))])
+    for backend in backends:
+        got = res[backend]["token_ids"]
+        res[backend]["matches_hf"] = [g == r for g, r in zip(got, ref)]
+        res[backend]["all_match_hf"] = all(res[backend]["matches_hf"])
+    if len(backends) > 1:
+        res["backends_agree"] = all(res[b]["token_ids"] == res[backends[0]]["token_ids"] for b in backends)
+    res["hf_token_ids"] = ref
+    return res
+
+
+def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
+    import numpy as np
+
+    from jaxpaged import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=2048, attention_backend=backend)
+    res = {"startup_s": time.perf_counter() - t0, "kv_blocks": llm.llm_engine.num_blocks - 1,
+           "kv_tokens": llm.llm_engine.kv_cache_tokens}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 150000, n).tolist() for n in (5, 17, 64, 300)]
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    res["generate_s"] = time.perf_counter() - t1
+    res["outputs"] = [{"prompt_len": len(p), "num_tokens": len(o.outputs[0].token_ids),
+                       "first_ids": o.outputs[0].token_ids[:8], "text_head": o.outputs[0].text[:60]}
+                      for p, o in zip(prompts, outs)]
+    if throughput:
+        n = 1000
+        inp = np.clip(rng.lognormal(np.log(148), 1.0, n), 4, 1024).astype(int)
+        rng = np.random.default_rng(0)
+        inp = np.clip(rng.lognormal(np.log(148), 1.0, n), 4, 1024).astype(int)
+        out = np.clip(rng.lognormal(np.log(123), 1.0, n), 4, 2048 - inp).astype(int)
+        reqs = [rng.integers(100, 151936 - 200, i).tolist() for i in inp]
+        sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=int(o), ignore_eos=True) for o in out]
+        stats = llm.llm_engine.stats
+        s0 = (stats.schedule_s, stats.execute_s, stats.process_s, stats.num_steps)
+        t2 = time.perf_counter()
+        llm.generate(reqs, sps, use_tqdm=False)
+        dt = time.perf_counter() - t2
+        res["sharegpt_like_1000"] = {
+            "seconds": dt, "requests_per_s": n / dt, "output_tok_per_s": int(out.sum()) / dt,
+            "total_tok_per_s": int(inp.sum() + out.sum()) / dt, "input_tokens": int(inp.sum()),
+            "output_tokens": int(out.sum()), "steps": stats.num_steps - s0[3],
+            "schedule_s": stats.schedule_s - s0[0], "execute_s": stats.execute_s - s0[1],
+            "process_s": stats.process_s - s0[2], "max_waste": stats.max_waste_seen,
+            "preemptions": stats.num_preemptions}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--backends", default="xla,pallas")
+    ap.add_argument("--qwen-backend", default=None)
+    args = ap.parse_args()
+    import jax
+    from bench.models import ensure_model_dir
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "git_rev": os.environ.get("JAXPAGED_GIT_REV", "unknown")}
+    if not args.skip_smollm2:
+        try:
+            result["smollm2_greedy"] = smollm2_check(args.backends.split(","))
+        except Exception as e:  # report and go on to the next check
+            import traceback
+            result["smollm2_greedy"] = {"error": traceback.format_exc()}
+    try:
+        result["qwen2_0.5b_dummy"] = qwen_dummy(ensure_model_dir("qwen2-0.5b"), not args.skip_throughput,
+                                                args.qwen_backend)
+    except Exception:
+        import traceback
+        result["qwen2_0.5b_dummy"] = {"error": traceback.format_exc()}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_e2e.json").write_text(json.dumps(result, indent=1, default=str))
+    short = json.loads(json.dumps(result, default=str))
+    for b in args.backends.split(","):
+        short.get("smollm2_greedy", {}).get(b, {}).pop("token_ids", None)
+    short.get("smollm2_greedy", {}).pop("hf_token_ids", None)
+    print(json.dumps(short, indent=1)[:6000])
+
+
+if __name__ == "__main__":
+    main()
