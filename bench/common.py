@@ -157,6 +157,12 @@ def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, ti
 
 
 def add_repo_to_path() -> None:
-    """Lets `python bench/x.py` import `bench.*` the same way `python -m bench.x` does."""
+    """Lets `python bench/x.py` import `bench.*` the same way `python -m bench.x` does.
+
+    Each script, run as a file, drops bench/ from sys.path (bench/datasets.py would otherwise shadow HF's
+    `datasets` package, which transformers probes for) and APPENDS the repo root, so that an installed
+    jaxpaged (the GPU suite's /tmp/jp, which maps models/ -> jaxpaged.models) wins over ./jaxpaged."""
+    bench = REPO_ROOT / "bench"
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != bench]
     if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))   # appended: an installed jaxpaged (/tmp/jp on the GPU) wins
+        sys.path.append(str(REPO_ROOT))

@@ -19,12 +19,18 @@ import importlib.util
 import json
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from bench.common import DATA_DIR
+if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to_path
+    _bench = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _bench]
+    sys.path.append(str(_bench.parent))
+
+from bench.common import DATA_DIR  # noqa: E402
 
 
 class SampleRequest(NamedTuple):
@@ -200,8 +206,6 @@ def summarize(requests: list[SampleRequest]) -> dict[str, Any]:
 
 def main() -> None:
     import argparse
-    from bench.common import add_repo_to_path
-    add_repo_to_path()
     p = argparse.ArgumentParser(description="Print (and cache) a workload's size.")
     p.add_argument("--dataset", choices=DATASETS, default="sharegpt")
     p.add_argument("--model", default="qwen2-0.5b")

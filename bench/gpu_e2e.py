@@ -37,7 +37,8 @@ def smollm2_check(backends: list[str], max_tokens: int = 32) -> dict:
     with jax.default_matmul_precision("highest"):
         for backend in backends:
             t0 = time.perf_counter()
-            llm = LLM(dtype="float32", max_model_len=512, attention_backend=backend, gpu_memory_utilization=0.3)
+            llm = LLM(dtype="float32", max_model_len=512, attention_backend=backend, gpu_memory_utilization=0.3,
+                      compile_buckets=False)
             start = time.perf_counter() - t0
             t1 = time.perf_counter()
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
@@ -69,7 +70,8 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
 
     from jaxpaged import LLM, SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=2048, attention_backend=backend)
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", max_model_len=2048, attention_backend=backend,
+              compile_buckets=False)
     res = {"startup_s": time.perf_counter() - t0, "kv_blocks": llm.llm_engine.num_blocks - 1,
            "kv_tokens": llm.llm_engine.kv_cache_tokens}
     rng = np.random.default_rng(0)

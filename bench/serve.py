@@ -23,9 +23,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
-if __package__ in (None, ""):
-    # appended, not prepended: the repo root must not shadow an installed jaxpaged (GPU suite, /tmp/jp)
-    sys.path.append(str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to_path
+    _bench = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _bench]
+    sys.path.append(str(_bench.parent))
 
 from bench.datasets import DATASETS, SampleRequest  # noqa: E402
 
@@ -178,6 +179,8 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
     row = lambda k, v: lines.append(f"{k:<40}{v:<10}")  # noqa: E731
     row("Successful requests:", m["completed"])
     row("Failed requests:", m["failed"])
+    if m.get("skipped"):
+        row("Skipped requests (time limit):", m["skipped"])
     row("Maximum request concurrency:", max_concurrency)
     row("Request rate (req/s):", request_rate)
     row("Benchmark duration (s):", f"{m['duration']:.2f}")
@@ -205,8 +208,12 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
                     max_concurrency: int | None = None, burstiness: float = 1.0, seed: int = 0,
                     percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 150.0,
                     warmup: bool = True, disable_tqdm: bool = False, send_text: bool = False,
+                    time_limit_s: float | None = None,
                     request_func: RequestFunc = async_request_openai_completions) -> dict[str, Any]:
-    """Runs the whole benchmark against `api_url` (…/v1/completions); returns metrics + per-request data."""
+    """Runs the whole benchmark against `api_url` (…/v1/completions); returns metrics + per-request data.
+
+    time_limit_s: requests not yet started when it has passed are skipped (counted as "skipped", not
+    failed, and left out of every metric); the duration ends with the last request that ran."""
     import aiohttp
     from tqdm.asyncio import tqdm
 
@@ -224,19 +231,32 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
         pbar = None if disable_tqdm else tqdm(total=len(requests), desc="requests")
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-        async def limited(r: SampleRequest) -> RequestFuncOutput:
-            if sem is None:
-                return await request_func(make_input(r), session, pbar=pbar)
-            async with sem:
-                return await request_func(make_input(r), session, pbar=pbar)
-
         start = time.perf_counter()
+        last_end = [start]
+
+        async def timed(r: SampleRequest) -> RequestFuncOutput | None:
+            if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+                return None
+            out = await request_func(make_input(r), session, pbar=pbar)
+            last_end[0] = max(last_end[0], time.perf_counter())
+            return out
+
+        async def limited(r: SampleRequest) -> RequestFuncOutput | None:
+            if sem is None:
+                return await timed(r)
+            async with sem:
+                return await timed(r)
+
         tasks = [asyncio.create_task(limited(r)) async for r in get_request(requests, request_rate, burstiness, seed)]
-        outputs = await asyncio.gather(*tasks)
-        dur_s = time.perf_counter() - start
+        results = await asyncio.gather(*tasks)
+        dur_s = (last_end[0] if time_limit_s is not None else time.perf_counter()) - start
         if pbar is not None:
             pbar.close()
+    ran = [(r, o) for r, o in zip(requests, results) if o is not None]
+    requests, outputs = [r for r, _ in ran], [o for _, o in ran]
+    num_skipped = len(results) - len(ran)
     metrics = calculate_metrics(requests, outputs, dur_s, percentiles, slo_ttft_ms, slo_tpot_ms)
+    metrics["skipped"] = num_skipped
     errors = sorted({o.error for o in outputs if o.error})[:5]
     return {"metrics": metrics, "errors": errors,
             "per_request": {"ttfts": [o.ttft for o in outputs], "latencies": [o.latency for o in outputs],
@@ -272,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-tpot-ms", type=float, default=150.0)
     p.add_argument("--send-text", action="store_true", help="send prompt text where the workload has it")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="skip requests not started by then (reported as skipped; keeps a suite on time)")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--result-name", default=None, help="results file stem (default serve-<dataset>-c<conc>)")
     p.add_argument("--save-per-request", action="store_true", help="keep per-request timings in the JSON")
@@ -288,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = asyncio.run(benchmark(
         api_url, model, requests, args.request_rate, args.max_concurrency, args.burstiness, args.seed,
         [float(p) for p in args.percentiles.split(",")], args.goodput_ttft_ms, args.goodput_tpot_ms,
-        warmup=not args.no_warmup, disable_tqdm=args.disable_tqdm, send_text=args.send_text))
+        warmup=not args.no_warmup, disable_tqdm=args.disable_tqdm, send_text=args.send_text,
+        time_limit_s=args.time_limit_s))
     m = result["metrics"]
     print(format_metrics(m, args.max_concurrency, args.request_rate))
     if result["errors"]:

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    # appended, not prepended: the repo root must not shadow an installed jaxpaged (GPU suite, /tmp/jp)
-    sys.path.append(str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to_path
+    _bench = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _bench]
+    sys.path.append(str(_bench.parent))
 
 from bench.datasets import DATASETS, SampleRequest  # noqa: E402
 from bench.llm_args import add_engine_args  # noqa: E402

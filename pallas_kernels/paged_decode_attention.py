@@ -50,6 +50,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         # keys before seq_len - sliding_window are never seen; skip whole blocks of them
         first_block = jnp.maximum(first_block, jnp.maximum(seq_len - sliding_window, 0) // block_size)
     num_iters = pl.cdiv(jnp.maximum(end_block - first_block, 0), blocks_per_iter)
+    # A window-shifted first tile can reach into the next split's blocks: mask at the split's end too.
+    key_end = jnp.minimum(seq_len, end_block * block_size)
     q = q_ref[r, h, :, :]                                                     # [Gp, D]
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
@@ -63,7 +65,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (group_pad, tile), 1)
-        mask = pos < seq_len
+        mask = pos < key_end
         if sliding_window is not None:
             mask &= pos >= seq_len - sliding_window
         s = jnp.where(mask, s, _NEG)
