@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # an installed jaxpaged wins
 
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Hi",

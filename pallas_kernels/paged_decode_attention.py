@@ -23,24 +23,30 @@ from jax.experimental.pallas import triton as plgpu
 
 NUM_SMS = 132            # H100 SXM; only steers how many splits are made
 _NEG = -1e30             # finite "minus infinity": empty splits merge to zeros, never NaN
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, lse_ref, *,
-                   scale, sliding_window, soft_cap, blocks_per_split, blocks_per_iter):
+def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, *lse_refs,
+                   scale, sliding_window, soft_cap, blocks_per_split, blocks_per_iter, group_pad):
     # layer_ref:        i32[1]
     # seq_lens_ref:     i32[R]
-    # block_tables_ref: i32[R, NS * blocks_per_split + P]   (padded with null-block entries)
-    # q_ref:            dtype[R, K, Gp, D]
+    # block_tables_ref: i32[R, M]
+    # q_ref:            dtype[R, K, G, D]     rows G..Gp-1 of a tile are masked loads (zeros)
     # kv_ref:           dtype[L, 2, B, K, S, D]
-    # o_ref:            f32[R, K, NS, Gp, D]   this split's output, already divided by its softmax sum
-    # lse_ref:          f32[R, K, NS, Gp]      this split's log-sum-exp (_NEG when the split is empty)
+    # one split (no lse_refs):
+    #   o_ref:          dtype[R, N, D]        final output, rows h*G .. h*G+G-1 written by program (r, h)
+    # several splits:
+    #   o_ref:          f32[R, K, NS, Gp, D]  this split's output, already divided by its softmax sum
+    #   lse_refs[0]:    f32[R, K, NS, Gp]     this split's log-sum-exp (_NEG when the split is empty)
     r, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
-    group_pad = q_ref.shape[2]
+    group = q_ref.shape[2]
+    max_blocks = block_tables_ref.shape[1]
     tile = blocks_per_iter * block_size
     layer = layer_ref[0]
     seq_len = seq_lens_ref[r]
@@ -52,26 +58,31 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     num_iters = pl.cdiv(jnp.maximum(end_block - first_block, 0), blocks_per_iter)
     # A window-shifted first tile can reach into the next split's blocks: mask at the split's end too.
     key_end = jnp.minimum(seq_len, end_block * block_size)
-    q = q_ref[r, h, :, :]                                                     # [Gp, D]
+    row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
+    q = plgpu.load(q_ref.at[r, h, pl.ds(0, group_pad), :], mask=row < group, other=0.0)   # [Gp, D]
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
+    qk_scale = scale if soft_cap is not None else scale * _LOG2E
 
     def body(i, carry):
         m, l, acc = carry
         block0 = first_block + i * blocks_per_iter
-        blocks = block_tables_ref[r, pl.ds(block0, blocks_per_iter)]          # [P]
+        idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
+        blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
+                            mask=idx < max_blocks, other=0)                  # [P]; past M -> null
         k = kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         v = kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale       # [Gp, P*S] f32
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale    # [Gp, P*S] f32
         if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+            s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
         pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (group_pad, tile), 1)
         mask = pos < key_end
         if sliding_window is not None:
             mask &= pos >= seq_len - sliding_window
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))                            # [Gp]
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)                 # [Gp, P*S]
-        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)                # [Gp, P*S]
+        alpha = jnp.exp2(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return m_new, l, acc
@@ -81,8 +92,13 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     m, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
-    o_ref[r, h, split, :, :] = acc / l_safe[:, None]
-    lse_ref[r, h, split, :] = jnp.where(nonempty, m + jnp.log(l_safe), _NEG)
+    out = acc / l_safe[:, None]
+    if not lse_refs:
+        plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(o_ref.dtype),
+                    mask=row < group)
+    else:
+        o_ref[r, h, split, :, :] = out
+        lse_refs[0][r, h, split, :] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, _NEG)
 
 
 def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int) -> int:
@@ -92,22 +108,26 @@ def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_
     return int(min(max(want, 1), max_splits))
 
 
-def _launch(q4, kv_cache, layer, seq_lens, tables, *, scale, sliding_window, soft_cap, num_splits,
-            blocks_per_split, blocks_per_iter, num_warps, num_stages, interpret):
-    num_reqs, num_kv_heads, group_pad, head_dim = q4.shape
+def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_window, soft_cap,
+            num_splits, blocks_per_split, blocks_per_iter, group_pad, num_warps, num_stages, interpret):
+    num_reqs, num_kv_heads, group, head_dim = q3.shape
     kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, blocks_per_split=blocks_per_split,
-                               blocks_per_iter=blocks_per_iter)
+                               blocks_per_iter=blocks_per_iter, group_pad=group_pad)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad, head_dim),
+                                          jnp.float32),
+                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad), jnp.float32))
     return pl.pallas_call(
         kernel,
         grid=(num_reqs, num_kv_heads, num_splits),
-        out_shape=(jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad, head_dim),
-                                        jnp.float32),
-                   jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad), jnp.float32)),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(layer, seq_lens, tables, q4, kv_cache)
+    )(layer, seq_lens, block_tables, q3, kv_cache)
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens):
@@ -155,31 +175,28 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     group_pad = max(16, _next_pow2(group))
     max_blocks = block_tables.shape[1]
     if blocks_per_iter is None:
-        blocks_per_iter = max(1, (64 if head_dim > 64 else 128) // block_size)
+        # H100 sweep (bench/results/kernels_*): 64 keys per iteration, except 128 for D 64 with many
+        # (request, kv head) pairs
+        keys = 128 if head_dim <= 64 and num_reqs * num_kv_heads >= 256 else 64
+        blocks_per_iter = max(1, keys // block_size)
     if num_splits is None:
         num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter)
     blocks_per_split = -(-max_blocks // num_splits)
     blocks_per_split = -(-blocks_per_split // blocks_per_iter) * blocks_per_iter
     if num_warps is None:
         num_warps = 4
-    # Pad the table so that every tile can be sliced whole (a sliding window starts a split mid-way,
-    # hence the extra blocks_per_iter); the pads point at the null block.
-    tables = jnp.pad(block_tables,
-                     ((0, 0), (0, num_splits * blocks_per_split + blocks_per_iter - max_blocks)))
-    q4 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
-    o, lse = _launch(q4, kv_cache, layer, seq_lens, tables, scale=scale, sliding_window=sliding_window,
-                     soft_cap=soft_cap, num_splits=num_splits, blocks_per_split=blocks_per_split,
-                     blocks_per_iter=blocks_per_iter, num_warps=num_warps, num_stages=num_stages,
-                     interpret=interpret)
-    o, lse = o[:, :, :, :group], lse[:, :, :, :group]                  # [R, K, NS, G, D], [R, K, NS, G]
+    res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
+                  blocks_per_split=blocks_per_split, blocks_per_iter=blocks_per_iter,
+                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if num_splits == 1:
-        out = o[:, :, 0]
-    else:
-        # merge splits: weights exp(lse_s - max_s lse); empty splits carry _NEG and weigh 0
-        w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
-        out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
+        return res                                                     # written by the kernel
+    o, lse = res[0][:, :, :, :group], res[1][:, :, :, :group]          # [R, K, NS, G, D], [R, K, NS, G]
+    # merge splits: weights exp(lse_s - max_s lse); empty splits carry _NEG and weigh 0
+    w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
+    out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
     return out.reshape(num_reqs, num_heads, head_dim).astype(q.dtype)
 
 

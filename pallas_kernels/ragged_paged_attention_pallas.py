@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _NEG = -1e30
+_LOG2E = 1.4426950408889634
 
 
 def _next_pow2(x: int) -> int:
@@ -39,7 +40,7 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
     # tile_start_ref:      i32[NT]          flat index of the tile's first query token
     # query_start_loc_ref: i32[R + 1]
     # seq_lens_ref:        i32[R]
-    # block_tables_ref:    i32[R, M + P]    (padded with null-block entries)
+    # block_tables_ref:    i32[R, M]
     # q_ref:               dtype[K, (T + BQ) * Gp, D]   row t * Gp + g is token t, head g of kv head k
     # kv_ref:              dtype[L, 2, B, K, S, D]
     # o_ref:               dtype[K, (T + BQ) * Gp, D]   rows of valid tokens written, others untouched
@@ -65,17 +66,22 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
             kv_begin = (jnp.maximum(first_pos - sliding_window + 1, 0) // bk) * bk
         q = q_ref[h, pl.ds(q_start * gp, bm), :]                         # [BM, D]
         precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+        # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
+        qk_scale = scale if soft_cap is not None else scale * _LOG2E
+        max_blocks = block_tables_ref.shape[1]
         row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // gp
 
         def body(j, carry, masked):
             m, l, acc = carry
             block0 = kv_begin // block_size + j * blocks_per_iter
-            blocks = block_tables_ref[req, pl.ds(block0, blocks_per_iter)]    # [P]
+            idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
+            blocks = plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
+                                mask=idx < max_blocks, other=0)              # [P]; past M -> null
             k = kv_ref[layer, 0, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
             v = kv_ref[layer, 1, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
-            s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale   # [BM, BK] f32
+            s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [BM, BK] f32
             if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
+                s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
             if masked:
                 key_pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
                 mask = key_pos <= row_pos
@@ -83,10 +89,10 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
                     mask &= key_pos > row_pos - sliding_window
                 s = jnp.where(mask, s, _NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp(s - m_new[:, None])
+            p = jnp.exp2(s - m_new[:, None])
             if masked:
                 p = jnp.where(mask, p, 0.0)
-            alpha = jnp.exp(m - m_new)
+            alpha = jnp.exp2(m - m_new)
             l = l * alpha + jnp.sum(p, axis=1)
             acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
             return m_new, l, acc
@@ -108,7 +114,7 @@ def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
     """Request and first token of every tile; tiles past the real count get request -1.
 
     # q_lens [3, 0, 9], BQ 4 -> tiles per request [1, 0, 3], cum [0, 1, 1, 4]
-    #   tile_req [0, 2, 2, 2, -1, ...], tile_start [0, 3, 7, 11, ...]
+    #   tile_req [0, 2, 2, 2, -1, ...], tile_start [0, 3, 7, 11, ...], then both reversed
     """
     num_reqs = query_start_loc.shape[0] - 1
     num_tiles = -(-num_tokens // tokens_per_tile) + num_reqs
@@ -119,7 +125,8 @@ def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
     req = jnp.minimum(jnp.searchsorted(cum[1:], tile, side="right").astype(jnp.int32), num_reqs - 1)
     start = query_start_loc[req] + (tile - cum[req]) * tokens_per_tile
     real = tile < cum[num_reqs]
-    return jnp.where(real, req, -1), jnp.where(real, start, 0), num_tiles
+    # Reversed: a request's last tiles attend to the most keys; launching them first shortens the tail.
+    return (jnp.where(real, req, -1)[::-1], jnp.where(real, start, 0)[::-1], num_tiles)
 
 
 def _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
@@ -192,14 +199,13 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     if num_warps is None:
         num_warps = 8 if head_dim >= 128 and block_m >= 128 else 4
     tile_req, tile_start, num_tiles = _tile_schedule(query_start_loc, num_tokens, tokens_per_tile)
-    tables = jnp.pad(block_tables, ((0, 0), (0, blocks_per_iter)))
     # [T, N, D] -> [K, (T + BQ) * Gp, D]: a tile's rows are contiguous; the BQ pad tokens keep the last
     # tile's loads and (masked) stores inside the array.
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, tokens_per_tile), (0, 0), (0, group_pad - group), (0, 0)))
     q2 = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
-    o2 = _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables,
+    o2 = _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, block_tables,
                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                  tokens_per_tile=tokens_per_tile, group_pad=group_pad, blocks_per_iter=blocks_per_iter,
                  num_tiles=num_tiles, num_warps=num_warps, num_stages=num_stages, interpret=interpret)

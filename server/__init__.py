@@ -1,1 +1,1 @@
-
+"""jaxpaged.server: the OpenAI-compatible HTTP server (`python -m jaxpaged.server`)."""
