@@ -1,0 +1,23 @@
+"""`python -m jaxpaged.server [flags]`: the OpenAI-compatible server (flags as `vllm serve`; -h lists them)."""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jaxpaged.server.cli import make_parser, validate_args
+    from jaxpaged.server.serving import load_chat_template
+
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    validate_args(parser, args)
+    try:
+        load_chat_template(args.chat_template)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    from jaxpaged.server.api_server import run_server
+    run_server(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

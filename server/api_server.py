@@ -1,0 +1,194 @@
+"""The FastAPI app: routes, OpenAI-shaped errors, the API key check, CORS; and `run_server`.
+
+The engine runs on its own thread (AsyncLLM); handlers only tokenize, queue and stream, so nothing here
+ever waits on an engine step.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import jaxpaged
+from jaxpaged.server.metrics import ServerMetrics
+from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from jaxpaged.server.serving import APIError, ServerState, error_body, error_for, logger
+from jaxpaged.server.serving_chat import apply_chat_template, create_chat_completion
+from jaxpaged.server.serving_completion import create_completion
+
+_HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                     405: "MethodNotAllowed", 422: "BadRequestError", 503: "ServiceUnavailableError"}
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's errors -> one readable line, and the first offending field as `param`."""
+    parts, param = [], None
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            return f"Invalid JSON in the request body: {e.get('msg')}", None
+        if param is None and loc:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error_response(APIError(message, 400, "BadRequestError", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        err = APIError(str(exc.detail), exc.status_code, _HTTP_ERROR_TYPES.get(exc.status_code, "Error"))
+        return _error_response(err)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError):
+        return _error_response(error_for(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception):
+        err = error_for(exc)
+        if err.status_code >= 500:
+            logger.exception("request failed", exc_info=exc)
+        return _error_response(err)
+
+
+def add_api_key_check(app: FastAPI, api_key: str, root_path: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def _check_key(request: Request, call_next):
+        path = request.scope["path"]
+        if root_path and path.startswith(root_path):
+            path = path[len(root_path):]
+        # As vLLM: only the OpenAI routes need the key; /health, /metrics, /version stay open for probes.
+        if request.method != "OPTIONS" and path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return JSONResponse(error_body("Unauthorized: a valid API key is required "
+                                               "(Authorization: Bearer <key>).", "AuthenticationError", 401),
+                                    status_code=401)
+        return await call_next(request)
+
+
+def build_app(state: ServerState, args: argparse.Namespace | None = None) -> FastAPI:
+    metrics = ServerMetrics(state.engine, state.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(metrics.drain_forever())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="jaxpaged OpenAI-compatible server", version=jaxpaged.__version__, lifespan=lifespan,
+                  root_path=(args.root_path if args else None) or "")
+    add_error_handlers(app)
+    if args is not None and args.api_key:
+        add_api_key_check(app, args.api_key, args.root_path or "")
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins if args else ["*"],
+                       allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+    app.state.server = state
+    app.state.metrics = metrics
+    _add_routes(app, state, metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request):
+        """OpenAI completions (with vLLM's sampling extras)."""
+        return await create_completion(state, request, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        """OpenAI chat completions, through the model's chat template."""
+        return await create_chat_completion(state, request, raw)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=name, root=state.engine.model_path,
+                                         max_model_len=state.engine.max_model_len)
+                               for name in state.served_model_names])
+
+    @app.get("/health")
+    async def health():
+        """200 while the engine loop is alive and making progress; 503 when it died or stalled."""
+        if state.llm.is_healthy():
+            return Response(status_code=200)
+        reason = f"engine loop died: {state.llm.dead_error!r}" if state.llm.errored else "engine loop stalled"
+        return _error_response(APIError(reason, 503, "ServiceUnavailableError"))
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxpaged.__version__}
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest):
+        state.check_model(request.model)
+        tok = state.tokenizer
+        if request.messages is not None:
+            text = apply_chat_template(state, request.messages, request.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+        elif request.prompt is not None:
+            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        else:
+            raise APIError("give either `prompt` or `messages`", param="prompt")
+        strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest):
+        state.check_model(request.model)
+        vocab = state.engine.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).", param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(request.tokens))
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from jaxpaged.engine.async_llm import AsyncLLM
+    from jaxpaged.server.cli import engine_args_from
+    from jaxpaged.server.serving import load_chat_template
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    chat_template = load_chat_template(args.chat_template)
+    engine_args = engine_args_from(args)
+    llm = AsyncLLM.from_engine_args(engine_args)
+    names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    state = ServerState(llm, names, chat_template, log_requests=not args.disable_log_requests)
+    app = build_app(state, args)
+    logger.info("Serving %s on http://%s:%d (engine ready in %.1f s)", names[0], args.host or "0.0.0.0",
+                args.port, llm.engine.startup_seconds)
+    try:
+        uvicorn.run(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_keep_alive=5)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,115 @@
+"""Command-line flags of `python -m jaxpaged.server`, with vLLM's names and meanings."""
+from __future__ import annotations
+
+import argparse
+
+from jaxpaged.config import EngineArgs
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxpaged.server",
+        description="OpenAI-compatible HTTP server for jaxpaged (the flags of `vllm serve`).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="Local Hugging Face model folder. Omitted: the embedded SmolLM2-135M-Instruct.")
+    m.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: the model folder).")
+    m.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) the API accepts in the `model` field; the first is reported in "
+                        "responses. Default: the --model argument (or SmolLM2-135M-Instruct).")
+    m.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="Weight and activation dtype; auto takes the checkpoint's torch_dtype.")
+    m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="How to load weights; dummy gives random weights of the right shapes (benchmarks).")
+    m.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="Context length (prompt + output). Default: the model's max_position_embeddings.")
+    m.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, as a file path or the template text itself. Default: the "
+                        "tokenizer's template.")
+    m.add_argument("--seed", type=int, default=0, help="Random seed for weights (dummy) and sampling.")
+
+    c = p.add_argument_group("cache and scheduler")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="Fraction of GPU memory for weights, activations and the KV cache.")
+    c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
+                   help="Tokens per KV cache block.")
+    c.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="Use this many KV cache blocks instead of sizing the pool from free memory.")
+    c.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory for swapped-out blocks (with --preemption-mode swap).")
+    c.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
+                   help="What to do with a preempted request's blocks: drop and recompute, or swap to host.")
+    c.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                   help="Most requests in one batch.")
+    c.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="Token budget of one engine step. Default: 2048, or max-model-len when chunked "
+                        "prefill is off.")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
+    c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="Split long prompts into chunks scheduled beside running decodes.")
+    c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: first come first served; priority: the request's `priority` field first.")
+    c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs to shard the model over. Only 1 is supported for now.")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
+    s.add_argument("--port", type=int, default=8000, help="Port to bind.")
+    s.add_argument("--api-key", default=None,
+                   help="If set, /v1/* requests must send `Authorization: Bearer <key>`.")
+    s.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS allowed origins, as a JSON list, e.g. \'["http://localhost:3000"]\'.')
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"],
+                   help="Log level of uvicorn.")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="Do not log each request's id, prompt length and sampling parameters.")
+    s.add_argument("--root-path", default=None,
+                   help="FastAPI root_path, when the app sits behind a path-based proxy.")
+    return p
+
+
+def _json_list(text: str) -> list[str]:
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings: {e}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError("expected a JSON list of strings")
+    return [str(v) for v in value]
+
+
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Errors the engine would only find after loading the model: report them at once."""
+    if args.tensor_parallel_size != 1:
+        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet: jaxpaged "
+                     "runs on one GPU, so only --tensor-parallel-size 1 works")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.swap_space < 0:
+        parser.error(f"--swap-space must be non-negative, got {args.swap_space}")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 2:
+        parser.error("--num-gpu-blocks-override must be at least 2 (block 0 is the null block)")
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)

@@ -1,0 +1,231 @@
+"""What the endpoints share: the server state, errors in OpenAI's shape, prompt checks, SSE framing, merging
+the output streams of several prompts, cancelling on client disconnect, and logprob formatting."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+
+from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxpaged.outputs import Logprob
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("jaxpaged.server")
+
+
+class APIError(Exception):
+    """An error the client sees as {"error": {"message", "type", "param", "code"}} with this status."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None):
+        super().__init__(message)
+        self.message, self.status_code, self.err_type, self.param = message, status_code, err_type, param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.err_type, self.status_code, self.param)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
+
+
+def error_for(exc: BaseException) -> APIError:
+    """Map an exception from the engine or the request checks to the error the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503, "ServiceUnavailableError")
+    return APIError(f"internal error: {exc!r}", 500, "InternalServerError")
+
+
+@dataclasses.dataclass
+class ServerState:
+    llm: AsyncLLM
+    served_model_names: list[str]
+    chat_template: str | None = None        # --chat-template (file contents or the text)
+    log_requests: bool = True
+
+    @property
+    def engine(self):
+        return self.llm.engine
+
+    @property
+    def tokenizer(self):
+        return self.llm.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks (vLLM's wording for over-long prompts), run before anything streams."""
+        self.engine.validate_prompt(token_ids, params)
+        vocab = self.engine.model_config.vocab_size
+        for tid in list(params.logit_bias or ()) + list(params.stop_token_ids or ()):
+            if not 0 <= tid < vocab:
+                raise ValueError(f"token id {tid} in logit_bias or stop_token_ids is out of vocabulary "
+                                 f"(vocab size {vocab}).")
+
+    def default_max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int | None:
+        """As vLLM: no max_tokens means up to the context length (at least 1, so an over-long prompt
+        still reaches the engine's length check and gets its message)."""
+        if requested is not None:
+            return requested
+        return max(1, self.engine.max_model_len - num_prompt_tokens)
+
+    def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt tokens, n=%d, max_tokens=%s, temperature=%s",
+                        request_id, num_prompt_tokens, params.n, params.max_tokens, params.temperature)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template is a file path or the template text itself (as in vLLM)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+# ---- streams -----------------------------------------------------------------------------------
+def sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame a stream for the client: a failure after the 200 header sends an error chunk, and every
+    stream that was not cut by the client ends with `data: [DONE]`."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+    except Exception as exc:          # CancelledError (client gone) is not an Exception: it propagates
+        err = error_for(exc)
+        logger.warning("stream failed: %s", err.message)
+        yield sse(err.body())
+    yield SSE_DONE
+
+
+_END = object()
+
+
+async def merge_outputs(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Yield (prompt index, output) from several engine streams as they arrive. Closing this generator
+    (or cancelling its consumer) closes every stream, which aborts their requests in the engine."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for item in gen:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drain(i: int, gen: AsyncIterator) -> None:
+        try:
+            async with contextlib.aclosing(gen):
+                async for item in gen:
+                    queue.put_nowait((i, item))
+            queue.put_nowait((i, _END))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(drain(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def with_cancellation(work: Awaitable, request: Request):
+    """Run a non-streaming handler, cancelling it (and so aborting its requests) if the client leaves.
+    FastAPI has read the body already, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        logger.info("client disconnected: request aborted")
+        raise APIError("client disconnected", 499, "ClientClosedRequest")
+    return task.result()
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+def clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)      # -inf is not valid JSON; vLLM clamps the same way
+
+
+def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position, by rank."""
+    ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                    key=lambda item: item[1].rank)
+    return ranked[:k]
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _bytes_to_unicode()
+
+
+def token_bytes(tokenizer, token_id: int, decoded: str) -> list[int]:
+    """A token's raw UTF-8 bytes: exact for byte-level BPE (a token may hold part of a character),
+    else the bytes of its decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece and all(ch in _BYTE_DECODER for ch in piece):
+        return [_BYTE_DECODER[ch] for ch in piece]
+    return list(decoded.encode("utf-8"))

@@ -1,0 +1,151 @@
+"""POST /v1/completions: one engine request per prompt, n samples each; streamed as SSE or returned whole."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxpaged.outputs import CompletionOutput, Logprob
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                      UsageInfo, random_id)
+from jaxpaged.server.serving import (APIError, ServerState, clamp, merge_outputs, sse, sse_with_errors,
+                                     top_entries, with_cancellation)
+
+
+def _prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts (text or token ids)."""
+    p = request.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError("prompt cannot be empty", param="prompt")
+    if isinstance(p[0], int):
+        return [p]
+    return list(p)
+
+
+class _Prepared:
+    """One prompt, tokenized and checked, with its sampling params."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest, prompt: str | list[int]):
+        text, self.token_ids = state.engine.tokenize_prompt(prompt)
+        self.text = text if text is not None else state.tokenizer.decode(self.token_ids)
+        self.params: SamplingParams = request.to_sampling_params(
+            state.default_max_tokens(request.max_tokens, len(self.token_ids)))
+        state.check_prompt(self.token_ids, self.params)
+
+
+def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int,
+                    offset: int) -> CompletionLogProbs:
+    """OpenAI completions logprobs; `offset` is where these tokens' text starts in the choice's text."""
+    out = CompletionLogProbs()
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry[tid]
+        token = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])
+        out.tokens.append(token)
+        out.token_logprobs.append(clamp(lp.logprob))
+        top = {token: clamp(lp.logprob)}
+        for top_id, top_lp in top_entries(entry, k):
+            top.setdefault(top_lp.decoded_token or tokenizer.decode([top_id]), clamp(top_lp.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
+    state.check_model(request.model)
+    if request.echo and request.logprobs is not None:
+        raise APIError("echo with logprobs needs prompt logprobs, which jaxpaged does not compute yet.",
+                       param="echo")
+    try:
+        prepared = [_Prepared(state, request, p) for p in _prompts(request)]
+    except ValueError as e:
+        raise APIError(str(e)) from None
+    request_id = random_id("cmpl")
+    gens = []
+    for i, prep in enumerate(prepared):
+        rid = request_id if len(prepared) == 1 else f"{request_id}-{i}"
+        state.log_request(rid, len(prep.token_ids), prep.params)
+        gens.append(state.llm.generate({"prompt": prep.text, "prompt_token_ids": prep.token_ids}, prep.params,
+                                       rid, priority=request.priority))
+    if request.stream:
+        chunks = _stream(state, request, request_id, prepared, gens)
+        return StreamingResponse(sse_with_errors(chunks), media_type="text/event-stream")
+    response = await with_cancellation(_full(state, request, request_id, prepared, gens), raw)
+    return JSONResponse(response.model_dump())
+
+
+async def _full(state: ServerState, request: CompletionRequest, request_id: str, prepared: list[_Prepared],
+                gens: list) -> CompletionResponse:
+    finals = {}
+    async for i, out in merge_outputs(gens):
+        if out.finished:
+            finals[i] = out
+    n = request.n
+    choices = []
+    for i, prep in enumerate(prepared):
+        for comp in sorted(finals[i].outputs, key=lambda c: c.index):
+            prefix = prep.text if request.echo else ""
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = format_logprobs(state.tokenizer, comp.token_ids, comp.logprobs or [],
+                                           request.logprobs, len(prefix))
+            choices.append(CompletionChoice(index=i * n + comp.index, text=prefix + comp.text, logprobs=logprobs,
+                                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+    num_prompt = sum(len(p.token_ids) for p in prepared)
+    num_gen = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+    return CompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                              usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                              total_tokens=num_prompt + num_gen))
+
+
+async def _stream(state: ServerState, request: CompletionRequest, request_id: str, prepared: list[_Prepared],
+                  gens: list) -> AsyncIterator[str]:
+    created = int(time.time())
+    n = request.n
+    text_len: dict[int, int] = {}          # choice index -> characters sent so far (for text_offset)
+    num_gen = 0
+    num_prompt = sum(len(p.token_ids) for p in prepared)
+
+    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+        body = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage.model_dump()
+        return sse(body)
+
+    async for i, out in merge_outputs(gens):
+        choices = []
+        for comp in out.outputs:
+            index = i * n + comp.index
+            text = comp.text
+            if index not in text_len:                  # the first piece of this choice: echo the prompt
+                text_len[index] = 0
+                if request.echo:
+                    text = prepared[i].text + text
+            choices.append(_stream_choice(state, request, index, comp, text, text_len))
+            num_gen += len(comp.token_ids)
+        if choices:
+            usage = None
+            if request.include_usage and request.stream_options.continuous_usage_stats:
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                  total_tokens=num_prompt + num_gen)
+            yield chunk(choices, usage)
+    if request.include_usage:
+        yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                  total_tokens=num_prompt + num_gen))
+
+
+def _stream_choice(state: ServerState, request: CompletionRequest, index: int, comp: CompletionOutput,
+                   text: str, text_len: dict[int, int]) -> dict:
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = format_logprobs(state.tokenizer, comp.token_ids, comp.logprobs or [], request.logprobs,
+                                   text_len[index] + len(text) - len(comp.text)).model_dump()
+    text_len[index] += len(text)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": comp.finish_reason,
+            "stop_reason": comp.stop_reason}
