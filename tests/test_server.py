@@ -1,0 +1,401 @@
+"""The OpenAI-compatible server as a real `python -m jaxpaged.server` process, driven by the `openai` client.
+
+One server for the whole module (loading SmolLM2 on the CPU takes a while); every test leaves it idle and
+healthy. Greedy outputs are compared with `jaxpaged.LLM` in this process, built with the same engine flags.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MODEL = "smol"
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 32
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
+           "The three primary colors are"]
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="jaxpaged-server-", delete=False)
+    cmd = [sys.executable, "-m", "jaxpaged.server", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--served-model-name", MODEL, "--api-key", API_KEY, "--uvicorn-log-level", "warning",
+           "--disable-log-requests"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                pytest.fail("server did not become healthy in 300 s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+@pytest.fixture(scope="module")
+def llm(server):
+    # built after the server is up, so the two model loads don't fight over the two cores
+    from jaxpaged import LLM
+    return LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as c:
+        yield c
+
+
+def greedy(llm, prompts, max_tokens, **kw):
+    from jaxpaged import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def metrics(http) -> dict[str, float]:
+    """{sample name + sorted labels: value} of every sample /metrics exposes."""
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+# ---- basic endpoints -----------------------------------------------------------------------------
+def test_models_version_health_docs(server, client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert http.get("/version").json()["version"]
+    assert httpx.get(server + "/health").status_code == 200          # no key needed for probes
+    assert http.get("/docs").status_code == 200
+    assert "/v1/chat/completions" in http.get("/openapi.json").json()["paths"]
+
+
+def test_tokenize_detokenize(http, llm):
+    tok = llm.get_tokenizer()
+    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and len(r["token_strs"]) == r["count"]
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    bad = http.post("/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+
+
+# ---- completions ---------------------------------------------------------------------------------
+def test_completions_greedy_equal_llm(client, llm):
+    ref = greedy(llm, PROMPTS, 12)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == ref
+    assert all(c.finish_reason == "length" for c in r.choices)
+    tok = llm.get_tokenizer()
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS)
+    assert r.usage.completion_tokens == 4 * 12 and r.usage.total_tokens == r.usage.prompt_tokens + 48
+    # token-id prompts (one and several) give the same text
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    assert client.completions.create(model=MODEL, prompt=ids[0], max_tokens=12, temperature=0).choices[0].text == ref[0]
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert [c.text for c in r2.choices] == ref[:2]
+
+
+def test_completions_stream_equal_llm(client, llm):
+    ref = greedy(llm, PROMPTS[:2], 12)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    texts, finish, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == ref and finish == ["length", "length"]
+    assert usage.completion_tokens == 24 and usage.total_tokens == usage.prompt_tokens + 24
+
+
+def test_completions_echo_stop_and_extras(client, llm):
+    ref = greedy(llm, [PROMPTS[1]], 16)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[1] + ref
+    # stop at a word in the middle of the greedy text: the text ends just before it
+    words = ref.split()
+    stop = " " + words[len(words) // 2]
+    cut = ref[:ref.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=[stop],
+                                      stream=stream)
+        chunks = list(r) if stream else [r]
+        text = "".join(c.text for ch in chunks for c in ch.choices)
+        assert text == cut
+        last = [c for ch in chunks for c in ch.choices][-1]
+        assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+    # vLLM's extras pass through: ignore_eos, min_tokens, top_k, repetition_penalty
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True, "min_tokens": 5, "top_k": 5,
+                                              "repetition_penalty": 1.1})
+    assert r.usage.completion_tokens == 5
+
+
+def test_completions_n_and_seed(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]        # same seed, same samples
+    assert len({c.text for c in a.choices}) > 1                              # the n samples differ
+    assert a.usage.completion_tokens == 24
+    # streamed n > 1: chunks carry their choice index; the same seed gives the same texts
+    texts = ["", "", ""]
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in a.choices]
+    other = client.completions.create(**{**kw, "seed": 99})
+    assert [c.text for c in other.choices] != [c.text for c in a.choices]
+
+
+def test_completions_logprobs(client, llm):
+    ref = greedy(llm, [PROMPTS[0]], 8)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert c.text == ref and len(lp.tokens) == 8 and "".join(lp.tokens) == ref
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token_lp <= 0 and 3 <= len(top) <= 4
+        assert top[token] == token_lp == max(top.values())                   # greedy picks the top token
+    # streamed logprobs have the same values
+    toks, lps = [], []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           logprobs=3, stream=True):
+        for ch in chunk.choices:
+            if ch.logprobs:
+                toks += ch.logprobs.tokens
+                lps += ch.logprobs.token_logprobs
+    assert toks == lp.tokens and lps == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+def test_chat_greedy_equal_llm(client, llm):
+    from jaxpaged import SamplingParams
+    ref_out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    ref = ref_out.text
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref
+    assert r.choices[0].finish_reason == ref_out.finish_reason
+    assert r.usage.completion_tokens == len(ref_out.token_ids)          # the EOS token counts, as in vLLM
+    # content given as a list of text parts is the same message
+    parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": CHAT[1]["content"]}]}]
+    assert client.chat.completions.create(model=MODEL, messages=parts, max_tokens=16,
+                                          temperature=0).choices[0].message.content == ref
+    # streaming: the first delta carries the role; include_usage adds a final usage-only chunk
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+
+
+def test_chat_n_logprobs_seed(client):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=1.0, n=2, seed=7, logprobs=True,
+              top_logprobs=2)
+    a = client.chat.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    for c in a.choices:
+        content = c.logprobs.content
+        assert "".join(t.token for t in content) == c.message.content
+        for t in content:
+            assert t.logprob <= 0 and len(t.top_logprobs) == 2 and bytes(t.bytes).decode() == t.token
+            assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= -9999
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in a.choices]
+
+
+# ---- concurrency ---------------------------------------------------------------------------------
+def test_64_concurrent_streams(server, llm):
+    from jaxpaged import SamplingParams
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    ref = [(o.outputs[0].text, o.outputs[0].finish_reason)
+           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+
+    async def one(aclient, i):
+        text, finish = "", None
+        stream = await aclient.completions.create(model=MODEL, prompt=prompts[i % 8], max_tokens=8,
+                                                  temperature=0, stream=True)
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                finish = c.finish_reason or finish
+        return text, finish
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(aclient, i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert list(results) == [ref[i % 8] for i in range(64)]
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _assert_error(resp: httpx.Response, status: int, err_type: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == status
+    if err_type:
+        assert err["type"] == err_type
+    return err
+
+
+def test_errors_are_openai_shaped_and_server_keeps_serving(server, client, http):
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    for field, value in [("max_tokens", -1), ("temperature", -0.5), ("n", 0), ("top_p", 0), ("logprobs", 50)]:
+        for stream in (False, True):
+            err = _assert_error(http.post("/v1/completions", json={**ok, field: value, "stream": stream}), 400,
+                                "BadRequestError")
+            assert field.split("_")[0] in err["message"]
+    long_prompt = "hello " * 1200
+    err = _assert_error(http.post("/v1/completions", json={**ok, "prompt": long_prompt}), 400)
+    assert err["message"].startswith("This model's maximum context length is 1024 tokens. However, you requested")
+    err = _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                                 "messages": [{"role": "user", "content": long_prompt}]}), 400)
+    assert "maximum context length is 1024 tokens" in err["message"]
+    _assert_error(http.post("/v1/completions", content=b'{"prompt": "Hi", ', headers={"content-type": "application/json"}), 400)
+    _assert_error(http.post("/v1/completions", json={"model": MODEL}), 400)              # no prompt
+    _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    err = _assert_error(http.post("/v1/completions", json={**ok, "model": "no-such-model"}), 404, "NotFoundError")
+    assert "no-such-model" in err["message"]
+    _assert_error(httpx.post(server + "/v1/completions", json=ok), 401)                  # no key
+    _assert_error(httpx.post(server + "/v1/completions", json=ok, headers={"Authorization": "Bearer wrong"}), 401)
+    _assert_error(httpx.get(server + "/v1/models"), 401)
+    _assert_error(http.get("/no-such-route"), 404)
+    # the openai client maps them to its exceptions
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    # and the server keeps serving
+    assert http.get("/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# ---- disconnect and metrics ----------------------------------------------------------------------
+def _wait_idle(http, timeout=20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(http)
+        if m["jaxpaged:num_requests_running"] == 0 and m["jaxpaged:kv_cache_usage_perc"] == 0:
+            return m
+        if time.time() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_disconnect_mid_stream_frees_blocks(http):
+    before = metrics(http)
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line for _, line in zip(range(8), r.iter_lines())]
+        assert any(line.startswith("data: {") for line in lines)
+        during = metrics(http)
+        assert during["jaxpaged:num_requests_running"] == 1 and during["jaxpaged:kv_cache_usage_perc"] > 0
+    after = _wait_idle(http)
+    assert after["jaxpaged:num_requests_running"] == 0 and after["jaxpaged:num_requests_waiting"] == 0
+    assert after["jaxpaged:kv_cache_usage_perc"] == 0
+    assert after["jaxpaged:num_free_blocks"] == after["jaxpaged:num_blocks"]
+    abort = "jaxpaged:request_success_total{finished_reason=abort}"
+    assert after[abort] == before[abort] + 1
+    assert after["jaxpaged:generation_tokens_total"] - before["jaxpaged:generation_tokens_total"] < 900
+    # the same for a chat stream, and for a non-streaming request whose client times out
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+        _ = [line for _, line in zip(range(6), r.iter_lines())]
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={**body, "stream": False}, timeout=3)
+    after = _wait_idle(http)
+    assert after["jaxpaged:num_requests_running"] == 0 and after["jaxpaged:kv_cache_usage_perc"] == 0
+    assert after[abort] == before[abort] + 3
+
+
+def test_metrics_parse_and_counters_move(client, http):
+    before = metrics(http)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count"):
+        assert "jaxpaged:" + name in before, name
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = metrics(http)
+
+    def moved(name):
+        return after[name] - before[name]
+
+    assert moved("jaxpaged:generation_tokens_total") == 6
+    assert moved("jaxpaged:prompt_tokens_total") >= 1
+    assert moved("jaxpaged:prompt_tokens_total") <= r.usage.prompt_tokens
+    assert moved("jaxpaged:request_success_total{finished_reason=length}") == 1
+    assert moved("jaxpaged:time_to_first_token_seconds_count") == 1
+    assert moved("jaxpaged:e2e_request_latency_seconds_count") == 1
+    assert moved("jaxpaged:inter_token_latency_seconds_count") == 5
+    assert moved("jaxpaged:prefix_cache_queries_total") >= 0
+    assert after["jaxpaged:num_requests_running"] == 0
