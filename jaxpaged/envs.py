@@ -18,3 +18,5 @@ JAXPAGED_LOG_COMPILES = os.environ.get("JAXPAGED_LOG_COMPILES", "0") == "1"
 # JAX preallocates 75% of GPU memory by default; jaxpaged sizes its own pool from
 # gpu_memory_utilization, so let XLA's allocator see nearly all of it (the user's setting wins).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# The fraction actually in force (jax may have started before jaxpaged was imported: then XLA's 0.75).
+XLA_MEM_FRACTION = float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])

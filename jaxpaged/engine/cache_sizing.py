@@ -36,9 +36,16 @@ def size_kv_cache(per_block: int, weights_bytes: int, activation_bytes: int, gpu
     if not stats or "bytes_limit" not in stats:
         budget = envs.JAXPAGED_CPU_KV_CACHE_MIB << 20
     else:
-        # bytes_limit is what XLA's allocator may use; bytes_in_use already holds the weights.
-        total = stats.get("bytes_reservable_limit", stats["bytes_limit"])
-        budget = int(total * gpu_memory_utilization) - stats.get("bytes_in_use", weights_bytes) - activation_bytes
+        # bytes_limit is what XLA's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION of the device's
+        # memory. gpu_memory_utilization is a fraction of the whole device, as in vLLM, capped by that
+        # limit; bytes_in_use already holds the weights.
+        limit = stats["bytes_limit"]
+        device_total = limit / envs.XLA_MEM_FRACTION
+        usable = min(int(device_total * gpu_memory_utilization), limit)
+        budget = usable - stats.get("bytes_in_use", weights_bytes) - activation_bytes
+        logger.info("Device memory: %.1f GiB, allocator limit %.1f GiB, in use %.2f GiB, activations %.2f GiB",
+                    device_total / 2**30, limit / 2**30, stats.get("bytes_in_use", 0) / 2**30,
+                    activation_bytes / 2**30)
     num_blocks = max(budget // per_block, 0)
     if num_blocks < 2:
         raise ValueError(f"No memory left for the KV cache (budget {budget / 2**30:.2f} GiB after weights "

@@ -7,6 +7,9 @@ in an incomplete character.
 """
 from __future__ import annotations
 
+import codecs
+import functools
+import json
 from typing import NamedTuple
 
 _REPLACEMENT = "\ufffd"
@@ -17,10 +20,55 @@ class StopMatch(NamedTuple):
     text_end: int       # where the output text is cut
 
 
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's printable stand-ins for the 256 byte values, inverted: character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    """id -> raw bytes, for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM2); None otherwise.
+
+    With it, detokenizing a token is a table lookup plus an incremental UTF-8 decode, instead of two
+    tokenizer.decode calls: the engine's per-token host cost drops by an order of magnitude.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel":   # normalizers act on encode only
+        return None
+    inv = _bytes_to_unicode()
+    special = set(tokenizer.all_special_ids)
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()} if hasattr(tokenizer, "added_tokens_decoder") else {}
+    table: list[bytes] = []
+    for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if tok is None or (skip_special_tokens and i in special):
+            table.append(b"")
+        elif tok in added and added[tok] == i:
+            table.append(tok.encode())          # added tokens are stored as plain text
+        else:
+            try:
+                table.append(bytes(inv[c] for c in tok))
+            except KeyError:
+                table.append(tok.encode())
+    return table
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
+        self._table = _byte_table(tokenizer, skip_special_tokens)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
@@ -40,6 +88,8 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: list[int]) -> StopMatch | None:
         """Append tokens, extend output_text; returns the stop string match if one completed."""
         stop_match = None
+        if self._table is not None:
+            return self._add_tokens_bytes(new_token_ids)
         for tid in new_token_ids:
             self.token_ids.append(tid)
             self._context.append(tid)
@@ -56,6 +106,22 @@ class IncrementalDetokenizer:
                         self.output_text = self.output_text[:stop_match.text_end]
                         return stop_match
         return stop_match
+
+    def _add_tokens_bytes(self, new_token_ids: list[int]) -> StopMatch | None:
+        table = self._table
+        for tid in new_token_ids:
+            self.token_ids.append(tid)
+            piece = table[tid] if 0 <= tid < len(table) else b""
+            text = self._utf8.decode(piece)      # holds back an incomplete multi-byte character
+            if text:
+                before = len(self.output_text)
+                self.output_text += text
+                if self.stop:
+                    match = self._check_stop(before)
+                    if match is not None:
+                        self.output_text = self.output_text[:match.text_end]
+                        return match
+        return None
 
     def _check_stop(self, new_from: int) -> StopMatch | None:
         # a stop string may straddle the old text and the new: look back max_stop_len - 1 characters
