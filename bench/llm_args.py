@@ -88,9 +88,16 @@ def engine_stats(llm) -> dict[str, Any] | None:
     return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(stats).items()}
 
 
-def _delta(before: Any, after: Any) -> Any:
-    """after - before for cumulative numbers; the new tail for lists; `after` otherwise."""
-    if isinstance(after, (int, float)) and isinstance(before, (int, float)) and not isinstance(after, bool):
+# Counters that only grow (diffed over a run); any other number is a gauge (kv_cache_usage) and is kept as is.
+CUMULATIVE_FIELDS = set(STEP_FIELDS) | set(NUM_STEPS_FIELDS) | {
+    "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "arrivals"}
+
+
+def _delta(key: str, before: Any, after: Any) -> Any:
+    """after - before for counters; the new tail for lists; `after` otherwise."""
+    if (key in CUMULATIVE_FIELDS and isinstance(after, (int, float)) and isinstance(before, (int, float))
+            and not isinstance(after, bool)):
         return after - before
     if isinstance(after, list) and isinstance(before, list):
         return after[len(before):]
@@ -101,7 +108,7 @@ def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> 
     if after is None:
         return None
     before = before or {}
-    return {k: _delta(before.get(k), v) for k, v in after.items()}
+    return {k: _delta(k, before.get(k), v) for k, v in after.items()}
 
 
 def step_split(stats: dict[str, Any] | None, elapsed_s: float | None = None) -> dict[str, Any]:

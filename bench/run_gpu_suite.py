@@ -1,0 +1,265 @@
+"""The whole GPU benchmark suite of issue 6, in parts that each fit one 10-minute device command.
+
+  bash bench/run_gpu_suite.sh                 # all parts, ~25 min on an H100 (where nothing caps a command)
+  bash bench/run_gpu_suite.sh qwen            # one part (<= 9.5 min): see PARTS below
+  python3 bench/run_gpu_suite.py --smoke all  # the same steps on the CPU: tiny-llama, 8 prompts
+
+Parts and their steps (budget in seconds; a step that no longer fits the part's deadline is skipped):
+  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 200 prompts, --profile; HF static + continuous
+  llama  throughput llama3-8b sharegpt 1000; latency llama3-8b batch 256 (+ decode step vs floor); HF
+  serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
+
+Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
+installed jaxpaged, not the repo's ./jaxpaged folder, is imported); its log goes to
+bench/results/logs/. At the end of a part: bench/summarize.py, then at most 8 files are copied to $OUT
+(when set): suite-<part>.json (every result of the part, with logs' tails), suite-<part>.md, the
+summary's plots, and the kernel bench's json/md/png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# bench/ must not be on sys.path (bench/datasets.py would shadow HF `datasets`); the repo root goes last
+# so that an installed jaxpaged (the GPU suite's /tmp/jp) wins over the repo's ./jaxpaged folder.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+sys.path.append(str(REPO))
+
+from bench.common import RESULTS_DIR, stamp  # noqa: E402
+
+PY = sys.executable
+BENCH = REPO / "bench"
+PORT = 8011
+
+
+@dataclass
+class Step:
+    name: str
+    budget_s: float
+    argv: list[str] = field(default_factory=list)    # a bench script and its arguments
+    kind: str = "script"                               # script | serve
+
+
+def parts(smoke: bool) -> dict[str, list[Step]]:
+    """The suite's steps; --smoke swaps in tiny-llama, 8 prompts and short outputs for the CPU."""
+    q, l_ = ("tiny-llama", "tiny-llama") if smoke else ("qwen2-0.5b", "llama3-8b")
+    n = ["--num-prompts", "8"] if smoke else []
+    small = ["--max-model-len", "2048"] if smoke else []
+    # On the CPU, steps other than the first use short random prompts (sharegpt outputs run to hundreds
+    # of tokens, minutes each on 2 cores); the first still exercises the real ShareGPT path.
+    quick = ["--dataset", "random", "--input-len", "32", "--output-len", "16"] if smoke else ["--dataset", "sharegpt"]
+    tput = [str(BENCH / "throughput.py"), "--no-tqdm"]
+    hf = [str(BENCH / "hf_baseline.py")]
+    return {
+        "qwen": [
+            Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small),
+            Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
+                                                      "8" if smoke else "200", "--result-name",
+                                                      f"throughput-{q}-sharegpt-profile"] + small),
+            Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "200",
+                                               "--max-time-s", "10" if smoke else "45"]),
+        ],
+        "llama": [
+            Step("throughput-llama", 270, tput + quick + ["--model", l_] + n + small),
+            Step("latency-llama", 140, [str(BENCH / "latency.py"), "--model", l_, "--decode-step",
+                                        "--batch-size", "4" if smoke else "256", "--input-len", "128",
+                                        "--output-len", "8" if smoke else "128", "--num-iters-warmup", "1",
+                                        "--num-iters", "2" if smoke else "3"] + small),
+            Step("hf-llama", 140, hf + quick + ["--model", l_, "--num-prompts", "8" if smoke else "64",
+                                                "--max-time-s", "10" if smoke else "40"]),
+        ],
+        "serve": [
+            Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"] if smoke else []),
+                 kind="serve"),
+            Step("kernels", 200, [str(BENCH / "bench_kernels.py")] + (["--smoke"] if smoke else [])),
+        ],
+    }
+
+
+def run_logged(argv: list[str], log: Path, timeout_s: float, cwd: Path, env: dict[str, str]) -> tuple[int, float]:
+    """(return code, seconds); 124 on timeout. Output goes to `log`."""
+    t0 = time.perf_counter()
+    with open(log, "ab") as f:
+        f.write(f"$ {' '.join(argv)}\n".encode())
+        f.flush()
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            rc = 124
+    return rc, time.perf_counter() - t0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the step's own process group (it was started in a new session), then SIGKILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1.0)
+    return False
+
+
+def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, str], smoke: bool) -> int:
+    """Start jaxpaged.server on the model, wait for /health, run openqa at concurrency 1 and 10."""
+    from bench.models import resolve_model
+    args = step.argv
+    model = args[args.index("--model") + 1]
+    extra = [a for i, a in enumerate(args) if a != "--model" and (i == 0 or args[i - 1] != "--model")]
+    path, _ = resolve_model(model)
+    server = [PY, "-m", "jaxpaged.server", "--port", str(PORT)] + (["--model", path, "--load-format", "dummy"]
+                                                                  if path else [])
+    if smoke:
+        server += ["--max-model-len", "2048"]
+    t0 = time.perf_counter()
+    with open(log, "ab") as f:
+        f.write(f"$ {' '.join(server)}\n".encode())
+        f.flush()
+        srv = subprocess.Popen(server, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if not wait_health(f"http://127.0.0.1:{PORT}/health", srv, min(180.0, budget_s - 60)):
+            print(f"  server did not become healthy (see {log})")
+            return 1
+        print(f"  server healthy after {time.perf_counter() - t0:.0f} s")
+        rc = 0
+        for conc in (1, 10):
+            left = budget_s - (time.perf_counter() - t0)
+            client = [PY, str(BENCH / "serve.py"), "--base-url", f"http://127.0.0.1:{PORT}", "--model", model,
+                      "--dataset", "openqa", "--max-concurrency", str(conc), "--disable-tqdm",
+                      "--result-name", f"serve-openqa-c{conc}", "--time-limit-s", str(max(5.0, 0.6 * left))] + extra
+            r, _ = run_logged(client, log, left - 5, cwd, env)
+            rc = rc or r
+        return rc
+    finally:
+        _stop(srv)
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def bundle(part: str, steps_done: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    """Every result JSON written since the part started, plus the steps' status and log tails."""
+    results = {}
+    for p in sorted(RESULTS_DIR.glob("*.json")):
+        if p.stat().st_mtime >= started - 1 and not p.name.startswith(("suite", "kernels")):
+            try:
+                results[p.stem] = json.loads(p.read_text())
+            except json.JSONDecodeError:
+                pass
+    return {"meta": stamp(with_device=False), "part": part, "steps": steps_done, "results": results}
+
+
+def copy_out(part: str, files: list[Path]) -> None:
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    for f in [f for f in files if f.exists()][:8]:          # the device tool returns at most 8 files
+        shutil.copy2(f, Path(out) / f.name)
+        print(f"  -> $OUT/{f.name}")
+
+
+def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> dict[str, Any]:
+    from bench import summarize
+    started = time.time()
+    t0 = time.perf_counter()
+    logs = RESULTS_DIR / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "jaxpaged-suite-work"
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_MININTERVAL="10")
+    done = []
+    for step in steps:
+        left = deadline_s - (time.perf_counter() - t0) - 20     # keep 20 s for the summary and copies
+        if step.name == "kernels" and not (BENCH / "bench_kernels.py").exists():
+            done.append({"step": step.name, "status": "absent"})
+            continue
+        if left < min(step.budget_s, 60):
+            print(f"[{part}] skip {step.name}: {left:.0f} s left")
+            done.append({"step": step.name, "status": "skipped (deadline)"})
+            continue
+        budget = min(step.budget_s, left)
+        log = logs / f"{step.name}.log"
+        log.write_text("")
+        print(f"[{part}] {step.name} (budget {budget:.0f} s) ...", flush=True)
+        if step.kind == "serve":
+            t1 = time.perf_counter()
+            rc, secs = run_serve(step, log, budget, work, env, smoke), None
+            secs = time.perf_counter() - t1
+        else:
+            argv = [PY] + step.argv
+            if step.name == "kernels":
+                argv += ["--out", str(RESULTS_DIR), "--budget-s", str(max(30, int(budget - 30)))]
+            rc, secs = run_logged(argv, log, budget, work, env)
+        status = "ok" if rc == 0 else ("timeout" if rc == 124 else f"failed rc={rc}")
+        print(f"[{part}] {step.name}: {status} in {secs:.0f} s")
+        for line in tail(log, 200).splitlines():
+            if line.startswith(("Throughput:", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ",
+                                "trace:", "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback",
+                                "Error", "RuntimeError", "ValueError")) and len(line) < 300:
+                print(f"    {line}")
+        done.append({"step": step.name, "status": status, "seconds": secs, "log_tail": tail(log, 30)})
+    bundle_path = RESULTS_DIR / f"suite-{part}.json"
+    bundle_path.write_text(json.dumps(bundle(part, done, started), indent=1, default=str) + "\n")
+    summ = summarize.summarize([bundle_path] + [p for p in RESULTS_DIR.glob("*.json")
+                                                if not p.name.startswith(("suite", "kernels"))],
+                               RESULTS_DIR, f"suite-{part}-summary")
+    logs_all = RESULTS_DIR / f"suite-{part}-logs.txt"
+    logs_all.write_text("\n\n".join(f"===== {s['step']} ({s['status']})\n{tail(logs / (s['step'] + '.log'), 400)}"
+                                    for s in done if s.get("status") not in ("absent",)))
+    kernel_files = sorted(RESULTS_DIR.glob("kernels*"), key=os.path.getmtime)[-3:] if part == "serve" else []
+    copy_out(part, [bundle_path, RESULTS_DIR / f"suite-{part}-summary.md", logs_all]
+             + [Path(p) for p in summ.get("plots", [])] + kernel_files)
+    print(f"[{part}] done in {time.perf_counter() - t0:.0f} s; summary {RESULTS_DIR / f'suite-{part}-summary.md'}")
+    return summ
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | all")
+    p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
+    a = p.parse_args(argv)
+    table = parts(a.smoke)
+    names = list(table) if "all" in a.parts else a.parts
+    for name in names:
+        if name not in table:
+            p.error(f"unknown part {name!r}; choose from {list(table)} or all")
+        run_part(name, table[name], a.deadline_s, a.smoke)
+
+
+if __name__ == "__main__":
+    main()

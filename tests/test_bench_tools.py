@@ -1,0 +1,111 @@
+"""bench/: per-step split, trace analysis, bandwidth floor, HF static packing, results files, summary.
+
+Engine-facing scripts are exercised end to end by the CPU smoke suite
+(`python bench/run_gpu_suite.py --smoke all`) and by test_bench_throughput_real below when jaxpaged.LLM
+imports; these tests cover the arithmetic with exact values.
+"""
+import json
+
+import pytest
+
+from bench import summarize, trace_analysis
+from bench.common import flatten, markdown_table, write_result
+from bench.datasets import SampleRequest
+from bench.hf_baseline import static_batches
+from bench.latency import bandwidth_floor_s
+from bench.llm_args import engine_stats, stats_delta, step_split
+from bench.models import LLAMA3_8B_CONFIG, QWEN2_0_5B_CONFIG
+
+
+def test_step_split_from_cumulative_and_lists():
+    before = {"num_steps": 10, "schedule_s": 1.0, "execute_s": 5.0, "device_s": [0.1] * 10, "kv_cache_usage": 0.5}
+    after = {"num_steps": 30, "schedule_s": 1.2, "execute_s": 7.0, "device_s": [0.1] * 10 + [0.05] * 20,
+             "kv_cache_usage": 0.7}
+    split = step_split(stats_delta(before, after), elapsed_s=4.0)
+    assert split["num_steps"] == 20
+    assert split["schedule_per_step_ms"] == pytest.approx(10.0)
+    assert split["execute_per_step_ms"] == pytest.approx(100.0)
+    assert split["device_total_s"] == pytest.approx(1.0)
+    assert split["execute_share"] == pytest.approx(0.5)
+    assert "host_gap_s" in split["missing"] and "device_s" not in split["missing"]
+    assert split["other_fields"]["kv_cache_usage"] == 0.7
+    assert step_split(None)["available"] is False
+
+
+def test_engine_stats_reads_the_engines_dataclass():
+    stats_mod = pytest.importorskip("jaxpaged.engine.stats")
+    llm = type("L", (), {"llm_engine": type("E", (), {"stats": stats_mod.EngineStats(num_steps=3, schedule_s=0.5)})()})()
+    s = engine_stats(llm)
+    assert s["num_steps"] == 3 and s["schedule_s"] == 0.5
+
+
+def test_trace_device_busy_and_gaps():
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 1, "ts": 0, "dur": 100},      # [0, 100)
+              {"ph": "X", "pid": 1, "ts": 50, "dur": 100},     # overlaps -> [0, 150)
+              {"ph": "X", "pid": 1, "ts": 160, "dur": 40},     # 10 us gap (below threshold)
+              {"ph": "X", "pid": 1, "ts": 300, "dur": 100},    # 100 us gap
+              {"ph": "X", "pid": 2, "ts": 0, "dur": 1000}]     # host: ignored
+    r = trace_analysis.analyze_events(events)
+    assert r["span_ms"] == pytest.approx(0.4) and r["device_busy_ms"] == pytest.approx(0.29)
+    assert r["device_idle_ms"] == pytest.approx(0.11)
+    assert r["num_gaps_over_20us"] == 1 and r["gaps_over_threshold_ms"] == pytest.approx(0.1)
+    assert trace_analysis.analyze_events(events[1:2] + events[-1:]) is None
+
+
+def test_bandwidth_floor_llama3_8b():
+    f = bandwidth_floor_s(LLAMA3_8B_CONFIG, batch_size=1, context_len=0)
+    assert f["params"] == 8_030_261_248                      # Llama-3-8B's published 8.03B
+    assert f["floor_s"] * 1000 == pytest.approx(6.348, abs=1e-3)   # BENCHMARKS.md: >= 6.3 ms/step
+    kv = bandwidth_floor_s(LLAMA3_8B_CONFIG, batch_size=256, context_len=192)["kv_bytes"]
+    assert kv == 256 * 192 * 131072                          # 128 KiB of K+V per token
+    assert bandwidth_floor_s(QWEN2_0_5B_CONFIG, 1, 0)["params"] == pytest.approx(0.494e9, rel=0.01)
+
+
+def test_static_batches_packing():
+    r = lambda i, o: SampleRequest(None, [0] * i, o)  # noqa: E731
+    reqs = [r(900, 900), r(200, 1200), r(10, 10), r(10, 10), r(10, 10)]
+    sizes = [[(len(x.prompt_token_ids), x.output_len) for x in b] for b in static_batches(reqs, max_batch=2)]
+    assert sizes == [[(900, 900)], [(200, 1200), (10, 10)], [(10, 10), (10, 10)]]
+
+
+def test_results_files_and_summary(tmp_path):
+    meta = {"command": "python bench/throughput.py --model qwen2-0.5b", "date": "d", "git_revision": "abc",
+            "device": "NVIDIA H100 80GB HBM3", "jax_version": "0.11.2"}
+    write_result("throughput-qwen2-0.5b-sharegpt", {"output_tokens_per_second": 30000.0, "nested": {"a": 1},
+                                                     "latencies": [1, 2]}, meta=meta, results_dir=tmp_path)
+    write_result("hf-qwen2-0.5b-sharegpt", {"static": {"output_tokens_per_second": 1000.0},
+                                            "continuous": {"output_tokens_per_second": 200.0},
+                                            "best_output_tokens_per_second": 1000.0}, meta=meta, results_dir=tmp_path)
+    write_result("serve-openqa-c1", {"median_tpot_ms": 2.0, "output_throughput": 450.0}, meta=meta,
+                 results_dir=tmp_path)
+    data = json.loads((tmp_path / "throughput-qwen2-0.5b-sharegpt.json").read_text())
+    assert data["meta"]["device"] == "NVIDIA H100 80GB HBM3" and data["metrics"]["nested"] == {"a": 1}
+    md = (tmp_path / "throughput-qwen2-0.5b-sharegpt.md").read_text()
+    assert "| nested.a | 1 |" in md and "git_revision: `abc`" in md and "latencies" not in md
+    s = summarize.summarize(sorted(tmp_path.glob("*.json")), tmp_path, "sum")
+    assert s["headline"]["qwen2-0.5b / best HF (same run)"] == pytest.approx(30.0)
+    met = {row["target"]: row["met"] for row in s["targets"]}
+    assert met["qwen2-0.5b sharegpt output tok/s"] == "yes" and met["qwen2-0.5b / best HF (same run)"] == "yes"
+    assert met["openqa c1 median TPOT ms (max)"] == "yes" and met["llama3-8b sharegpt output tok/s"] == "n/a"
+    assert (tmp_path / "sum.md").exists() and any(p.endswith(".png") for p in s["plots"])
+    # a suite bundle (what comes back from the GPU machine) is read the same way
+    bundle = tmp_path / "suite-x.json"
+    bundle.write_text(json.dumps({"results": {"serve-openqa-c10": {"meta": meta, "metrics": {"output_throughput": 3500.0}}}}))
+    assert summarize.load_results([bundle])["serve-openqa-c10"]["metrics"]["output_throughput"] == 3500.0
+
+
+def test_markdown_helpers():
+    assert flatten({"a": {"b": 1, "c": [1]}, "d": 2}) == {"a.b": 1, "d": 2}
+    assert markdown_table([{"x": 1.23456, "y": "z"}]).splitlines()[2] == "| 1.23 | z |"
+
+
+def test_scripts_have_help():
+    import subprocess
+    import sys
+    from bench.common import REPO_ROOT
+    for script in ("throughput", "latency", "serve", "hf_baseline", "summarize", "run_gpu_suite"):
+        r = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / f"{script}.py"), "-h"], capture_output=True,
+                           text=True, timeout=120, cwd="/")
+        assert r.returncode == 0 and "usage" in r.stdout, (script, r.stderr[-500:])
