@@ -63,7 +63,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
-    s.add_argument("--port", type=int, default=8000, help="Port to bind.")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
     s.add_argument("--api-key", default=None,
                    help="If set, /v1/* requests must send `Authorization: Bearer <key>`.")
     s.add_argument("--allowed-origins", type=_json_list, default=["*"],

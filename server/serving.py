@@ -191,7 +191,15 @@ async def with_cancellation(work: Awaitable, request: Request):
             await task
         logger.info("client disconnected: request aborted")
         raise APIError("client disconnected", 499, "ClientClosedRequest")
-    return task.result()
+    try:
+        return task.result()
+    except APIError:
+        raise
+    except Exception as exc:      # the engine's errors become OpenAI-shaped ones (503 for a dead loop)
+        err = error_for(exc)
+        if err.status_code >= 500:
+            logger.error("request failed: %s", err.message)
+        raise err from exc
 
 
 # ---- logprobs ----------------------------------------------------------------------------------

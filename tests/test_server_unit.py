@@ -1,0 +1,176 @@
+"""Server pieces that need no model: the flags, and the app over a stub engine for the failure paths a
+healthy real engine never takes (an engine that dies mid-stream, a stalled loop)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from jaxpaged.engine.async_llm import EngineDeadError
+from jaxpaged.engine.stats import EngineStats
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.server.api_server import build_app
+from jaxpaged.server.cli import engine_args_from, make_parser, validate_args
+from jaxpaged.server.serving import ServerState, merge_outputs
+
+FLAGS = ["--model", "--tokenizer", "--served-model-name", "--host", "--port", "--api-key", "--dtype",
+         "--load-format", "--max-model-len", "--gpu-memory-utilization", "--block-size", "--max-num-seqs",
+         "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
+         "--enable-chunked-prefill", "--swap-space", "--preemption-mode", "--num-gpu-blocks-override", "--seed",
+         "--chat-template", "--tensor-parallel-size", "--allowed-origins", "--uvicorn-log-level",
+         "--disable-log-requests", "--root-path"]
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "jaxpaged.server", "-h"], capture_output=True, text=True, check=True).stdout
+    documented = {}
+    for action in make_parser()._actions:
+        for opt in action.option_strings:
+            documented[opt] = action.help or ""
+    for flag in FLAGS:
+        assert flag in out, flag
+        assert len(documented[flag].split()) >= 3, (flag, documented[flag])
+
+
+def test_tensor_parallel_above_one_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-m", "jaxpaged.server", "--tensor-parallel-size", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--tensor-parallel-size 2 is not supported" in r.stderr
+
+
+def test_flags_map_to_engine_args():
+    p = make_parser()
+    args = p.parse_args(["--no-enable-prefix-caching", "--max-model-len", "512", "--max-num-seqs", "8",
+                         "--block-size", "32", "--preemption-mode", "swap", "--swap-space", "1",
+                         "--served-model-name", "a", "b", "--num-gpu-blocks-override", "100", "--seed", "3",
+                         "--load-format", "dummy", "--dtype", "float32", "--no-enable-chunked-prefill",
+                         "--max-num-batched-tokens", "1024", "--allowed-origins", '["http://x"]'])
+    validate_args(p, args)
+    e = engine_args_from(args)
+    assert (e.enable_prefix_caching, e.max_model_len, e.max_num_seqs, e.block_size) == (False, 512, 8, 32)
+    assert (e.preemption_mode, e.swap_space, e.num_gpu_blocks_override, e.seed) == ("swap", 1.0, 100, 3)
+    assert (e.load_format, e.dtype, e.enable_chunked_prefill, e.max_num_batched_tokens) == ("dummy", "float32", False, 1024)
+    assert e.served_model_name == "a" and args.served_model_name == ["a", "b"]
+    assert args.allowed_origins == ["http://x"]
+    defaults = p.parse_args([])
+    assert defaults.enable_prefix_caching and defaults.port == 8000 and defaults.model is None
+    for bad in (["--max-num-seqs", "0"], ["--block-size", "7"], ["--dtype", "int4"], ["--allowed-origins", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+
+
+# ---- the app over a stub engine ------------------------------------------------------------------
+class _Tok:
+    chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, **_):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.decode([i]) for i in ids] if isinstance(ids, list) else self.decode([ids])
+
+    def apply_chat_template(self, conversation, chat_template=None, tokenize=False, add_generation_prompt=True):
+        return "".join(m["content"] for m in conversation)
+
+
+class _Namespace:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _StubLLM:
+    """Streams one delta, then fails as a dying engine loop does."""
+
+    def __init__(self):
+        pool = _Namespace(usage=0.0, num_free_blocks=9, num_queries=0, num_hits=0)
+        sched = _Namespace(num_running=0, num_waiting=0, num_preemptions=0)
+        self.engine = _Namespace(tokenizer=_Tok(), max_model_len=64, model_path="/stub", num_blocks=10,
+                                 stats=EngineStats(), kv_manager=_Namespace(pool=pool), scheduler=sched,
+                                 model_config=_Namespace(vocab_size=100),
+                                 tokenize_prompt=lambda p: (p, _Tok().encode(p)) if isinstance(p, str) else (None, p),
+                                 validate_prompt=lambda ids, params: None)
+        self.healthy, self.errored, self.dead_error = True, False, None
+        self.aborted = []
+
+    def is_healthy(self):
+        return self.healthy
+
+    async def generate(self, prompt, params, request_id, priority=0):
+        try:
+            yield RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], None,
+                                [CompletionOutput(0, "ab", [1, 2], None, None)], False)
+            raise EngineDeadError("engine loop died: RuntimeError('boom')")
+        finally:
+            self.aborted.append(request_id)
+
+
+@pytest.fixture
+def stub():
+    llm = _StubLLM()
+    with TestClient(build_app(ServerState(llm, ["stub"], log_requests=False))) as client:
+        yield llm, client
+
+
+def _events(resp) -> list:
+    return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_failure_inside_a_stream_sends_error_chunk_then_done(stub, path, body):
+    llm, client = stub
+    with client.stream("POST", path, json={**body, "stream": True, "max_tokens": 4}) as r:
+        assert r.status_code == 200
+        events = _events(r)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "boom" in error["message"] and error["type"] == "ServiceUnavailableError"
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in events[:-2] for c in json.loads(e)["choices"])
+    assert text == "ab"
+    # the same failure without streaming is a 503 in OpenAI's shape
+    r = client.post(path, json={**body, "max_tokens": 4})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_health_is_503_when_engine_dead_or_stalled(stub):
+    llm, client = stub
+    assert client.get("/health").status_code == 200
+    llm.healthy = False
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["message"] == "engine loop stalled"
+    llm.errored, llm.dead_error = True, RuntimeError("boom")
+    assert "boom" in client.get("/health").json()["error"]["message"]
+
+
+def test_merge_outputs_closes_every_stream():
+    closed = []
+
+    async def gen(i, n):
+        try:
+            for k in range(n):
+                await asyncio.sleep(0)
+                yield (i, k)
+        finally:
+            closed.append(i)
+
+    async def main():
+        got = []
+        merged = merge_outputs([gen(0, 3), gen(1, 100)])
+        async for i, item in merged:
+            got.append(item)
+            if len(got) == 4:
+                break
+        await merged.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) == 4 and sorted(closed) == [0, 1]
