@@ -129,7 +129,6 @@ class ModelRunner:
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         lp = [sp.logprobs for sp in sps if sp.logprobs is not None]
         flags = SamplerFlags(
-            all_greedy=bool((temperature == 0).all()),
             top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
             penalties=penalties,
             num_logprobs=(_pow2(max(lp), 1) if max(lp) > 0 else 0) if lp else -1,
@@ -197,7 +196,7 @@ class ModelRunner:
         """Compile the step for every bucket (greedy and sampling variants) before serving."""
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
-        variants = [SamplerFlags(all_greedy=True), SamplerFlags(all_greedy=False)]
+        variants = [SamplerFlags()]
         for bucket in tqdm(buckets, desc="Compiling buckets", disable=not progress):
             for flags in variants:
                 mi, si = self._dummy_inputs(bucket)

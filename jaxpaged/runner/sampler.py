@@ -18,7 +18,6 @@ _NEG_INF = -jnp.inf
 @dataclasses.dataclass(frozen=True)
 class SamplerFlags:
     """Static choices: each distinct value compiles its own variant of the step."""
-    all_greedy: bool = True
     top_k_p: bool = False          # some request uses top_k, top_p or min_p
     penalties: bool = False        # some request uses presence/frequency/repetition penalties
     logit_bias: bool = False       # some request has a logit bias or tokens banned by min_tokens
@@ -107,15 +106,17 @@ def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
     if flags.logit_bias:
         logits = apply_logit_bias(logits, inp)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if flags.all_greedy:
-        ids = greedy_ids
-    else:
+
+    def sampled(_):
         temp = jnp.where(inp.temperature > 0, inp.temperature, 1.0)[:, None]
         scaled = logits / temp
         if flags.top_k_p:
             scaled = _mask_top_k_p(scaled, inp)
         noisy = scaled + _gumbel(inp.seeds, inp.positions, logits.shape[-1])
-        ids = jnp.where(inp.temperature > 0, jnp.argmax(noisy, axis=-1).astype(jnp.int32), greedy_ids)
+        return jnp.where(inp.temperature > 0, jnp.argmax(noisy, axis=-1).astype(jnp.int32), greedy_ids)
+
+    # A runtime branch, not a static flag: all-greedy batches skip the noise without a second compile.
+    ids = jax.lax.cond(jnp.any(inp.temperature > 0), sampled, lambda _: greedy_ids, None)
     if flags.num_logprobs < 0:
         empty = jnp.zeros((logits.shape[0], 0))
         return ids, jnp.zeros(ids.shape, jnp.float32), jnp.zeros(ids.shape, jnp.int32), empty.astype(jnp.int32), empty
