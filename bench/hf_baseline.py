@@ -205,13 +205,20 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                                "workload": summarize(requests), "transformers": __import__("transformers").__version__,
                                "torch": torch.__version__, "hf_max_batch_size": args.hf_max_batch_size}
     for mode in args.mode:
-        r = (run_static(m, requests, args.hf_max_batch_size, device, args.max_time_s) if mode == "static"
-             else run_continuous(m, requests, device))
+        try:
+            r = (run_static(m, requests, args.hf_max_batch_size, device, args.max_time_s) if mode == "static"
+                 else run_continuous(m, requests, device))
+        except Exception as e:  # noqa: BLE001 - one mode failing (API drift across versions) keeps the other
+            import traceback
+            traceback.print_exc()
+            results[mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+            print(f"HF {mode}: FAILED ({type(e).__name__}: {e})")
+            continue
         print(throughput_line(r["num_requests"], r["total_prompt_tokens"] + r["total_output_tokens"],
                               r["total_output_tokens"], r["elapsed_time"]))
         print(f"HF {mode}: {r['output_tokens_per_second']:.2f} output tok/s ({r['num_requests']} requests)")
         results[mode] = r
-    best = max((results[m_]["output_tokens_per_second"] for m_ in args.mode), default=0.0)
+    best = max((results[m_].get("output_tokens_per_second", 0.0) for m_ in args.mode), default=0.0)
     results["best_output_tokens_per_second"] = best
     name = args.result_name or f"hf-{short}-{args.dataset}"
     meta = stamp(sys.argv if argv is None else ["bench/hf_baseline.py"] + list(argv), with_device=False)

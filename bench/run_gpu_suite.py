@@ -156,7 +156,7 @@ def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, 
             left = budget_s - (time.perf_counter() - t0)
             client = [PY, str(BENCH / "serve.py"), "--base-url", f"http://127.0.0.1:{PORT}", "--model", model,
                       "--dataset", "openqa", "--max-concurrency", str(conc), "--disable-tqdm",
-                      "--result-name", f"serve-openqa-c{conc}", "--time-limit-s", str(max(5.0, 0.6 * left))] + extra
+                      "--result-name", f"serve-openqa-c{conc}", "--time-limit-s", f"{max(5.0, 0.6 * left):.0f}"] + extra
             r, _ = run_logged(client, log, left - 5, cwd, env)
             rc = rc or r
         return rc

@@ -32,6 +32,7 @@ TARGETS = {
     "host idle / device busy, qwen2-0.5b profile (max)": 0.15,
 }
 ANCHORS = {"llama3-8b": ("vLLM V1 (PR 14431)", 9534.0)}
+SEED_OPENQA = {1: 322.0, 10: 1361.0}   # the seeds' article: vLLM 0.4 on an RTX 4090
 
 
 def load_results(paths: list[Path]) -> dict[str, dict[str, Any]]:
@@ -123,12 +124,27 @@ def plots(results: dict[str, dict[str, Any]], h: dict[str, Any], out_dir: Path, 
             labels.append(ANCHORS[model][0])
             values.append(ANCHORS[model][1])
         meta = results.get(f"throughput-{model}-sharegpt", {}).get("meta", {})
+        ratio = h.get(f"{model} / best HF (same run)")
         if len(labels) > (1 if model in ANCHORS else 0):
             p = bar_plot(out_dir / f"{stem}-{model}-throughput.png", labels, values, "output tokens/s",
-                         f"{model}, sharegpt, offline", f"{meta.get('device', '')} · jax {meta.get('jax_version', '')}"
+                         f"{model}, sharegpt, offline" + (f": jaxpaged = {ratio:.1f}x best HF" if ratio else ""),
+                         f"{meta.get('device', '')} · jax {meta.get('jax_version', '')}"
                          f" · {str(meta.get('git_revision', ''))[:12]}")
             if p:
                 made.append(p)
+    labels, values = [], []
+    for conc in (1, 10):
+        v = _metric(results, f"serve-openqa-c{conc}", "output_throughput")
+        if v:
+            labels += [f"jaxpaged c{conc}", f"seeds c{conc} (vLLM 0.4, 4090)"]
+            values += [float(v), SEED_OPENQA[conc]]
+    if labels:
+        meta = results.get("serve-openqa-c1", results.get("serve-openqa-c10", {})).get("meta", {})
+        p = bar_plot(out_dir / f"{stem}-openqa-serving.png", labels, values, "output tokens/s",
+                     "openqa over HTTP (28 in / 300 out), qwen2-0.5b", f"{meta.get('device', '')} · "
+                     f"{str(meta.get('git_revision', ''))[:12]}")
+        if p:
+            made.append(p)
     return made
 
 
