@@ -81,6 +81,7 @@ class LLMEngine:
                                                    args.preemption_mode or "recompute"), self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        self._inflight = None            # the dispatched step whose results are not processed yet
         self._rng = np.random.default_rng(args.seed)
         tokens = (size.num_blocks - 1) * args.block_size
         logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s",
@@ -171,34 +172,63 @@ class LLMEngine:
             self.output_processor.drop(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list:
+        """Schedule and dispatch step N, then process step N-1's results while N runs on the device.
+
+        Scheduling N before N-1's tokens are on the host is safe: each request that N-1 samples for
+        holds a placeholder, and N reads that token from the device (see ModelRunner.dispatch). A
+        request that N-1 finishes has one wasted token computed in N, then is freed. Batches that
+        need exact token history on the host (penalties) run synchronously.
+        """
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        outputs: list = []
+        if self._inflight is not None and self._needs_sync():
+            outputs += self._finish_inflight()
         t1 = time.perf_counter()
-        if sched.is_empty:
-            return []
-        block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
-        result = self.runner.execute(sched, block_ids)
+        sched = self.scheduler.schedule()
         t2 = time.perf_counter()
-        outputs = self._process(sched, result)
+        new = None
+        if not sched.is_empty:
+            block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
+            new = self.runner.dispatch(sched, block_ids)
         t3 = time.perf_counter()
-        self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t1 - t0, execute_s=t2 - t1,
-                           process_s=t3 - t2)
+        outputs += self._finish_inflight()
+        self._inflight = new
+        t4 = time.perf_counter()
+        self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
+                           process_s=(t1 - t0) + (t4 - t3))
         return outputs
 
-    def _process(self, sched, result) -> list:
+    def _needs_sync(self) -> bool:
+        return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
+                   or r.sampling_params.repetition_penalty != 1.0 for r in self.scheduler.running)
+
+    def _finish_inflight(self) -> list:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        t0 = time.perf_counter()
+        result = self.runner.fetch(inflight)
+        self.stats.wait_s += time.perf_counter() - t0
+        return self._process(inflight, result)
+
+    def _process(self, inflight, result) -> list:
         now = time.time()
         touched = []
-        for i, req in enumerate(sched.scheduled):
-            if req.is_finished or req.num_computed_tokens < req.num_tokens:
+        for req in inflight.sched.scheduled:
+            row = inflight.rows.get(req.request_id)
+            if row is None:
                 continue      # a prefill chunk that did not reach the end: its sample is not a token
-            token = int(result.sampled_ids[i])
+            req.num_output_placeholders -= 1
+            if req.is_finished:
+                continue      # finished (or aborted) while this step was in flight: a wasted token
+            token = int(result.sampled_ids[row])
             req.append_output_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -207,7 +237,7 @@ class LLMEngine:
                 self.stats.on_token(req, now)
             req.last_token_time = now
             if req.sampling_params.logprobs is not None:
-                self.output_processor.record_logprobs(req, token, result, i)
+                self.output_processor.record_logprobs(req, token, result, row)
             status = self.scheduler.check_stop(req)
             stop = self.output_processor.detokenize(req)
             if stop is not None and status is None:

@@ -43,6 +43,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)      # prompt + output
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0                      # tokens whose K/V are in the cache
+        # Tokens sampled by a dispatched step whose ids the host has not seen yet (async scheduling):
+        # the next step already computes past them, reading the ids from the device.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1                       # prompt tokens served by the prefix cache (first schedule)
         self.num_preemptions = 0
         self.sample_seed = sample_seed                    # the per-request PRNG seed (params.seed or drawn)

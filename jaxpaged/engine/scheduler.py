@@ -35,6 +35,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]]      # (host, device), before the step
     preempted_ids: list[str]
     finished_ids: set[str]                        # freed since the last step (the runner may drop state)
+    sampling_ids: set[str] = dataclasses.field(default_factory=set)  # requests whose sample is a new token
 
     @property
     def is_empty(self) -> bool:
@@ -80,10 +81,18 @@ class Scheduler:
         self.kv.blocks_to_copy = []
         for req in out.scheduled:
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            # A chunk that reaches the end of the known tokens samples the next one.
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                out.sampling_ids.add(req.request_id)
+                req.num_output_placeholders += 1
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget,
+        pending = req.num_output_placeholders
+        sp = req.sampling_params
+        if sp.max_tokens is not None and req.num_output_tokens + pending >= sp.max_tokens:
+            return 0          # its last token is already in flight
+        n = min(req.num_tokens + pending - req.num_computed_tokens, budget,
                 self.config.max_model_len - req.num_computed_tokens)
         return max(n, 0)
 

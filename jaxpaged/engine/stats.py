@@ -27,6 +27,7 @@ class EngineStats:
     schedule_s: float = 0.0
     execute_s: float = 0.0
     process_s: float = 0.0
+    wait_s: float = 0.0                         # host blocked on the device's sampled ids
     last_step_time: float = dataclasses.field(default_factory=time.time)
     arrivals: int = 0
     max_waste_seen: float = 0.0

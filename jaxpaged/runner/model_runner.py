@@ -26,6 +26,18 @@ class ModelInput:
     token_ids: jax.Array          # i32[T]
     meta: AttentionMetadata       # positions, slot_mapping, block_tables, seq_lens, query_start_loc
     logits_indices: jax.Array     # i32[R]  last scheduled token of each request
+    # Async scheduling: tokens sampled by the previous step are not on the host yet. Token
+    # fill_token_idx[i] of this batch takes prev_sampled[fill_src_row[i]] (index T: nothing to fill).
+    fill_token_idx: jax.Array     # i32[R]
+    fill_src_row: jax.Array       # i32[R]
+
+
+class InFlight(NamedTuple):
+    """A dispatched step whose results have not been fetched."""
+    sched: SchedulerOutput
+    result: tuple                 # device arrays from sample()
+    rows: dict[str, int]          # request id -> row of its sample in this step
+    dispatch_time: float
 
 
 class RunnerOutput(NamedTuple):
@@ -60,16 +72,24 @@ class ModelRunner:
         self.cpu_cache = (np.zeros(kv_cache_shape(self.cfg, num_cpu_blocks, block_size),
                                    jnp.dtype(self.dtype)) if num_cpu_blocks else None)
         self.compiled_keys: set = set()
+        self.max_rows = _pow2(buckets.max_reqs)
+        self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
+        self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         self.step_times: list[float] = []
 
     # ---- the jitted step ----------------------------------------------------------------------
     @functools.partial(jax.jit, static_argnames=("self", "options", "flags"), donate_argnames=("kv_cache",))
-    def _step(self, params, kv_cache, model_input: ModelInput, sampling: SamplingInputs, *,
+    def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
         model = DecoderModel(self.cfg, self.dtype, options)
-        logits, kv_cache = model.apply({"params": params}, model_input.token_ids, kv_cache, model_input.meta,
+        token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
+            prev_sampled[model_input.fill_src_row], mode="drop")
+        logits, kv_cache = model.apply({"params": params}, token_ids, kv_cache, model_input.meta,
                                        model_input.logits_indices)
-        return kv_cache, sample(logits, sampling, flags)
+        result = sample(logits, sampling, flags)
+        # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
+        sampled_buf = jnp.zeros_like(prev_sampled).at[:result[0].shape[0]].set(result[0])
+        return kv_cache, sampled_buf, result
 
     def __hash__(self):   # `self` is a static argument of the jitted step
         return id(self)
@@ -98,8 +118,18 @@ class ModelRunner:
         positions = np.zeros(T, np.int32)
         positions[:num_tokens] = starts[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
         token_ids = np.zeros(T, np.int32)
-        token_ids[:num_tokens] = np.concatenate(
-            [r.all_token_ids[s:s + n] for r, s, n in zip(reqs, starts.tolist(), n_sched.tolist())])
+        fill_idx = np.full(R, T, np.int32)
+        fill_src = np.zeros(R, np.int32)
+        pieces = []
+        for i, (r, s, n) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
+            known = r.all_token_ids[s:s + n]
+            if len(known) < n:
+                # the last input token was sampled by the previous step and is still on the device
+                fill_idx[i] = qsl[i] + n - 1
+                fill_src[i] = self.prev_rows[r.request_id]
+                known = known + [0]
+            pieces.append(known)
+        token_ids[:num_tokens] = np.concatenate(pieces)
         tables = np.zeros((R, self.max_blocks_per_req), np.int32)
         for i, r in enumerate(reqs):
             ids = block_ids[r.request_id]
@@ -112,7 +142,7 @@ class ModelRunner:
         logits_idx = np.zeros(R, np.int32)
         logits_idx[:num_reqs] = qsl[1:num_reqs + 1] - 1
         meta = AttentionMetadata(positions, slots, tables, lens, qsl)
-        return ModelInput(token_ids, meta, logits_idx), bucket
+        return ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src), bucket
 
     def prepare_sampling(self, out: SchedulerOutput, padded_reqs: int) -> tuple[SamplingInputs, SamplerFlags]:
         reqs = out.scheduled
@@ -125,7 +155,8 @@ class ModelRunner:
         pres, freq = f32((sp.presence_penalty for sp in sps), 0.0), f32((sp.frequency_penalty for sp in sps), 0.0)
         rep = f32((sp.repetition_penalty for sp in sps), 1.0)
         seeds = np.array([r.sample_seed for r in reqs] + [0] * (R - len(reqs)), np.uint32)
-        positions = np.array([r.num_output_tokens for r in reqs] + [0] * (R - len(reqs)), np.int32)
+        positions = np.array([r.num_output_tokens + r.num_output_placeholders - (r.request_id in out.sampling_ids)
+                              for r in reqs] + [0] * (R - len(reqs)), np.int32)
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         lp = [sp.logprobs for sp in sps if sp.logprobs is not None]
         flags = SamplerFlags(
@@ -156,26 +187,34 @@ class ModelRunner:
     def _bias_entries(self, req) -> list[tuple[int, float]]:
         sp = req.sampling_params
         row = list((sp.logit_bias or {}).items())
-        if req.num_output_tokens < sp.min_tokens:
+        if req.num_output_tokens + req.num_output_placeholders - 1 < sp.min_tokens:
             # min_tokens: EOS and stop tokens may not be sampled yet
             banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
             row += [(t, -np.inf) for t in sorted(banned)]
         return [(t, v) for t, v in row if 0 <= t < self.cfg.vocab_size]
 
     # ---- execution ----------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+    def dispatch(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> InFlight:
+        """Prepare and launch one step without waiting for it (JAX dispatch is asynchronous)."""
         self._apply_block_moves(out)
         model_input, bucket = self.prepare_inputs(out, block_ids)
         sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
         options = RuntimeOptions(self.attn_backend, bucket.decode_only)
         self.compiled_keys.add((bucket, flags))
-        t0 = time.perf_counter()
-        self.kv_cache, result = self._step(self.params, self.kv_cache, model_input, sampling,
-                                           options=options, flags=flags)
-        ids, lp, rank, top_ids, top_lp = jax.device_get(result)
-        self.step_times.append(time.perf_counter() - t0)
-        n = len(out.scheduled)
-        return RunnerOutput(ids[:n], lp[:n], rank[:n], top_ids[:n], top_lp[:n])
+        self.kv_cache, self.prev_sampled, result = self._step(
+            self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
+        rows = {r.request_id: i for i, r in enumerate(out.scheduled) if r.request_id in out.sampling_ids}
+        self.prev_rows = rows
+        return InFlight(out, result, rows, time.perf_counter())
+
+    def fetch(self, inflight: InFlight) -> RunnerOutput:
+        """Block on a dispatched step's sampled ids (one device_get)."""
+        ids, lp, rank, top_ids, top_lp = jax.device_get(inflight.result)
+        self.step_times.append(time.perf_counter() - inflight.dispatch_time)
+        return RunnerOutput(ids, lp, rank, top_ids, top_lp)
+
+    def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
+        return self.fetch(self.dispatch(out, block_ids))
 
     def _apply_block_moves(self, out: SchedulerOutput) -> None:
         if out.blocks_to_swap_out:
@@ -201,7 +240,8 @@ class ModelRunner:
             for flags in variants:
                 mi, si = self._dummy_inputs(bucket)
                 options = RuntimeOptions(self.attn_backend, bucket.decode_only)
-                self.kv_cache, res = self._step(self.params, self.kv_cache, mi, si, options=options, flags=flags)
+                self.kv_cache, self.prev_sampled, res = self._step(
+                    self.params, self.kv_cache, self.prev_sampled, mi, si, options=options, flags=flags)
                 jax.block_until_ready(res)
                 self.compiled_keys.add((bucket, flags))
         return time.perf_counter() - t0
@@ -215,7 +255,7 @@ class ModelRunner:
         e = np.full((R, 0), -1, np.int32)
         si = SamplingInputs(f(0), z(R), f(1), f(0), np.zeros(R, np.uint32), z(R), f(0), f(0), f(1), e, e, e,
                             np.zeros((R, 0), np.float32))
-        return ModelInput(z(T), meta, z(R)), si
+        return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R)), si
 
 
 def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:
