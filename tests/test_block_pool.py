@@ -109,14 +109,21 @@ def test_allocate_prefix_hit_from_middle_of_free_queue_and_free():
     assert kv.pool.free_queue.block_ids() == [7, 8, 9, 3, 4, 2, 6, 5, 1]
 
 
-def test_prefix_hit_leaves_last_token_to_compute():
+def test_full_prefix_hit_shares_every_block_and_recomputes_the_last_token():
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     a = req("a", range(8))
     schedule(kv, a, 8)
-    kv.free(a)
+    assert kv.get_block_ids("a") == [1, 2]
     again = req("again", range(8))
     hit = kv.get_computed_blocks(again)
-    assert [b.block_id for b in hit.blocks] == [1] and hit.num_tokens == 4   # at most 7 of 8 tokens
+    # both blocks are shared; one token (the 8th) is left to compute for the next token's logits
+    assert [b.block_id for b in hit.blocks] == [1, 2] and hit.num_tokens == 7
+    assert kv.allocate_slots(again, 1, hit.blocks) == []      # no new block: it lands in shared block 2
+    assert kv.get_block_ids("again") == [1, 2] and refs(kv, [1, 2]) == [2, 2]
+    assert kv.blocks_to_copy == []                           # a full block is shared, never copied
+    again.num_computed_tokens = 8
+    again.append_output_token(99)
+    assert [b.block_id for b in kv.allocate_slots(again, 1)] == [3]
 
 
 def test_lru_eviction_order():

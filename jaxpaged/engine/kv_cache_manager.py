@@ -31,10 +31,15 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of full blocks. At least one token is always left to compute, since the
-        step must produce logits for the request's next token."""
+        step must produce logits for the request's next token.
+
+        When every block hits (a prompt of 512 tokens, block size 16, cached whole), all 32 blocks are
+        shared and only the last token is recomputed: it rewrites its own K/V (the same values) into the
+        shared last block. So n samples of one prompt hold its blocks once, not the last one n times.
+        """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return ComputedBlocks([], 0)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = request.num_tokens // self.block_size
         hits: list[KVCacheBlock] = []
         for h in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(h)
@@ -43,13 +48,19 @@ class KVCacheManager:
             hits.append(block)
         self.pool.num_queries += max_blocks
         self.pool.num_hits += len(hits)
-        return ComputedBlocks(hits, len(hits) * self.block_size)
+        return ComputedBlocks(hits, self._hit_tokens(request, hits))
+
+    def _hit_tokens(self, request: Request, hits: list[KVCacheBlock]) -> int:
+        # 32 hits of 16 on a 512-token request -> 511: the last token is computed again for its logits
+        return min(len(hits) * self.block_size, request.num_tokens - 1)
 
     # ---- allocation ---------------------------------------------------------------------------
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed: int = 0) -> int:
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed: list[KVCacheBlock] | None = None) -> int:
         blocks = self.req_to_blocks.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_computed * self.block_size + num_new_tokens
-        return max(0, cdiv(total, self.block_size) - len(blocks) - num_new_computed)
+        new_computed = new_computed or []
+        total = request.num_computed_tokens + self._hit_tokens(request, new_computed) + num_new_tokens
+        return max(0, cdiv(total, self.block_size) - len(blocks) - len(new_computed))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
@@ -60,7 +71,7 @@ class KVCacheManager:
         """
         new_computed = new_computed or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_new = self.num_blocks_needed(request, num_new_tokens, len(new_computed))
+        num_new = self.num_blocks_needed(request, num_new_tokens, new_computed)
         cow = self._needs_copy_on_write(request, blocks) if not new_computed else False
         # Hits on free cached blocks take those blocks out of the free queue too.
         evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
@@ -73,7 +84,7 @@ class KVCacheManager:
         fresh = self.pool.get_new_blocks(num_new)
         blocks.extend(fresh)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens
-                                + len(new_computed) * self.block_size + num_new_tokens)
+                                + self._hit_tokens(request, new_computed) + num_new_tokens)
         return fresh
 
     def _needs_copy_on_write(self, request: Request, blocks: list[KVCacheBlock]) -> bool:

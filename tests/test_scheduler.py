@@ -1,0 +1,246 @@
+"""The token-budget scheduler over the real KVCacheManager, driven by a fake "model" that appends one
+token per request whose scheduled chunk reached its end. Pure Python: milliseconds, exact values."""
+import logging
+import types
+
+import numpy as np
+import pytest
+
+from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.sampling_params import SamplingParams
+
+
+def make(num_blocks=64, block_size=4, num_cpu_blocks=0, caching=True, **cfg):
+    kv = KVCacheManager(num_blocks, block_size, caching, num_cpu_blocks)
+    return Scheduler(SchedulerConfig(**cfg), kv)
+
+
+def req(rid, prompt, max_tokens=8, block_size=4, priority=0, arrival=0.0, **sp):
+    tokens = list(prompt) if not isinstance(prompt, int) else [1000 + (hash(rid) + i) % 500 for i in range(prompt)]
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **sp), block_size=block_size,
+                   priority=priority, arrival_time=arrival)
+
+
+def fake_token(r):
+    return 7 + (len(r.all_token_ids) * 31 + len(r.request_id)) % 97
+
+
+def step(s):
+    """schedule() then what the engine does with the sampled ids (one token per finished chunk)."""
+    out = s.schedule()
+    for r in list(out.scheduled):
+        sampled = (r.request_id in out.sampling_ids) if hasattr(out, "sampling_ids") \
+            else r.num_computed_tokens >= r.num_tokens
+        if not sampled:
+            continue
+        if hasattr(r, "num_output_placeholders"):
+            r.num_output_placeholders -= 1
+        r.append_output_token(fake_token(r))
+        status = s.check_stop(r)
+        if status is not None:
+            s.finish_request(r, status)
+    return out
+
+
+def run_all(s, max_steps=10_000):
+    outs = []
+    while s.has_unfinished():
+        outs.append(step(s))
+        assert len(outs) < max_steps
+    return outs
+
+
+def sched_map(out):
+    return {r.request_id: out.num_scheduled_tokens[r.request_id] for r in out.scheduled}
+
+
+def test_token_budget_and_chunked_prefill_beside_decodes():
+    s = make(max_num_batched_tokens=16)
+    a = req("a", 3, max_tokens=10)
+    s.add_request(a)
+    assert sched_map(step(s)) == {"a": 3}
+    b = req("b", 40)
+    s.add_request(b)
+    # running decodes first, then the long prompt in chunks with what is left of the budget
+    out = step(s)
+    assert sched_map(out) == {"a": 1, "b": 15} and out.total_num_scheduled_tokens == 16
+    assert s.kv.get_block_ids("a") == [1] and s.kv.get_block_ids("b") == [2, 3, 4, 5]
+    assert b.num_output_tokens == 0
+    assert sched_map(step(s)) == {"a": 1, "b": 15}
+    assert sched_map(step(s)) == {"a": 1, "b": 10}
+    assert b.num_output_tokens == 1 and b.num_computed_tokens == 40
+    assert sched_map(step(s)) == {"a": 1, "b": 1}
+    run_all(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 10
+    assert s.kv.pool.num_free_blocks == 63
+
+
+def test_chunked_prefill_off_waits_for_room_for_the_whole_prompt():
+    s = make(max_num_batched_tokens=40, enable_chunked_prefill=False)
+    a = req("a", 3, max_tokens=4)
+    s.add_request(a)
+    step(s)
+    s.add_request(req("b", 40))
+    s.add_request(req("c", 5))
+    # b (40 tokens) does not fit beside a's decode (39 left): it waits, and FCFS keeps c behind it
+    assert sched_map(step(s)) == {"a": 1}
+    assert sched_map(step(s)) == {"a": 1}
+    assert sched_map(step(s)) == {"a": 1}      # a's 4th token: finished
+    assert sched_map(step(s)) == {"b": 40}
+    assert sched_map(step(s)) == {"b": 1, "c": 5}
+
+
+def test_max_num_seqs():
+    s = make(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 5, max_tokens=2))
+    assert sched_map(step(s)) == {"r0": 5, "r1": 5}
+    assert s.num_running == 2 and s.num_waiting == 1
+    assert sched_map(step(s)) == {"r0": 1, "r1": 1}
+    assert sched_map(step(s)) == {"r2": 5}
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make(policy="priority", max_num_seqs=2, max_num_batched_tokens=64)
+    for rid, prio, t in [("low", 5, 0.0), ("high", 0, 1.0), ("mid", 1, 2.0)]:
+        s.add_request(req(rid, 5, max_tokens=3, priority=prio, arrival=t))
+    out = step(s)
+    assert [r.request_id for r in out.scheduled] == ["high", "mid"]
+    # priority preemption picks the lowest priority (largest value), then the latest arrival
+    s2 = make(num_blocks=5, policy="priority", max_num_batched_tokens=64)
+    hi, lo = req("hi", 7, max_tokens=6, priority=0, arrival=1.0), req("lo", 7, max_tokens=6, priority=3, arrival=0.0)
+    s2.add_request(lo)
+    s2.add_request(hi)
+    step(s2)
+    step(s2)
+    out = step(s2)         # each needs a third block; only 4 exist
+    assert out.preempted_ids == ["lo"] and lo.status == RequestStatus.PREEMPTED
+    run_all(s2)
+    assert hi.num_output_tokens == lo.num_output_tokens == 6
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_when_blocks_run_out(mode, caplog):
+    # 4 usable blocks of 4 tokens; two 7-token prompts take 2 each, the first decode that crosses into a
+    # third block must preempt the newest request.
+    s = make(num_blocks=5, num_cpu_blocks=8 if mode == "swap" else 0, preemption_mode=mode,
+             max_num_batched_tokens=64)
+    a, b = req("a", 7, max_tokens=6), req("b", 7, max_tokens=6)
+    s.add_request(a)
+    s.add_request(b)
+    assert sched_map(step(s)) == {"a": 7, "b": 7}
+    assert sched_map(step(s)) == {"a": 1, "b": 1}          # tokens 8 fill the second blocks
+    assert s.kv.pool.num_free_blocks == 0
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.scheduler"):
+        out = step(s)
+    assert out.preempted_ids == ["b"] and sched_map(out) == {"a": 1}
+    assert s.num_preemptions == 1 and b.num_preemptions == 1
+    assert "Request b preempted by" in caplog.text and "total preemptions 1" in caplog.text
+    assert s.kv.get_block_ids("a") == [1, 2, 4]     # b freed tail first: the queue was [4, 3]
+    if mode == "swap":
+        assert b.status == RequestStatus.SWAPPED
+        assert out.blocks_to_swap_out == [(3, 0), (4, 1)]
+        assert b.num_computed_tokens == 8                   # its K/V survive on the host
+    else:
+        assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+        assert out.blocks_to_swap_out == []
+    outs = run_all(s)
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+    assert a.num_output_tokens == b.num_output_tokens == 6
+    if mode == "swap":
+        assert [o.blocks_to_swap_in for o in outs if o.blocks_to_swap_in] == [[(0, 3), (1, 4)]]
+        # a: 3 more decodes; b: 4 more after swap-in, nothing recomputed (24 = 2 * (7 + 5) in all)
+        assert sum(o.total_num_scheduled_tokens for o in outs) == 7
+    else:
+        # b recomputes its 9 tokens: 4 come back from the prefix cache (block 3 survived), 5 are computed
+        assert [sched_map(o)["b"] for o in outs if "b" in sched_map(o)] == [5, 1, 1, 1]
+    assert s.kv.pool.num_free_blocks == 4 and sorted(s.kv.free_cpu_blocks) == list(range(8 if mode == "swap" else 0))
+
+
+def test_preempted_requests_produce_the_same_tokens():
+    def tokens(num_blocks, mode):
+        s = make(num_blocks=num_blocks, num_cpu_blocks=64, preemption_mode=mode, max_num_batched_tokens=32)
+        rs = [req(f"r{i}", 5 + 3 * i, max_tokens=12) for i in range(5)]
+        for r in rs:
+            s.add_request(r)
+        run_all(s)
+        assert s.kv.pool.num_free_blocks == num_blocks - 1
+        return [r.output_token_ids for r in rs], s.num_preemptions
+    ref, n0 = tokens(200, "recompute")
+    assert n0 == 0
+    for mode in ("recompute", "swap"):
+        got, n = tokens(9, mode)
+        assert got == ref and n > 0
+
+
+def validate(num_blocks=9, block_size=4, max_model_len=64):
+    stub = types.SimpleNamespace(max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+                                 model_config=types.SimpleNamespace(vocab_size=1000))
+    return lambda ids, sp: LLMEngine.validate_prompt(stub, ids, sp)
+
+
+def test_request_that_can_never_fit_is_refused_on_arrival():
+    check = validate()
+    check(list(range(30)), SamplingParams(max_tokens=2))          # 8 blocks for 31 tokens: fits
+    with pytest.raises(ValueError, match="more KV cache blocks than the pool holds"):
+        check(list(range(40)), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        check(list(range(64)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="maximum context length"):
+        check(list(range(10)), SamplingParams(max_tokens=60))
+    with pytest.raises(ValueError, match="cannot be empty"):
+        check([], SamplingParams())
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        check([5, 1000], SamplingParams())
+
+
+def sharegpt_like(n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    inp = np.clip(rng.lognormal(np.log(148), 1.0, n), 4, 1024).astype(int)
+    out = np.clip(rng.lognormal(np.log(123), 1.0, n), 4, 2048 - inp).astype(int)
+    return inp, out, rng
+
+
+def test_memory_waste_under_4_percent_on_sharegpt_like():
+    inp, out, rng = sharegpt_like()
+    assert (int(inp.sum()), int(out.sum())) == (215213, 199600)
+    s = make(num_blocks=4096, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048)
+    for i, (n_in, n_out) in enumerate(zip(inp, out)):
+        s.add_request(Request(f"r{i}", rng.integers(0, 32000, n_in).tolist(),
+                              SamplingParams(max_tokens=int(n_out), ignore_eos=True), block_size=16))
+    allocated = wasted = steps = 0
+    while s.has_unfinished():
+        step(s)
+        steps += 1
+        n_alloc = sum(len(s.kv.req_to_blocks.get(r.request_id, [])) * 16 for r in s.running)
+        allocated += n_alloc
+        wasted += s.kv.memory_waste(s.running) * n_alloc
+    assert s.kv.pool.num_free_blocks == 4095
+    waste = wasted / allocated
+    assert waste < 0.04, waste
+    print(f"sharegpt-like: {steps} steps, slot-weighted waste {waste:.4f}")
+
+
+def test_n4_samples_share_the_prompt_blocks():
+    """512-token prompt, n = 4, 64 new tokens, block size 16: the prompt's 32 blocks once plus each
+    sample's own 4 (tokens 512..574 hold K/V; the 64th sampled token is never computed)."""
+    s = make(num_blocks=200, block_size=16, max_num_batched_tokens=2048, max_model_len=2048)
+    prompt = list(range(100, 612))
+    kids = [Request(f"{i}_p", prompt, SamplingParams(max_tokens=64, seed=i), block_size=16) for i in range(4)]
+    for k in kids:
+        s.add_request(k)
+    out = step(s)
+    # sample 0 computes the prompt; the others share all 32 blocks and compute only the last token
+    assert sched_map(out) == {"0_p": 512, "1_p": 1, "2_p": 1, "3_p": 1}
+    assert all(s.kv.get_block_ids(k.request_id) == list(range(1, 33)) for k in kids)
+    peak = 0
+    while all(k.num_output_tokens < 63 for k in kids):
+        step(s)
+        peak = max(peak, 199 - s.kv.pool.num_free_blocks)
+    assert peak == 32 + 4 * 4 == 48          # four copies of the prompt would be 4 * 36 = 144
+    assert [len(set(s.kv.get_block_ids(k.request_id)[32:])) for k in kids] == [4, 4, 4, 4]
+    run_all(s)
+    assert s.kv.pool.num_free_blocks == 199
