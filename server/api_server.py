@@ -25,6 +25,16 @@ from jaxpaged.server.serving import APIError, ServerState, error_body, error_for
 from jaxpaged.server.serving_chat import apply_chat_template, create_chat_completion
 from jaxpaged.server.serving_completion import create_completion
 
+def _version() -> str:
+    # From the package metadata when `jaxpaged` resolves as a namespace (an editable install run outside
+    # the repository root does that), so /version never depends on how the package was imported.
+    try:
+        return jaxpaged.__version__
+    except AttributeError:
+        from importlib.metadata import version
+        return version("jaxpaged")
+
+
 _HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                      405: "MethodNotAllowed", 422: "BadRequestError", 503: "ServiceUnavailableError"}
 
@@ -100,8 +110,8 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
         yield
         task.cancel()
 
-    app = FastAPI(title="jaxpaged OpenAI-compatible server", version=jaxpaged.__version__, lifespan=lifespan,
-                  root_path=(args.root_path if args else None) or "")
+    # --root-path goes to uvicorn (FastAPI's own root_path parameter is deprecated)
+    app = FastAPI(title="jaxpaged OpenAI-compatible server", version=_version(), lifespan=lifespan)
     add_error_handlers(app)
     if args is not None and args.api_key:
         add_api_key_check(app, args.api_key, args.root_path or "")
@@ -144,7 +154,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
     @app.get("/version")
     async def version():
-        return {"version": jaxpaged.__version__}
+        return {"version": _version()}
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest):
@@ -189,6 +199,6 @@ def run_server(args: argparse.Namespace) -> None:
                 args.port, llm.engine.startup_seconds)
     try:
         uvicorn.run(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_keep_alive=5)
+                    root_path=args.root_path or "", timeout_keep_alive=5)
     finally:
         llm.shutdown()

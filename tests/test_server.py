@@ -183,6 +183,11 @@ def test_completions_echo_stop_and_extras(client, llm):
                                   extra_body={"ignore_eos": True, "min_tokens": 5, "top_k": 5,
                                               "repetition_penalty": 1.1})
     assert r.usage.completion_tokens == 5
+    # logit_bias reaches the sampler: a +100 bias makes one token the greedy choice every time
+    bang = llm.get_tokenizer().encode("!", add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  logit_bias={str(bang): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "!!!!"
 
 
 def test_completions_n_and_seed(client):
@@ -356,7 +361,10 @@ def test_disconnect_mid_stream_frees_blocks(http):
         assert r.status_code == 200
         lines = [line for _, line in zip(range(8), r.iter_lines())]
         assert any(line.startswith("data: {") for line in lines)
+        t0 = time.perf_counter()
         during = metrics(http)
+        assert http.get("/v1/models").status_code == 200
+        assert time.perf_counter() - t0 < 2.0            # the HTTP side answers while the engine generates
         assert during["jaxpaged:num_requests_running"] == 1 and during["jaxpaged:kv_cache_usage_perc"] > 0
     after = _wait_idle(http)
     assert after["jaxpaged:num_requests_running"] == 0 and after["jaxpaged:num_requests_waiting"] == 0

@@ -174,3 +174,15 @@ def test_merge_outputs_closes_every_stream():
 
     got = asyncio.run(main())
     assert len(got) == 4 and sorted(closed) == [0, 1]
+
+
+def test_root_path_and_api_key_scope():
+    args = make_parser().parse_args(["--root-path", "/api", "--api-key", "k"])
+    app = build_app(ServerState(_StubLLM(), ["stub"], log_requests=False), args)
+    with TestClient(app, root_path="/api") as client:      # as uvicorn --root-path sets the scope
+        for path in ("/v1/models", "/api/v1/models"):
+            r = client.get(path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+            assert client.get(path, headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "stub"
+        assert client.get("/api/health").status_code == 200 and client.get("/version").status_code == 200
+        assert "/api/openapi.json" in client.get("/docs").text
