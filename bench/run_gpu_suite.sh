@@ -19,7 +19,6 @@ fi
 rm -rf /tmp/jp
 $PY -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --target /tmp/jp "$REPO" \
   || { echo "ERROR: installing jaxpaged into /tmp/jp failed"; exit 1; }
-rm -rf "$REPO/build"
 export PYTHONPATH=/tmp/jp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 # 3. Where the carried, pre-built inputs are; results stay in bench/results/.
 export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}

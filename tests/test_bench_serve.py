@@ -150,3 +150,25 @@ def test_client_records_http_errors():
     res = asyncio.run(run())
     assert res["metrics"]["failed"] == 2 and res["metrics"]["completed"] == 0
     assert "HTTP 500" in res["errors"][0]
+
+
+def test_time_limit_skips_unstarted_requests():
+    from aiohttp import web
+    seen = []
+
+    async def run():
+        runner = web.AppRunner(_stub_app(0.02, seen))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:   # one at a time, 5 chunks of 20 ms each: ~0.1 s a request, limit 0.15 s -> 2 run, 4 skipped
+            return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", [_req(3, 5)] * 6,
+                                   max_concurrency=1, warmup=False, disable_tqdm=True, time_limit_s=0.15)
+        finally:
+            await runner.cleanup()
+
+    m = asyncio.run(run())["metrics"]
+    assert m["completed"] + m["skipped"] == 6 and m["failed"] == 0
+    assert 1 <= m["completed"] <= 3 and m["skipped"] >= 3
+    assert m["total_output_tokens"] == 5 * m["completed"]
