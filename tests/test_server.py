@@ -31,6 +31,16 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"}]
 
 
+def _die_with_parent() -> None:
+    """In the server process: get SIGTERM if pytest itself dies, so no server outlives the tests."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,7 +55,8 @@ def server():
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--served-model-name", MODEL, "--api-key", API_KEY, "--uvicorn-log-level", "warning",
            "--disable-log-requests"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -273,8 +284,9 @@ def test_chat_n_logprobs_seed(client):
 def test_64_concurrent_streams(server, llm):
     from jaxpaged import SamplingParams
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    # the non-concurrent result: one prompt at a time
     ref = [(o.outputs[0].text, o.outputs[0].finish_reason)
-           for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
+           for p in prompts for o in llm.generate([p], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)]
 
     async def one(aclient, i):
         text, finish = "", None
