@@ -175,10 +175,9 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     group_pad = max(16, _next_pow2(group))
     max_blocks = block_tables.shape[1]
     if blocks_per_iter is None:
-        # H100 sweep (bench/results/kernels_*): 64 keys per iteration, except 128 for D 64 with many
-        # (request, kv head) pairs
-        keys = 128 if head_dim <= 64 and num_reqs * num_kv_heads >= 256 else 64
-        blocks_per_iter = max(1, keys // block_size)
+        # H100 sweep (bench/results/kernels_*): 64 keys per iteration was best or within noise of it
+        # on both layouts; 32 and 128 lost at >= 64 sequences
+        blocks_per_iter = max(1, 64 // block_size)
     if num_splits is None:
         num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter)
     blocks_per_split = -(-max_blocks // num_splits)
