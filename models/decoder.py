@@ -35,6 +35,7 @@ class RuntimeOptions:
     """Static (hashable) choices that pick compiled variants."""
     attn_backend: str = "xla"
     decode_only: bool = False
+    scan_unroll: int = 1          # layers per scan iteration (num_layers: a straight-line program)
 
 
 class RMSNorm(nn.Module):
@@ -125,7 +126,8 @@ class DecoderModel(nn.Module):
         freqs = meta.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)                   # f32[T, D/2]
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers,
+                         unroll=min(self.options.scan_unroll, c.num_layers))
         (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
             (h, kv_cache, jnp.int32(0)), meta, cos, sin)
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(h[logits_indices])

@@ -1,0 +1,77 @@
+"""Probe one decode step's cost on the GPU: blocking latency and pipelined (back-to-back) time per step,
+for batch sizes 1..256, under the current XLA_FLAGS and the given scan unroll.
+
+    python3 bench/step_probe.py --model qwen2-0.5b --unroll 1 --backend pallas
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="qwen2-0.5b")
+    ap.add_argument("--unroll", type=int, default=1)
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    import jax
+    import numpy as np
+
+    from bench.models import ensure_model_dir
+    from jaxpaged import LLM
+    from jaxpaged.models import AttentionMetadata
+    from jaxpaged.models.decoder import RuntimeOptions
+    from jaxpaged.runner.model_runner import ModelInput
+    from jaxpaged.runner.sampler import SamplerFlags
+    llm = LLM(model=ensure_model_dir(args.model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=40000)
+    runner = llm.llm_engine.runner
+    rng = np.random.default_rng(0)
+    res = {"label": args.label, "unroll": args.unroll, "backend": runner.attn_backend}
+    for R in [int(b) for b in args.batches.split(",")]:
+        nb = args.ctx // runner.block_size
+        tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
+        tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:R * nb].reshape(R, nb)
+        seq = np.full(R, args.ctx, np.int32)
+        pos = seq - 1
+        slots = tables[np.arange(R), pos // runner.block_size] * runner.block_size + pos % runner.block_size
+        meta = AttentionMetadata(pos, slots, tables, seq, np.arange(R + 1, dtype=np.int32))
+        mi = ModelInput(rng.integers(0, 1000, R).astype(np.int32), meta, np.arange(R, dtype=np.int32),
+                        np.full(R, R, np.int32), np.zeros(R, np.int32))
+        _, si = runner._dummy_inputs(type("B", (), {"padded_num_tokens": R, "padded_num_reqs": R})())
+        si.temperature = np.ones(R, np.float32)
+        opts = RuntimeOptions(runner.attn_backend, True, args.unroll)
+        step = lambda: runner._step(runner.params, runner.kv_cache, runner.prev_sampled, mi, si,
+                                    options=opts, flags=SamplerFlags())
+        t0 = time.perf_counter()
+        runner.kv_cache, runner.prev_sampled, r = step()
+        jax.block_until_ready(r)
+        compile_s = time.perf_counter() - t0
+        lat = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            runner.kv_cache, runner.prev_sampled, r = step()
+            jax.block_until_ready(r)
+            lat.append(time.perf_counter() - t0)
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.kv_cache, runner.prev_sampled, r = step()
+        jax.block_until_ready(r)
+        piped = (time.perf_counter() - t0) / n
+        res[R] = {"blocking_us": round(float(np.median(lat)) * 1e6), "pipelined_us": round(piped * 1e6),
+                  "compile_s": round(compile_s, 1)}
+    print("PROBE", json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
