@@ -49,5 +49,6 @@ def size_kv_cache(per_block: int, weights_bytes: int, activation_bytes: int, gpu
     num_blocks = max(budget // per_block, 0)
     if num_blocks < 2:
         raise ValueError(f"No memory left for the KV cache (budget {budget / 2**30:.2f} GiB after weights "
-                         f"{weights_bytes / 2**30:.2f} GiB): raise gpu_memory_utilization or lower max_model_len")
+                         f"{weights_bytes / 2**30:.2f} GiB and activations {activation_bytes / 2**30:.2f} GiB; "
+                         f"device memory stats {stats}): raise gpu_memory_utilization")
     return CacheSize(int(num_blocks), per_block, budget)
