@@ -57,6 +57,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_forked(self, parent: Request, child: Request) -> None:
+        """Run `child` on from the parent's computed tokens, sharing all of its blocks (beam search).
+        The child's first write into a shared partly filled block copies it (copy-on-write)."""
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

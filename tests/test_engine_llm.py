@@ -1,0 +1,289 @@
+"""The engine end to end on a tiny random-weight Llama with the SmolLM2 tokenizer (CPU, float32):
+greedy parity across chunked prefill / prefix caching / preemption (recompute, swap), seeded sampling,
+penalties and logit bias against a NumPy reference over HF logits, min_tokens, stop strings, logprobs,
+abort, n > 1, beam search."""
+import asyncio
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxpaged import BeamSearchParams, SamplingParams
+from jaxpaged.engine.llm_engine import resolve_model_path
+
+MAX_LEN = 192
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(d)
+    src = resolve_model_path(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), d)
+    return str(d), hf
+
+
+def make_llm(model_dir, **kw):
+    from jaxpaged import LLM
+    args = dict(dtype="float32", num_gpu_blocks_override=96, max_model_len=MAX_LEN, max_num_batched_tokens=256,
+                max_num_seqs=8, block_size=16)
+    args.update(kw)
+    return LLM(model=model_dir[0], **args)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return make_llm(model_dir)
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].double().numpy()
+
+
+RNG = np.random.default_rng(1)
+BASE = RNG.integers(100, 40000, 40).tolist()                     # a prefix shared by every prompt
+PROMPTS = [BASE + RNG.integers(100, 40000, n).tolist() for n in (5, 23, 50, 9, 70, 1)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_greedy_matches_hf(model_dir, reference):
+    hf = model_dir[1]
+    ids = list(PROMPTS[0])
+    for t in reference[0][:8]:
+        assert int(np.argmax(hf_logits(hf, ids))) == t
+        ids.append(t)
+    assert len(set(reference[0])) > 3        # the random model does not just repeat itself
+
+
+@pytest.mark.parametrize("kw", [
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
+    dict(enable_chunked_prefill=False, enable_prefix_caching=False),
+    dict(enable_prefix_caching=False, max_num_batched_tokens=32),
+    dict(num_gpu_blocks_override=12, preemption_mode="recompute"),
+    dict(num_gpu_blocks_override=12, preemption_mode="swap", swap_space=0.01),
+], ids=["chunked", "no-chunking-no-caching", "no-caching", "preempt-recompute", "preempt-swap"])
+def test_greedy_identical_across_scheduling(model_dir, reference, kw):
+    llm = make_llm(model_dir, **kw)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    eng = llm.llm_engine
+    if "preemption_mode" in kw:
+        assert eng.scheduler.num_preemptions > 0
+    if kw.get("max_num_batched_tokens") == 32:
+        assert eng.stats.num_steps > len(PROMPTS) * 24 // 8
+    if eng.args.enable_prefix_caching:
+        assert eng.kv_manager.pool.num_hits > 0
+    assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1
+
+
+def test_prefix_cache_reports_cached_tokens(llm):
+    outs = llm.generate([PROMPTS[2], PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[1].num_cached_tokens >= 32
+
+
+def test_seeded_sampling_reproducible_alone_and_in_a_batch(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.7, seed=i, max_tokens=10) for i in range(3)]
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[4]], [others[0], sp, others[1], others[2]],
+                         use_tqdm=False)
+    assert alone == again == batch[1].outputs[0].token_ids
+    other_seed = llm.generate([PROMPTS[1]], sp.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def np_sampler_reference(logits, prompt, out, sp):
+    """Plain NumPy: repetition (prompt + output), frequency, presence penalties, then logit bias; argmax."""
+    x = logits.copy()
+    counts = np.bincount(np.array(out, int), minlength=len(x)) if out else np.zeros(len(x))
+    seen = (counts > 0) | (np.bincount(np.array(prompt, int), minlength=len(x)) > 0)
+    x[seen] = np.where(x[seen] > 0, x[seen] / sp.repetition_penalty, x[seen] * sp.repetition_penalty)
+    x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
+    for t, v in (sp.logit_bias or {}).items():
+        x[t] += v
+    return int(np.argmax(x))
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.7),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={500: 4.0, 1234: 2.5}),
+], ids=["repetition", "frequency-presence", "logit-bias"])
+def test_penalties_and_logit_bias_against_numpy(llm, model_dir, sp):
+    hf = model_dir[1]
+    prompt = PROMPTS[3]
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    out = []
+    for _ in range(sp.max_tokens):
+        out.append(np_sampler_reference(hf_logits(hf, prompt + out), prompt, out, sp))
+    assert got == out
+
+
+def test_min_tokens_and_stop_token_ids(llm, reference):
+    first = reference[0][0]
+    sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first])
+    out = llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop" and out.stop_reason == first
+    out = llm.generate([PROMPTS[0]], sp.clone(min_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
+    assert out.finish_reason == "length" or out.token_ids[-1] == first
+
+
+def test_stop_strings_across_token_boundaries(llm, reference):
+    tok = llm.get_tokenizer()
+    ids = reference[4]
+    text = llm.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    # a stop string made of the end of token 3 and the start of token 4
+    cut = len(tok.decode(ids[:4]))
+    stop = text[cut - 2:cut + 2]
+    assert len(tok.decode(ids[3:4])) >= 2 and len(tok.decode(ids[4:5])) >= 2
+    at = text.find(stop)
+    out = llm.generate([PROMPTS[4]], GREEDY.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:at] and out.finish_reason == "stop" and out.stop_reason == stop
+    out = llm.generate([PROMPTS[4]], GREEDY.clone(stop=[stop], include_stop_str_in_output=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:at + len(stop)]
+    assert len(out.token_ids) == len(tok(text[:at + len(stop)]).input_ids) or len(out.token_ids) <= 5
+
+
+def test_logprobs_top_k_and_sampled(llm, model_dir, reference):
+    hf = model_dir[1]
+    out = llm.generate([PROMPTS[0]], GREEDY.clone(max_tokens=4, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[0][:4]
+    ids = list(PROMPTS[0])
+    total = 0.0
+    for t, entry in zip(out.token_ids, out.logprobs):
+        x = hf_logits(hf, ids)
+        lp = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+        top = np.argsort(-lp)[:3].tolist()
+        assert set(entry) == set(top) | {t}
+        assert entry[t].rank == 1
+        for tid in top:
+            assert abs(entry[tid].logprob - lp[tid]) < 1e-3
+        assert [entry[tid].rank for tid in top] == [1, 2, 3]
+        total += lp[t]
+        ids.append(t)
+    assert abs(out.cumulative_logprob - total) < 1e-3
+    # a sampled token outside the top-k is still reported, with its true rank
+    biased = llm.generate([PROMPTS[0]], GREEDY.clone(max_tokens=1, logprobs=1, logit_bias={777: 100.0}),
+                          use_tqdm=False)[0].outputs[0]
+    assert biased.token_ids == [777] and set(biased.logprobs[0]) == {777, reference[0][0]}
+    assert biased.logprobs[0][777].rank > 1
+
+
+def test_n_samples_share_prompt_and_differ(llm):
+    eng = llm.llm_engine
+    hits0 = eng.kv_manager.pool.num_hits
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([PROMPTS[4]], sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert eng.kv_manager.pool.num_hits - hits0 >= 2 * (len(PROMPTS[4]) // 16)   # samples 1, 2 reuse the prompt
+    again = llm.generate([PROMPTS[4]], sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_refused_on_arrival(llm):
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([[5] * MAX_LEN], GREEDY, use_tqdm=False)
+    small = llm.llm_engine
+    assert not small.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_immediately(llm):
+    eng = llm.llm_engine
+    free0 = eng.kv_manager.pool.num_free_blocks
+    eng.add_request("victim", PROMPTS[4], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.kv_manager.pool.num_free_blocks < free0
+    eng.abort_request("victim")
+    assert eng.kv_manager.pool.num_free_blocks == free0
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.kv_manager.pool.num_free_blocks == free0
+
+
+def test_async_abort_frees_blocks(llm):
+    from jaxpaged.engine.async_llm import AsyncLLM
+    eng = llm.llm_engine
+    free0 = eng.kv_manager.pool.num_free_blocks
+    alm = AsyncLLM(eng)
+
+    async def go():
+        gen = alm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=90, ignore_eos=True), "a1")
+        first = await gen.__anext__()
+        assert not first.finished and eng.kv_manager.pool.num_free_blocks < free0
+        await alm.abort("a1")
+        for _ in range(200):
+            if eng.kv_manager.pool.num_free_blocks == free0 and not eng.scheduler.requests:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert asyncio.run(go())
+    finally:
+        alm.shutdown()
+
+
+def reference_beam_search(hf, prompt, width, max_tokens, length_penalty, eos=(2,)):
+    """vLLM's algorithm over full HF forwards (no KV cache at all)."""
+    beams, done = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        cands = []
+        for toks, cum in beams:
+            x = hf_logits(hf, toks)
+            lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+            for t in np.argsort(-lp)[:2 * width].tolist():
+                (done if t in eos else cands).append((toks + [t], cum + lp[t]))
+        beams = sorted(cands, key=lambda b: b[1], reverse=True)[:width]
+    done += beams
+    score = lambda b: b[1] / ((len(b[0]) - (b[0][-1] in eos)) ** length_penalty)
+    return sorted(done, key=score, reverse=True)[:width]
+
+
+def test_beam_search_matches_reference_and_shares_blocks(llm, model_dir, monkeypatch):
+    hf = model_dir[1]
+    eng = llm.llm_engine
+    kv = eng.kv_manager
+    copies, shared = [], []
+    real = eng.scheduler.schedule
+
+    def spy():
+        out = real()
+        copies.extend(out.blocks_to_copy)
+        ids = [b for r in eng.scheduler.running for b in kv.get_block_ids(r.request_id)]
+        shared.append(len(ids) - len(set(ids)))
+        return out
+
+    monkeypatch.setattr(eng.scheduler, "schedule", spy)
+    prompts = [PROMPTS[0][:30], PROMPTS[5][:21]]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=1.0)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for p, out in zip(prompts, outs):
+        ref = reference_beam_search(hf, p, 3, 6, 1.0)
+        assert [s.tokens for s in out.sequences] == [r[0] for r in ref]
+        np.testing.assert_allclose([s.cum_logprob for s in out.sequences], [r[1] for r in ref], rtol=1e-4)
+        assert all(s.text == llm.get_tokenizer().decode(s.tokens, skip_special_tokens=True) for s in out.sequences)
+    assert copies                                  # diverging beams copied a shared partly filled block
+    assert max(shared) >= 2 * 3                    # beams share their prompt blocks
+    assert kv.pool.num_free_blocks == eng.num_blocks - 1 and not eng.has_unfinished_requests()
