@@ -148,7 +148,8 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_ids.append(victim.request_id)
         logger.warning("Request %s preempted by %s (total preemptions %d): not enough KV cache blocks",
-                       victim.request_id, victim.status.name.lower(), self.num_preemptions)
+                       victim.request_id, "swap" if victim.status == RequestStatus.SWAPPED else "recompute",
+                       self.num_preemptions)
         self.waiting.appendleft(victim)
 
     def _next_waiting(self) -> Request:
