@@ -7,7 +7,7 @@ set -e
 export PYTHONUNBUFFERED=1
 STASH=/root/jaxpaged_stash
 mkdir -p $STASH
-for part in .gpu_assets/A/* .gpu_assets/B/*; do [ -f "$part" ] && cp --update=none "$part" $STASH/ ; done
+for part in .gpu_assets/*/*; do [ -f "$part" ] && cp --update=none "$part" $STASH/ ; done
 if [ ! -d /tmp/site ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
