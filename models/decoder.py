@@ -67,9 +67,12 @@ class Attention(nn.Module):
     def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
         c = self.cfg
         dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
-        q = dense(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x).reshape(-1, c.num_heads, c.head_dim)
-        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x).reshape(-1, c.num_kv_heads, c.head_dim)
-        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x).reshape(-1, c.num_kv_heads, c.head_dim)
+        # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = dense(q_size + 2 * kv_size, c.qkv_bias, "qkv_proj")(x)
+        q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -91,8 +94,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
-        gate = dense(self.cfg.intermediate_size, "gate_proj")(x)
-        up = dense(self.cfg.intermediate_size, "up_proj")(x)
+        gate_up = dense(2 * self.cfg.intermediate_size, "gate_up_proj")(x)    # one matmul for both
+        gate, up = jnp.split(gate_up, 2, axis=-1)
         return dense(self.cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
 
 

@@ -17,22 +17,23 @@ import numpy as np
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
 
-# HF name inside model.layers.{i}. -> (path under params["layers"], transpose?)
+# HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
+# Parts are concatenated on the output axis: q/k/v into one qkv_proj, gate/up into one gate_up_proj.
 _LAYER_TABLE = {
-    "self_attn.q_proj.weight": (("self_attn", "q_proj", "kernel"), True),
-    "self_attn.k_proj.weight": (("self_attn", "k_proj", "kernel"), True),
-    "self_attn.v_proj.weight": (("self_attn", "v_proj", "kernel"), True),
-    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True),
-    "self_attn.q_proj.bias": (("self_attn", "q_proj", "bias"), False),
-    "self_attn.k_proj.bias": (("self_attn", "k_proj", "bias"), False),
-    "self_attn.v_proj.bias": (("self_attn", "v_proj", "bias"), False),
-    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), False),
-    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), False),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
-    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
-    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
-    "input_layernorm.weight": (("input_layernorm", "scale"), False),
-    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False),
+    "self_attn.q_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (0, 3)),
+    "self_attn.k_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (1, 3)),
+    "self_attn.v_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (2, 3)),
+    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True, None),
+    "self_attn.q_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (0, 3)),
+    "self_attn.k_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (1, 3)),
+    "self_attn.v_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (2, 3)),
+    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), False, None),
+    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), False, None),
+    "mlp.gate_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (0, 2)),
+    "mlp.up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (1, 2)),
+    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
+    "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
 }
 _TOP_TABLE = {
     "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
@@ -134,9 +135,11 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) 
                     idx, sub = rest.split(".", 1)
                     if sub not in _LAYER_TABLE:
                         continue   # e.g. rotary_emb.inv_freq in old checkpoints
-                    path, transpose = _LAYER_TABLE[sub]
+                    path, transpose, part = _LAYER_TABLE[sub]
                     t = f.get_tensor(name).astype(dtype)
-                    per_layer.setdefault(path, [None] * cfg.num_layers)[int(idx)] = t.T if transpose else t
+                    part_idx, num_parts = part or (0, 1)
+                    slots = per_layer.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
+                    slots[int(idx)][part_idx] = t.T if transpose else t
                 elif name in _TOP_TABLE:
                     path, transpose = _TOP_TABLE[name]
                     if path[0] == "lm_head" and cfg.tie_word_embeddings:
@@ -144,10 +147,10 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) 
                     t = f.get_tensor(name).astype(dtype)
                     _set(params, path, t.T if transpose else t)
     for path, layers in per_layer.items():
-        missing = [i for i, t in enumerate(layers) if t is None]
+        missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:
-            raise ValueError(f"checkpoint lacks {'.'.join(path)} for layers {missing}")
-        _set(params, ("layers",) + path, jnp.stack(layers))
+            raise ValueError(f"checkpoint lacks part of {'.'.join(path)} for layers {missing}")
+        _set(params, ("layers",) + path, jnp.stack([jnp.concatenate(parts, axis=-1) for parts in layers]))
         layers.clear()
     # Every parameter the model needs must have arrived, with the right shape.
     flat_need = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
