@@ -78,24 +78,10 @@ class ModelRunner:
         self.step_times: list[float] = []
 
     # ---- the jitted step ----------------------------------------------------------------------
-    @functools.partial(jax.jit, static_argnames=("self", "options", "flags"), donate_argnames=("kv_cache",))
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
-        model = DecoderModel(self.cfg, self.dtype, options)
-        token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
-            prev_sampled[model_input.fill_src_row], mode="drop")
-        logits, kv_cache = model.apply({"params": params}, token_ids, kv_cache, model_input.meta,
-                                       model_input.logits_indices)
-        result = sample(logits, sampling, flags)
-        # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
-        sampled_buf = jnp.zeros_like(prev_sampled).at[:result[0].shape[0]].set(result[0])
-        return kv_cache, sampled_buf, result
-
-    def __hash__(self):   # `self` is a static argument of the jitted step
-        return id(self)
-
-    def __eq__(self, other):
-        return self is other
+        return _step(params, kv_cache, prev_sampled, model_input, sampling, cfg=self.cfg, dtype=self.dtype,
+                     options=options, flags=flags)
 
     # ---- inputs -------------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple[ModelInput, Bucket]:
@@ -256,6 +242,25 @@ class ModelRunner:
         si = SamplingInputs(f(0), z(R), f(1), f(0), np.zeros(R, np.uint32), z(R), f(0), f(0), f(1), e, e, e,
                             np.zeros((R, 0), np.float32))
         return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R)), si
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options", "flags"), donate_argnames=("kv_cache",))
+def _step(params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
+          cfg, dtype, options: RuntimeOptions, flags: SamplerFlags):
+    """The one jitted step: model forward over the flat batch, then sampling; the pool is donated.
+
+    A module-level function whose static arguments are plain hashable values (no runner instance), so
+    JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
+    """
+    model = DecoderModel(cfg, dtype, options)
+    token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
+        prev_sampled[model_input.fill_src_row], mode="drop")
+    logits, kv_cache = model.apply({"params": params}, token_ids, kv_cache, model_input.meta,
+                                   model_input.logits_indices)
+    result = sample(logits, sampling, flags)
+    # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:result[0].shape[0]].set(result[0])
+    return kv_cache, sampled_buf, result
 
 
 def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:

@@ -1,0 +1,69 @@
+"""Runtime properties of the engine: nothing recompiles after warm-up, and a deleted LLM frees its device
+memory (no runner is kept alive by JAX's caches)."""
+import gc
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.engine.llm_engine import resolve_model_path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama_rt")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                   bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    src = resolve_model_path(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), d)
+    return str(d)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations through jax.monitoring's compile-duration events."""
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **kwargs):
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def test_zero_recompilations_after_warmup(model_dir):
+    counter = CompileCounter()
+    counter.active = True
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(1, 120, 20)]
+    params = [SamplingParams(temperature=float(t), max_tokens=int(m), ignore_eos=True, seed=int(i))
+              for i, (t, m) in enumerate(zip(rng.choice([0.0, 0.7, 1.0], 20), rng.integers(1, 40, 20)))]
+    assert counter.count > 0          # the counter sees the warm-up's compilations
+    counter.count = 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    counter.active = False
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert counter.count == 0, f"{counter.count} compilations after warm-up"
+
+
+def test_deleted_llm_frees_device_memory(model_dir):
+    gc.collect()
+    before = sum(x.nbytes for x in jax.live_arrays())
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=200)
+    llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert sum(x.nbytes for x in jax.live_arrays()) > before
+    del llm
+    gc.collect()
+    assert sum(x.nbytes for x in jax.live_arrays()) == before
