@@ -246,9 +246,6 @@ def test_n4_samples_share_the_prompt_blocks():
     assert s.kv.pool.num_free_blocks == 199
 
 
-@pytest.mark.xfail(strict=True, reason="LLMEngine.validate_prompt checks the prompt's blocks only: a request "
-                   "whose prompt + max_tokens outgrows the whole pool is admitted, preempts itself and then waits "
-                   "forever (engine.step() returns [] while has_unfinished_requests() stays True)")
 def test_request_whose_output_can_never_fit_is_refused_on_arrival():
     s = make(num_blocks=3, max_num_batched_tokens=64)          # 2 blocks of 4 = 8 token slots
     r = req("a", list(range(5)), max_tokens=10)                 # needs 14 slots

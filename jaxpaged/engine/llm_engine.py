@@ -130,9 +130,13 @@ class LLMEngine:
                              f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
                              f"{params.max_tokens} in the completion). Please reduce the length of the "
                              "messages or completion.")
-        if cdiv(n + 1, self.block_size) > self.num_blocks - 1:
-            raise ValueError(f"The prompt ({n} tokens) needs more KV cache blocks than the pool holds "
-                             f"({self.num_blocks - 1} blocks of {self.block_size}).")
+        # Refuse what could never run, rather than admit it to preempt itself forever: the whole
+        # sequence (prompt + every token it may generate) must fit in the pool on its own.
+        total = min(n + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if cdiv(total, self.block_size) > self.num_blocks - 1:
+            raise ValueError(f"This request needs up to {total} tokens of context ({n} in the prompt), which "
+                             f"needs more KV cache blocks than the pool holds ({self.num_blocks - 1} blocks of "
+                             f"{self.block_size} tokens). Lower max_tokens, or raise gpu_memory_utilization.")
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.model_config.vocab_size}).")
