@@ -189,6 +189,34 @@ def test_logprobs_top_k_and_sampled(llm, model_dir, reference):
     assert biased.logprobs[0][777].rank > 1
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prompt_logprobs_match_hf(model_dir, llm, chunk):
+    """prompt_logprobs: each prompt token's logprob under the model, with the top-k, in one prefill or in
+    chunks (max_num_batched_tokens 16 splits the 45-token prompt into three steps)."""
+    hf = model_dir[1]
+    engine = llm if chunk is None else make_llm(model_dir, max_num_batched_tokens=chunk)
+    prompt = PROMPTS[0]
+    out = engine.generate([prompt], GREEDY.clone(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0].double().numpy()
+    lps = logits - logits.max(-1, keepdims=True)
+    lps = lps - np.log(np.exp(lps).sum(-1, keepdims=True))
+    for p in range(1, len(prompt)):
+        entry, tok = out.prompt_logprobs[p], prompt[p]
+        assert abs(entry[tok].logprob - lps[p - 1, tok]) < 1e-3
+        # the rank, up to float32-vs-float64 ties with neighbouring logprobs
+        above_surely = int((lps[p - 1] > lps[p - 1, tok] + 1e-4).sum())
+        above_maybe = int((lps[p - 1] > lps[p - 1, tok] - 1e-4).sum())
+        assert above_surely + 1 <= entry[tok].rank <= above_maybe + 1
+        top = np.argsort(-lps[p - 1])[:2].tolist()
+        assert set(entry) == set(top) | {tok}
+    assert out.outputs[0].token_ids == GREEDY_REF_CACHE.setdefault(chunk, out.outputs[0].token_ids)
+
+
+GREEDY_REF_CACHE: dict = {}
+
+
 def test_n_samples_share_prompt_and_differ(llm):
     eng = llm.llm_engine
     hits0 = eng.kv_manager.pool.num_hits

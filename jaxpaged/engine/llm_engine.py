@@ -209,6 +209,22 @@ class LLMEngine:
                            process_s=(t1 - t0) + (t4 - t3))
         return outputs
 
+    def _record_prompt_logprobs(self, inflight, result) -> None:
+        """Append this step's prompt logprobs: token p's logits score prompt token p + 1."""
+        lp, rank, top_ids, top_lp = result.prompt
+        by_id = {r.request_id: r for r in inflight.sched.scheduled}
+        for rid, (first, count, prompt_idx) in inflight.prompt_rows.items():
+            req = by_id[rid]
+            if req.is_finished:
+                continue
+            k = req.sampling_params.prompt_logprobs
+            if prompt_idx == 1:
+                req.prompt_logprobs = [None]        # the first prompt token has no logprob
+            for j in range(count):
+                row, token = first + j, req.prompt_token_ids[prompt_idx + j]
+                req.prompt_logprobs.append(self.output_processor.logprob_entry(
+                    token, float(lp[row]), int(rank[row]), top_ids[row][:k], top_lp[row][:k]))
+
     def _needs_sync(self) -> bool:
         return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
                    or r.sampling_params.repetition_penalty != 1.0 for r in self.scheduler.running)
@@ -225,6 +241,8 @@ class LLMEngine:
     def _process(self, inflight, result) -> list:
         now = time.time()
         touched = []
+        if result.prompt is not None:
+            self._record_prompt_logprobs(inflight, result)
         for req in inflight.sched.scheduled:
             row = inflight.rows.get(req.request_id)
             if row is None:

@@ -22,6 +22,7 @@ class _Parent:
     sent_tokens: list[int]
     sent_logprobs: list[int]
     finished_sent: list[bool]
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -57,16 +58,19 @@ class OutputProcessor:
     def record_logprobs(self, req: Request, token: int, result, row: int) -> None:
         k = req.sampling_params.logprobs
         lp = float(result.logprobs[row])
-        entry = {token: Logprob(lp, int(result.ranks[row]), self._piece(token))}
-        for tid, tlp in zip(result.top_ids[row][:k].tolist(), result.top_logprobs[row][:k].tolist()):
-            if tid not in entry:
-                entry[tid] = Logprob(float(tlp), len(entry) if tid != token else int(result.ranks[row]),
-                                     self._piece(tid))
-        # ranks of the top-k entries are their order in the top list
-        for rank, tid in enumerate(result.top_ids[row][:k].tolist(), start=1):
-            entry[tid].rank = rank
-        req.logprobs.append(entry)
+        req.logprobs.append(self.logprob_entry(token, lp, int(result.ranks[row]), result.top_ids[row][:k],
+                                               result.top_logprobs[row][:k]))
         req.cumulative_logprob += lp
+
+    def logprob_entry(self, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> dict:
+        """{token: Logprob} for the chosen token plus the top-k, ranks 1..k in order (as vLLM)."""
+        entry = {token: Logprob(logprob, rank, self._piece(token))}
+        for r, (tid, tlp) in enumerate(zip(top_ids.tolist(), top_logprobs.tolist()), start=1):
+            if tid == token:
+                entry[tid].rank = r
+            else:
+                entry[tid] = Logprob(float(tlp), r, self._piece(tid))
+        return entry
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -120,5 +124,10 @@ class OutputProcessor:
         first = parent.children[0]
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                  first.last_token_time, first.last_token_time if finished else None)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, None, completions,
+        prompt_lps = None
+        if parent.params.prompt_logprobs is not None and first.prompt_logprobs:
+            if kind != RequestOutputKind.DELTA or not parent.prompt_logprobs_sent:
+                prompt_lps = list(first.prompt_logprobs)
+                parent.prompt_logprobs_sent = True
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_lps, completions,
                              finished, max(first.num_cached_tokens, 0), metrics)

@@ -15,7 +15,7 @@ import numpy as np
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.models import AttentionMetadata, DecoderModel, LoadedModel, RuntimeOptions, kv_cache_shape
 from jaxpaged.runner.buckets import Bucket, BucketPolicy
-from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, sample
+from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
 
@@ -30,6 +30,8 @@ class ModelInput:
     # fill_token_idx[i] of this batch takes prev_sampled[fill_src_row[i]] (index T: nothing to fill).
     fill_token_idx: jax.Array     # i32[R]
     fill_src_row: jax.Array       # i32[R]
+    # prompt_logprobs only (else shape [0]): the next prompt token after each token of the batch, -1: none
+    prompt_target_ids: jax.Array  # i32[T] or i32[0]
 
 
 class InFlight(NamedTuple):
@@ -37,6 +39,7 @@ class InFlight(NamedTuple):
     sched: SchedulerOutput
     result: tuple                 # device arrays from sample()
     rows: dict[str, int]          # request id -> row of its sample in this step
+    prompt_rows: dict[str, tuple[int, int, int]]  # request id -> (first token, count, first prompt index)
     dispatch_time: float
 
 
@@ -47,6 +50,7 @@ class RunnerOutput(NamedTuple):
     ranks: np.ndarray             # i32[R]
     top_ids: np.ndarray           # i32[R, X]
     top_logprobs: np.ndarray      # f32[R, X]
+    prompt: tuple | None = None   # (logprob f32[T], rank i32[T], top ids i32[T, P], top logprobs f32[T, P])
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -128,7 +132,14 @@ class ModelRunner:
         logits_idx = np.zeros(R, np.int32)
         logits_idx[:num_reqs] = qsl[1:num_reqs + 1] - 1
         meta = AttentionMetadata(positions, slots, tables, lens, qsl)
-        return ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src), bucket
+        targets = np.zeros(0, np.int32)
+        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+            targets = np.full(T, -1, np.int32)
+            for i, (r, s, n) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
+                end = min(s + n, r.num_prompt_tokens - 1)   # token p predicts prompt token p + 1
+                if r.sampling_params.prompt_logprobs is not None and end > s:
+                    targets[qsl[i]:qsl[i] + end - s] = r.prompt_token_ids[s + 1:end + 1]
+        return ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src, targets), bucket
 
     def prepare_sampling(self, out: SchedulerOutput, padded_reqs: int) -> tuple[SamplingInputs, SamplerFlags]:
         reqs = out.scheduled
@@ -145,10 +156,12 @@ class ModelRunner:
                               for r in reqs] + [0] * (R - len(reqs)), np.int32)
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         lp = [sp.logprobs for sp in sps if sp.logprobs is not None]
+        plp = [sp.prompt_logprobs for sp in sps if sp.prompt_logprobs is not None]
         flags = SamplerFlags(
             top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
             penalties=penalties,
             num_logprobs=(_pow2(max(lp), 1) if max(lp) > 0 else 0) if lp else -1,
+            num_prompt_logprobs=(_pow2(max(plp), 1) if max(plp) > 0 else 0) if plp else -1,
         )
         out_ids = prompt_ids = np.full((R, 0), -1, np.int32)
         if penalties:
@@ -191,13 +204,22 @@ class ModelRunner:
             self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
         rows = {r.request_id: i for i, r in enumerate(out.scheduled) if r.request_id in out.sampling_ids}
         self.prev_rows = rows
-        return InFlight(out, result, rows, time.perf_counter())
+        prompt_rows = {}
+        if flags.num_prompt_logprobs >= 0:
+            qsl = np.asarray(model_input.meta.query_start_loc)
+            for i, r in enumerate(out.scheduled):
+                n = out.num_scheduled_tokens[r.request_id]
+                start = r.num_computed_tokens - n
+                count = min(start + n, r.num_prompt_tokens - 1) - start
+                if r.sampling_params.prompt_logprobs is not None and count > 0:
+                    prompt_rows[r.request_id] = (int(qsl[i]), count, start + 1)
+        return InFlight(out, result, rows, prompt_rows, time.perf_counter())
 
     def fetch(self, inflight: InFlight) -> RunnerOutput:
         """Block on a dispatched step's sampled ids (one device_get)."""
-        ids, lp, rank, top_ids, top_lp = jax.device_get(inflight.result)
+        ids, lp, rank, top_ids, top_lp, prompt = jax.device_get(inflight.result)
         self.step_times.append(time.perf_counter() - inflight.dispatch_time)
-        return RunnerOutput(ids, lp, rank, top_ids, top_lp)
+        return RunnerOutput(ids, lp, rank, top_ids, top_lp, prompt if inflight.prompt_rows else None)
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
         return self.fetch(self.dispatch(out, block_ids))
@@ -241,7 +263,7 @@ class ModelRunner:
         e = np.full((R, 0), -1, np.int32)
         si = SamplingInputs(f(0), z(R), f(1), f(0), np.zeros(R, np.uint32), z(R), f(0), f(0), f(1), e, e, e,
                             np.zeros((R, 0), np.float32))
-        return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R)), si
+        return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options", "flags"), donate_argnames=("kv_cache",))
@@ -255,12 +277,18 @@ def _step(params, kv_cache, prev_sampled, model_input: ModelInput, sampling: Sam
     model = DecoderModel(cfg, dtype, options)
     token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
         prev_sampled[model_input.fill_src_row], mode="drop")
-    logits, kv_cache = model.apply({"params": params}, token_ids, kv_cache, model_input.meta,
-                                   model_input.logits_indices)
-    result = sample(logits, sampling, flags)
+    num_reqs = model_input.logits_indices.shape[0]
+    indices = model_input.logits_indices
+    if flags.num_prompt_logprobs >= 0:   # logits at every token too: [R + T, V]
+        indices = jnp.concatenate([indices, jnp.arange(token_ids.shape[0], dtype=jnp.int32)])
+    logits, kv_cache = model.apply({"params": params}, token_ids, kv_cache, model_input.meta, indices)
+    result = sample(logits[:num_reqs], sampling, flags)
+    prompt = ()
+    if flags.num_prompt_logprobs >= 0:
+        prompt = prompt_logprobs(logits[num_reqs:], model_input.prompt_target_ids, flags.num_prompt_logprobs)
     # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
-    sampled_buf = jnp.zeros_like(prev_sampled).at[:result[0].shape[0]].set(result[0])
-    return kv_cache, sampled_buf, result
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:num_reqs].set(result[0])
+    return kv_cache, sampled_buf, (*result, prompt)
 
 
 def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:

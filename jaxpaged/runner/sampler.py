@@ -22,6 +22,7 @@ class SamplerFlags:
     penalties: bool = False        # some request uses presence/frequency/repetition penalties
     logit_bias: bool = False       # some request has a logit bias or tokens banned by min_tokens
     num_logprobs: int = -1         # top logprobs to return (-1: none; 0: only the sampled token's)
+    num_prompt_logprobs: int = -1  # top logprobs at every prompt position (-1: none), see prompt_logprobs()
 
 
 @jax.tree_util.register_dataclass
@@ -123,3 +124,16 @@ def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
     rank = jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(logprobs, max(flags.num_logprobs, 0))
     return ids, chosen, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def prompt_logprobs(logits, target_ids, k: int):
+    """Logprobs of the prompt's own next tokens, for `prompt_logprobs`.
+
+    logits f32[T, V] at every token of the batch; target_ids i32[T] the next prompt token (-1: none).
+    Returns (logprob f32[T], rank i32[T], top ids i32[T, k], top logprobs f32[T, k]).
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logprobs, jnp.maximum(target_ids, 0)[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(logprobs > target[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    return target, rank, top_ids.astype(jnp.int32), top_lp
