@@ -36,6 +36,8 @@ class _Prepared:
         self.params: SamplingParams = request.to_sampling_params(
             state.default_max_tokens(request.max_tokens, len(self.token_ids)))
         state.check_prompt(self.token_ids, self.params)
+        if request.echo and request.logprobs is not None:
+            self.params.prompt_logprobs = request.logprobs     # echo scores the prompt tokens too
 
 
 def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int,
@@ -56,11 +58,38 @@ def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Lo
     return out
 
 
+def format_prompt_logprobs(tokenizer, token_ids: list[int], prompt_logprobs: list | None,
+                           k: int) -> CompletionLogProbs:
+    """echo + logprobs: the prompt's tokens, the first with null logprobs, as OpenAI's legacy API."""
+    out = CompletionLogProbs()
+    offset = 0
+    for tid, entry in zip(token_ids, prompt_logprobs or [None] * len(token_ids)):
+        token = tokenizer.decode([tid])
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(clamp(entry[tid].logprob))
+        top = {token: clamp(entry[tid].logprob)}
+        for top_id, top_lp in top_entries(entry, k):
+            top.setdefault(top_lp.decoded_token or tokenizer.decode([top_id]), clamp(top_lp.logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def _with_prompt(prompt_lps: CompletionLogProbs, completion: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(
+        text_offset=prompt_lps.text_offset + completion.text_offset,
+        token_logprobs=prompt_lps.token_logprobs + completion.token_logprobs,
+        tokens=prompt_lps.tokens + completion.tokens,
+        top_logprobs=prompt_lps.top_logprobs + completion.top_logprobs)
+
+
 async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
     state.check_model(request.model)
-    if request.echo and request.logprobs is not None:
-        raise APIError("echo with logprobs needs prompt logprobs, which jaxpaged does not compute yet.",
-                       param="echo")
     try:
         prepared = [_Prepared(state, request, p) for p in _prompts(request)]
     except ValueError as e:
@@ -94,6 +123,10 @@ async def _full(state: ServerState, request: CompletionRequest, request_id: str,
             if request.logprobs is not None:
                 logprobs = format_logprobs(state.tokenizer, comp.token_ids, comp.logprobs or [],
                                            request.logprobs, len(prefix))
+                if request.echo:
+                    logprobs = _with_prompt(format_prompt_logprobs(state.tokenizer, prep.token_ids,
+                                                                   finals[i].prompt_logprobs, request.logprobs),
+                                            logprobs)
             choices.append(CompletionChoice(index=i * n + comp.index, text=prefix + comp.text, logprobs=logprobs,
                                             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
     num_prompt = sum(len(p.token_ids) for p in prepared)

@@ -173,6 +173,24 @@ def test_completions_stream_equal_llm(client, llm):
     assert usage.completion_tokens == 24 and usage.total_tokens == usage.prompt_tokens + 24
 
 
+def test_completions_echo_with_logprobs(client, llm):
+    """echo + logprobs scores the prompt too: the first prompt token has null logprobs (as OpenAI)."""
+    tok = llm.get_tokenizer()
+    n_prompt = len(tok.encode(PROMPTS[1]))
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    from jaxpaged import SamplingParams
+    ref = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    for p in range(1, n_prompt):
+        tid = ref.prompt_token_ids[p]
+        assert abs(lp.token_logprobs[p] - ref.prompt_logprobs[p][tid].logprob) < 1e-4
+
+
 def test_completions_echo_stop_and_extras(client, llm):
     ref = greedy(llm, [PROMPTS[1]], 16)[0]
     r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, echo=True)

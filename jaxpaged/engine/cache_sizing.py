@@ -27,6 +27,19 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+def _stable_round(num_blocks: int) -> int:
+    """Round the block count down to a coarse step (under 1% of the pool).
+
+    The pool's shape is part of every compiled step, so a count that wobbles with a few MiB of measured
+    memory would miss the persistent compilation cache on every restart.
+    # 197407 -> step 1024 -> 196608
+    """
+    step = 1
+    while step * 2 * 128 <= num_blocks:
+        step *= 2
+    return num_blocks // step * step
+
+
 def size_kv_cache(per_block: int, weights_bytes: int, activation_bytes: int, gpu_memory_utilization: float,
                   override: int | None) -> CacheSize:
     if override is not None:
@@ -46,7 +59,7 @@ def size_kv_cache(per_block: int, weights_bytes: int, activation_bytes: int, gpu
         logger.info("Device memory: %.1f GiB, allocator limit %.1f GiB, in use %.2f GiB, activations %.2f GiB",
                     device_total / 2**30, limit / 2**30, stats.get("bytes_in_use", 0) / 2**30,
                     activation_bytes / 2**30)
-    num_blocks = max(budget // per_block, 0)
+    num_blocks = _stable_round(max(budget // per_block, 0))
     if num_blocks < 2:
         raise ValueError(f"No memory left for the KV cache (budget {budget / 2**30:.2f} GiB after weights "
                          f"{weights_bytes / 2**30:.2f} GiB and activations {activation_bytes / 2**30:.2f} GiB; "
