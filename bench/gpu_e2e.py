@@ -103,44 +103,9 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
             "process_s": stats.process_s - s0[2], "max_waste": stats.max_waste_seen, "wait_s": stats.wait_s,
             "compiled_keys": len(llm.llm_engine.runner.compiled_keys),
             "preemptions": stats.num_preemptions}
-        res["decode_step_us"] = decode_step_bench(llm)
+        from bench.step_probe import time_decode_steps
+        res["decode_step_us"] = time_decode_steps(llm)
     return res
-
-
-def decode_step_bench(llm, ctx: int = 512) -> dict:
-    """Device time of one decode step (model + sampler) at several batch sizes, context `ctx` each."""
-    import jax
-    import numpy as np
-
-    from jaxpaged.models import AttentionMetadata
-    from jaxpaged.models.decoder import RuntimeOptions
-    from jaxpaged.runner.model_runner import ModelInput
-    from jaxpaged.runner.sampler import SamplerFlags
-    runner = llm.llm_engine.runner
-    out = {}
-    rng = np.random.default_rng(0)
-    for R in (1, 16, 64, 256):
-        nb = ctx // runner.block_size
-        tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
-        tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:R * nb].reshape(R, nb)
-        seq = np.full(R, ctx, np.int32)
-        pos = seq - 1
-        slots = tables[np.arange(R), pos // runner.block_size] * runner.block_size + pos % runner.block_size
-        meta = AttentionMetadata(pos, slots, tables, seq, np.arange(R + 1, dtype=np.int32))
-        mi = ModelInput(rng.integers(0, 1000, R).astype(np.int32), meta, np.arange(R, dtype=np.int32),
-                        np.full(R, R, np.int32), np.zeros(R, np.int32))
-        _, si = runner._dummy_inputs(type("B", (), {"padded_num_tokens": R, "padded_num_reqs": R})())
-        si.temperature = np.ones(R, np.float32)
-        opts = RuntimeOptions(runner.attn_backend, True)
-        times = []
-        for i in range(25):
-            t0 = time.perf_counter()
-            runner.kv_cache, runner.prev_sampled, res = runner._step(runner.params, runner.kv_cache, runner.prev_sampled,
-                                                                     mi, si, options=opts, flags=SamplerFlags())
-            jax.block_until_ready(res)
-            times.append(time.perf_counter() - t0)
-        out[R] = round(float(np.median(times[5:])) * 1e6, 1)
-    return out
 
 
 def main() -> None:
@@ -159,7 +124,7 @@ def main() -> None:
     if not args.skip_smollm2:
         try:
             result["smollm2_greedy"] = smollm2_check(args.backends.split(","))
-        except Exception as e:  # report and go on to the next check
+        except Exception:  # report and go on to the next check
             import traceback
             result["smollm2_greedy"] = {"error": traceback.format_exc()}
     try:

@@ -14,6 +14,55 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
+def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1) -> dict:
+    """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time."""
+    import jax
+    import numpy as np
+
+    from jaxpaged.models import AttentionMetadata
+    from jaxpaged.models.decoder import RuntimeOptions
+    from jaxpaged.runner.model_runner import ModelInput
+    from jaxpaged.runner.sampler import SamplerFlags
+    runner = llm.llm_engine.runner
+    rng = np.random.default_rng(0)
+    res = {}
+    for R in batches:
+        nb = ctx // runner.block_size
+        tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
+        tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:R * nb].reshape(R, nb)
+        seq = np.full(R, ctx, np.int32)
+        pos = seq - 1
+        slots = tables[np.arange(R), pos // runner.block_size] * runner.block_size + pos % runner.block_size
+        meta = AttentionMetadata(pos, slots, tables, seq, np.arange(R + 1, dtype=np.int32))
+        mi = ModelInput(rng.integers(0, 1000, R).astype(np.int32), meta, np.arange(R, dtype=np.int32),
+                        np.full(R, R, np.int32), np.zeros(R, np.int32), np.zeros(0, np.int32))
+        _, si = runner._dummy_inputs(type("B", (), {"padded_num_tokens": R, "padded_num_reqs": R})())
+        si.temperature = np.ones(R, np.float32)
+        opts = RuntimeOptions(runner.attn_backend, True, unroll)
+
+        def step():
+            runner.kv_cache, runner.prev_sampled, r = runner._step(
+                runner.params, runner.kv_cache, runner.prev_sampled, mi, si, options=opts, flags=SamplerFlags())
+            return r
+
+        t0 = time.perf_counter()
+        jax.block_until_ready(step())
+        compile_s = time.perf_counter() - t0
+        lat = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            lat.append(time.perf_counter() - t0)
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r = step()
+        jax.block_until_ready(r)
+        res[R] = {"blocking_us": round(float(np.median(lat)) * 1e6),
+                  "pipelined_us": round((time.perf_counter() - t0) / n * 1e6), "compile_s": round(compile_s, 1)}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="qwen2-0.5b")
@@ -23,53 +72,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
-    import jax
-    import numpy as np
-
     from bench.models import ensure_model_dir
     from jaxpaged import LLM
-    from jaxpaged.models import AttentionMetadata
-    from jaxpaged.models.decoder import RuntimeOptions
-    from jaxpaged.runner.model_runner import ModelInput
-    from jaxpaged.runner.sampler import SamplerFlags
     llm = LLM(model=ensure_model_dir(args.model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
               attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=40000)
-    runner = llm.llm_engine.runner
-    rng = np.random.default_rng(0)
-    res = {"label": args.label, "unroll": args.unroll, "backend": runner.attn_backend}
-    for R in [int(b) for b in args.batches.split(",")]:
-        nb = args.ctx // runner.block_size
-        tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
-        tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:R * nb].reshape(R, nb)
-        seq = np.full(R, args.ctx, np.int32)
-        pos = seq - 1
-        slots = tables[np.arange(R), pos // runner.block_size] * runner.block_size + pos % runner.block_size
-        meta = AttentionMetadata(pos, slots, tables, seq, np.arange(R + 1, dtype=np.int32))
-        mi = ModelInput(rng.integers(0, 1000, R).astype(np.int32), meta, np.arange(R, dtype=np.int32),
-                        np.full(R, R, np.int32), np.zeros(R, np.int32))
-        _, si = runner._dummy_inputs(type("B", (), {"padded_num_tokens": R, "padded_num_reqs": R})())
-        si.temperature = np.ones(R, np.float32)
-        opts = RuntimeOptions(runner.attn_backend, True, args.unroll)
-        step = lambda: runner._step(runner.params, runner.kv_cache, runner.prev_sampled, mi, si,
-                                    options=opts, flags=SamplerFlags())
-        t0 = time.perf_counter()
-        runner.kv_cache, runner.prev_sampled, r = step()
-        jax.block_until_ready(r)
-        compile_s = time.perf_counter() - t0
-        lat = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            runner.kv_cache, runner.prev_sampled, r = step()
-            jax.block_until_ready(r)
-            lat.append(time.perf_counter() - t0)
-        n = 50
-        t0 = time.perf_counter()
-        for _ in range(n):
-            runner.kv_cache, runner.prev_sampled, r = step()
-        jax.block_until_ready(r)
-        piped = (time.perf_counter() - t0) / n
-        res[R] = {"blocking_us": round(float(np.median(lat)) * 1e6), "pipelined_us": round(piped * 1e6),
-                  "compile_s": round(compile_s, 1)}
+    res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend}
+    res.update(time_decode_steps(llm, [int(b) for b in args.batches.split(",")], args.ctx, args.unroll))
     print("PROBE", json.dumps(res))
 
 

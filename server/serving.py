@@ -16,6 +16,7 @@ from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.engine.detokenizer import bytes_to_unicode
 
 logger = logging.getLogger("jaxpaged.server")
 
@@ -214,20 +215,7 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTE_DECODER = _bytes_to_unicode()
+_BYTE_DECODER = bytes_to_unicode()   # printable stand-in character -> byte
 
 
 def token_bytes(tokenizer, token_id: int, decoded: str) -> list[int]:

@@ -3,16 +3,13 @@ greedy parity across chunked prefill / prefix caching / preemption (recompute, s
 penalties and logit bias against a NumPy reference over HF logits, min_tokens, stop strings, logprobs,
 abort, n > 1, beam search."""
 import asyncio
-import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from jaxpaged import BeamSearchParams, SamplingParams
-from jaxpaged.engine.llm_engine import resolve_model_path
+from conftest import save_tiny_llama
 
 MAX_LEN = 192
 
@@ -20,15 +17,8 @@ MAX_LEN = 192
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(d)
-    src = resolve_model_path(None)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(src, f), d)
+    hf = save_tiny_llama(d, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=False, initializer_range=0.2)
     return str(d), hf
 
 

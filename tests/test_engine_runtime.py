@@ -1,30 +1,20 @@
 """Runtime properties of the engine: nothing recompiles after warm-up, and a deleted LLM frees its device
 memory (no runner is kept alive by JAX's caches)."""
 import gc
-import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.llm_engine import resolve_model_path
+from conftest import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama_rt")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                   bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    src = resolve_model_path(None)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(src, f), d)
+    save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1)
     return str(d)
 
 

@@ -20,7 +20,7 @@ class StopMatch(NamedTuple):
     text_end: int       # where the output text is cut
 
 
-def _bytes_to_unicode() -> dict[str, int]:
+def bytes_to_unicode() -> dict[str, int]:
     """GPT-2's printable stand-ins for the 256 byte values, inverted: character -> byte."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -46,7 +46,7 @@ def _byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     spec = json.loads(backend.to_str())
     if (spec.get("decoder") or {}).get("type") != "ByteLevel":   # normalizers act on encode only
         return None
-    inv = _bytes_to_unicode()
+    inv = bytes_to_unicode()
     special = set(tokenizer.all_special_ids)
     added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()} if hasattr(tokenizer, "added_tokens_decoder") else {}
     table: list[bytes] = []
