@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
+from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -34,6 +34,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Offline generation only wants finished requests: no per-step outputs to build.
+        params = [sp if sp.output_kind == RequestOutputKind.FINAL_ONLY
+                  else sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         # Validate every prompt before queueing any, so one bad prompt leaves the engine untouched.
         for p, sp in zip(prompts, params):
             self.llm_engine.validate_prompt(self.llm_engine.tokenize_prompt(p)[1], sp)

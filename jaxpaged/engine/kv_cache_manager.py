@@ -27,6 +27,7 @@ class KVCacheManager:
         self.free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
         self.num_cpu_blocks = num_cpu_blocks
         self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
+        self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
 
     # ---- prefix cache -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -105,17 +106,22 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for i in range(num_full):
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):        # only the newly full ones: O(1) per step, not O(blocks)
             self.pool.cache_block(blocks[i], request.block_hashes[i])
+        if num_full > start:
+            self.num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (beam search); copy-on-write splits them later."""
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
         self.pool.touch(blocks)
         self.req_to_blocks[child.request_id] = blocks
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
         self.pool.free_blocks(reversed(blocks))
         self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
@@ -130,6 +136,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
         blocks = self.req_to_blocks.pop(request.request_id)
+        self.num_cached_blocks.pop(request.request_id, None)
         host = [self.free_cpu_blocks.pop() for _ in blocks]
         self.swapped[request.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]

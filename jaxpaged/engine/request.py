@@ -57,6 +57,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        sp = sampling_params
+        # the sampler's per-request parameters, packed once (the runner stacks these rows every step)
+        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
+                             sp.frequency_penalty, sp.repetition_penalty)
+        self.needs_bias = bool(sp.logit_bias) or sp.min_tokens > 0
         self._update_block_hashes()
 
     @property

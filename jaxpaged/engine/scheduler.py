@@ -113,16 +113,19 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            preempted_any = False
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, out)
+                preempted_any = True
                 if victim is req:
                     break
             else:
                 out.scheduled.append(req)
                 out.num_scheduled_tokens[req.request_id] = num_new
                 budget -= num_new
-                i = self.running.index(req) + 1   # a priority victim may have sat before req
+                # a priority victim may have sat before req; without preemption, req is still at i
+                i = self.running.index(req) + 1 if preempted_any else i + 1
                 continue
             # req itself was preempted: it left self.running, so index i now holds the next one
         return budget

@@ -144,16 +144,19 @@ class ModelRunner:
     def prepare_sampling(self, out: SchedulerOutput, padded_reqs: int) -> tuple[SamplingInputs, SamplerFlags]:
         reqs = out.scheduled
         R = padded_reqs
+        n = len(reqs)
+        # One pass over the requests: each request's parameters were packed into a row once, at arrival.
+        table = np.empty((R, 9), np.float64)
+        table[:n] = [r.sampling_row + (r.sample_seed, r.num_output_tokens + r.num_output_placeholders - 1)
+                     for r in reqs]
+        table[n:] = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, 0)   # padding rows: greedy, no penalties
+        temperature, top_p, min_p = (table[:, c].astype(np.float32) for c in (0, 2, 3))
+        pres, freq, rep = (table[:, c].astype(np.float32) for c in (4, 5, 6))
+        top_k = table[:, 1].astype(np.int32)
+        seeds = table[:, 7].astype(np.uint32)
+        # output index of the token being sampled: the placeholder this step just added is that token
+        positions = np.maximum(table[:, 8], 0).astype(np.int32)
         sps = [r.sampling_params for r in reqs]
-        f32 = lambda vals, fill: np.array(list(vals) + [fill] * (R - len(reqs)), np.float32)
-        temperature = f32((sp.temperature for sp in sps), 0.0)
-        top_k = np.array([sp.top_k for sp in sps] + [0] * (R - len(reqs)), np.int32)
-        top_p, min_p = f32((sp.top_p for sp in sps), 1.0), f32((sp.min_p for sp in sps), 0.0)
-        pres, freq = f32((sp.presence_penalty for sp in sps), 0.0), f32((sp.frequency_penalty for sp in sps), 0.0)
-        rep = f32((sp.repetition_penalty for sp in sps), 1.0)
-        seeds = np.array([r.sample_seed for r in reqs] + [0] * (R - len(reqs)), np.uint32)
-        positions = np.array([r.num_output_tokens + r.num_output_placeholders - (r.request_id in out.sampling_ids)
-                              for r in reqs] + [0] * (R - len(reqs)), np.int32)
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         lp = [sp.logprobs for sp in sps if sp.logprobs is not None]
         plp = [sp.prompt_logprobs for sp in sps if sp.prompt_logprobs is not None]
@@ -167,7 +170,7 @@ class ModelRunner:
         if penalties:
             out_ids = _pad_rows([r.output_token_ids for r in reqs], R)
             prompt_ids = _pad_rows([r.prompt_token_ids for r in reqs], R)
-        bias_rows = [self._bias_entries(r) for r in reqs]
+        bias_rows = [self._bias_entries(r) if r.needs_bias else [] for r in reqs]
         if any(bias_rows):
             flags = dataclasses.replace(flags, logit_bias=True)
             width = _pow2(max(len(b) for b in bias_rows), 4)
