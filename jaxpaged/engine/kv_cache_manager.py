@@ -126,6 +126,10 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
 
+    def block_ids_view(self) -> "_BlockIdsView":
+        """Read-only mapping request id -> block ids, computed on access (no per-step dict building)."""
+        return _BlockIdsView(self.req_to_blocks)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
@@ -164,3 +168,13 @@ class KVCacheManager:
             allocated += n * self.block_size
             used += min(r.num_computed_tokens, n * self.block_size)
         return 0.0 if allocated == 0 else (allocated - used) / allocated
+
+
+class _BlockIdsView:
+    __slots__ = ("_blocks",)
+
+    def __init__(self, req_to_blocks: dict[str, list[KVCacheBlock]]):
+        self._blocks = req_to_blocks
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]

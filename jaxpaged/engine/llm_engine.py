@@ -198,7 +198,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         new = None
         if not sched.is_empty:
-            block_ids = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in sched.scheduled}
+            block_ids = self.kv_manager.block_ids_view()
             new = self.runner.dispatch(sched, block_ids)
         t3 = time.perf_counter()
         outputs += self._finish_inflight()

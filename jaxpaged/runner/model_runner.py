@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from typing import NamedTuple
@@ -121,9 +122,12 @@ class ModelRunner:
             pieces.append(known)
         token_ids[:num_tokens] = np.concatenate(pieces)
         tables = np.zeros((R, self.max_blocks_per_req), np.int32)
-        for i, r in enumerate(reqs):
-            ids = block_ids[r.request_id]
-            tables[i, :len(ids)] = ids
+        # All block lists in one scatter: lens [2, 3] -> rows [0, 0, 1, 1, 1], cols [0, 1, 0, 1, 2]
+        lists = [block_ids[r.request_id] for r in reqs]
+        lens = np.fromiter(map(len, lists), np.int64, num_reqs)
+        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum()))
+        rows = np.repeat(np.arange(num_reqs), lens)
+        tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
         slots = np.zeros(T, np.int32)      # padding tokens write into the null block
         pos = positions[:num_tokens]
         slots[:num_tokens] = tables[req_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
