@@ -85,8 +85,9 @@ class ModelRunner:
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
-        return _step(params, kv_cache, prev_sampled, model_input, sampling, cfg=self.cfg, dtype=self.dtype,
-                     options=options, flags=flags)
+        ints, floats, layout = _pack((model_input, sampling))
+        return _packed_step(params, kv_cache, prev_sampled, ints, floats, layout=layout, cfg=self.cfg,
+                            dtype=self.dtype, options=options, flags=flags)
 
     # ---- inputs -------------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple[ModelInput, Bucket]:
@@ -273,14 +274,53 @@ class ModelRunner:
         return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options", "flags"), donate_argnames=("kv_cache",))
-def _step(params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
-          cfg, dtype, options: RuntimeOptions, flags: SamplerFlags):
+def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
+    instead of one per array. `layout` (static, hashable) says how to cut them apart again."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    ints, floats, spec = [], [], []
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        if a.dtype == np.float32:
+            floats.append(a.ravel())
+            spec.append(("f", a.shape, "float32"))
+        else:    # int32, and uint32 seeds reinterpreted bit for bit
+            ints.append(a.astype(np.int32, copy=False).ravel() if a.dtype != np.uint32 else a.view(np.int32).ravel())
+            spec.append(("i", a.shape, str(a.dtype)))
+    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)
+    return cat(ints, np.int32), cat(floats, np.float32), (treedef, tuple(spec))
+
+
+def _unpack(ints, floats, layout):
+    treedef, spec = layout
+    leaves, offsets = [], {"i": 0, "f": 0}
+    for kind, shape, dtype in spec:
+        size = int(np.prod(shape, dtype=np.int64))
+        buf = ints if kind == "i" else floats
+        x = jax.lax.slice_in_dim(buf, offsets[kind], offsets[kind] + size).reshape(shape)
+        offsets[kind] += size
+        if dtype == "uint32":
+            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        leaves.append(x)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
+                   donate_argnames=("kv_cache",))
+def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype, options: RuntimeOptions,
+                 flags: SamplerFlags):
     """The one jitted step: model forward over the flat batch, then sampling; the pool is donated.
 
     A module-level function whose static arguments are plain hashable values (no runner instance), so
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
     """
+    model_input, sampling = _unpack(ints, floats, layout)
+    return _step_body(params, kv_cache, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
+                      options=options, flags=flags)
+
+
+def _step_body(params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
+               cfg, dtype, options: RuntimeOptions, flags: SamplerFlags):
     model = DecoderModel(cfg, dtype, options)
     token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
         prev_sampled[model_input.fill_src_row], mode="drop")
