@@ -47,6 +47,8 @@ class _EngineCollector:
         yield gauge("num_free_blocks", "KV cache blocks free (cached-but-unreferenced included).",
                     pool.num_free_blocks)
         yield gauge("num_blocks", "KV cache blocks in the pool (the null block excluded).", e.num_blocks - 1)
+        yield gauge("kv_cache_waste_perc", "Allocated but unused token slots over allocated slots, over the "
+                    "running requests (waste sits only in each sequence's last block).", stats.kv_cache_waste)
         yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", pool.num_queries)
         yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", pool.num_hits)
         yield counter("num_preemptions", "Preemptions of running requests.", e.scheduler.num_preemptions)
