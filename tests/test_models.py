@@ -1,6 +1,5 @@
 """Tiny random Llama / Qwen2 / Qwen3 models: jaxpaged's logits through the paged KV cache equal HF
 transformers' (PyTorch, float32) for a prefill and several decode steps."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

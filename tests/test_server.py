@@ -6,7 +6,6 @@ healthy. Greedy outputs are compared with `jaxpaged.LLM` in this process, built 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
