@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from ._checks import validate_q_and_cache
 
 NUM_SMS = 132            # H100 SXM; only steers how many splits are made
 _NEG = -1e30             # finite "minus infinity": empty splits merge to zeros, never NaN
@@ -131,18 +132,8 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens):
-    if q.ndim != 3 or kv_cache.ndim != 6:
-        raise ValueError(f"expected q[R, N, D] and kv_cache[L, 2, B, K, S, D]; got {q.shape}, "
-                         f"{kv_cache.shape}")
-    num_reqs, num_heads, head_dim = q.shape
-    _, two, _, num_kv_heads, block_size, cache_dim = kv_cache.shape
-    if two != 2 or cache_dim != head_dim:
-        raise ValueError(f"kv_cache {kv_cache.shape} does not match q {q.shape}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    if block_size not in (8, 16, 32, 64) or head_dim not in (64, 128, 256):
-        raise ValueError(f"block size {block_size} / head dim {head_dim} unsupported "
-                         "(block sizes 8/16/32/64, head dims 64/128/256)")
+    validate_q_and_cache(q, kv_cache)
+    num_reqs = q.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
         raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} do not match "
                          f"{num_reqs} requests")

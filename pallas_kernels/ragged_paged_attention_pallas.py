@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from ._checks import validate_q_and_cache
 
 _NEG = -1e30
 _LOG2E = 1.4426950408889634
@@ -147,18 +148,7 @@ def _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
-    if q.ndim != 3 or kv_cache.ndim != 6:
-        raise ValueError(f"expected q[T, N, D] and kv_cache[L, 2, B, K, S, D]; got {q.shape}, "
-                         f"{kv_cache.shape}")
-    _, num_heads, head_dim = q.shape
-    _, two, _, num_kv_heads, block_size, cache_dim = kv_cache.shape
-    if two != 2 or cache_dim != head_dim:
-        raise ValueError(f"kv_cache {kv_cache.shape} does not match q {q.shape}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    if block_size not in (8, 16, 32, 64) or head_dim not in (64, 128, 256):
-        raise ValueError(f"block size {block_size} / head dim {head_dim} unsupported "
-                         "(block sizes 8/16/32/64, head dims 64/128/256)")
+    validate_q_and_cache(q, kv_cache)
     num_reqs = seq_lens.shape[0]
     if (block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.ndim != 1
             or query_start_loc.shape != (num_reqs + 1,)):
