@@ -28,6 +28,7 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
         self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
+        self._ids_cache: dict[str, tuple[int, list[int]]] = {}    # request -> (id of its block list, ids)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -98,6 +99,7 @@ class KVCacheManager:
         shared = blocks[idx]
         (own,) = self.pool.get_new_blocks(1)
         self.blocks_to_copy.append((shared.block_id, own.block_id))
+        self._ids_cache.pop(request.request_id, None)        # an id changed in place
         self.pool.free_blocks([shared])
         blocks[idx] = own
 
@@ -122,13 +124,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self._ids_cache.pop(request.request_id, None)
         # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
         self.pool.free_blocks(reversed(blocks))
         self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
 
     def block_ids_view(self) -> "_BlockIdsView":
         """Read-only mapping request id -> block ids, computed on access (no per-step dict building)."""
-        return _BlockIdsView(self.req_to_blocks)
+        return _BlockIdsView(self.req_to_blocks, self._ids_cache)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -141,6 +144,7 @@ class KVCacheManager:
         """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
         blocks = self.req_to_blocks.pop(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
+        self._ids_cache.pop(request.request_id, None)
         host = [self.free_cpu_blocks.pop() for _ in blocks]
         self.swapped[request.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
@@ -171,10 +175,23 @@ class KVCacheManager:
 
 
 class _BlockIdsView:
-    __slots__ = ("_blocks",)
+    """request id -> its block ids. Block lists only grow at the end between copy-on-writes (which drop
+    the cached entry), so each step appends just the new ids instead of rebuilding every list."""
+    __slots__ = ("_blocks", "_cache")
 
-    def __init__(self, req_to_blocks: dict[str, list[KVCacheBlock]]):
+    def __init__(self, req_to_blocks: dict[str, list[KVCacheBlock]], cache: dict[str, tuple[int, list[int]]]):
         self._blocks = req_to_blocks
+        self._cache = cache
 
     def __getitem__(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        blocks = self._blocks.get(request_id)
+        if blocks is None:
+            return []
+        entry = self._cache.get(request_id)
+        if entry is None or entry[0] != id(blocks) or len(entry[1]) > len(blocks):
+            entry = (id(blocks), [b.block_id for b in blocks])
+            self._cache[request_id] = entry
+        ids = entry[1]
+        if len(ids) < len(blocks):
+            ids.extend(b.block_id for b in blocks[len(ids):])
+        return ids
