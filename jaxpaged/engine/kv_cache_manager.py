@@ -71,6 +71,15 @@ class KVCacheManager:
         new_computed: prefix-cache hits to attach first (the request's num_computed_tokens does not yet
         count them).
         """
+        if not new_computed:
+            blocks = self.req_to_blocks.get(request.request_id)
+            end = request.num_computed_tokens + num_new_tokens
+            if blocks is not None and end <= len(blocks) * self.block_size \
+                    and not self._needs_copy_on_write(request, blocks):
+                # The common decode case: the tokens fit in blocks the request already owns.
+                if end // self.block_size > self.num_cached_blocks.get(request.request_id, 0):
+                    self._cache_full_blocks(request, blocks, end)
+                return []
         new_computed = new_computed or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_new = self.num_blocks_needed(request, num_new_tokens, new_computed)

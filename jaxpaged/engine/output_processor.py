@@ -80,6 +80,8 @@ class OutputProcessor:
         for req in touched:
             if req.request_id in self.child_to_parent:
                 parent, _ = self.child_to_parent[req.request_id]
+                if parent.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.is_finished:
+                    continue      # nothing to say until a sample finishes
                 seen[parent.request_id] = parent
         outputs = []
         for parent in seen.values():
