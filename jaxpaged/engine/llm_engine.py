@@ -30,6 +30,29 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+def _configure_jax() -> None:
+    import jax
+    if envs.JAXPAGED_COMPILE_CACHE:
+        jax.config.update("jax_compilation_cache_dir", str(envs.JAXPAGED_CACHE_ROOT / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if envs.JAXPAGED_LOG_COMPILES:
+        jax.config.update("jax_log_compiles", True)
+
+
+def _limits(args: EngineArgs, cfg) -> tuple[int, int]:
+    """(max_model_len, max_num_batched_tokens), checked against each other and the model."""
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    default = 2048 if args.enable_chunked_prefill else max(max_model_len, 2048)
+    max_tokens = args.max_num_batched_tokens or default
+    if not args.enable_chunked_prefill and max_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len "
+                         f"({max_model_len}) with chunked prefill disabled: long prompts could never run")
+    return max_model_len, max_tokens
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         import jax
@@ -37,68 +60,62 @@ class LLMEngine:
 
         from jaxpaged import pallas_kernels
         from jaxpaged.models import load_model
-        from jaxpaged.runner.buckets import BucketPolicy
-        from jaxpaged.runner.model_runner import ModelRunner
 
         self.args = args
-        if envs.JAXPAGED_COMPILE_CACHE:
-            jax.config.update("jax_compilation_cache_dir", str(envs.JAXPAGED_CACHE_ROOT / "xla"))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        if envs.JAXPAGED_LOG_COMPILES:
-            jax.config.update("jax_log_compiles", True)
+        _configure_jax()
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(args.model)
         loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed)
-        self.model_config = loaded.config
+        self.model_config = cfg = loaded.config
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_path)
-        cfg = loaded.config
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        max_tokens = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(self.max_model_len, 2048))
-        if not args.enable_chunked_prefill and max_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len "
-                             f"({self.max_model_len}) with chunked prefill disabled: long prompts could never run")
-        self.max_num_batched_tokens = max_tokens
-        self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id}
-                                                                    if self.tokenizer.eos_token_id is not None else set())))
+        self.max_model_len, self.max_num_batched_tokens = _limits(args, cfg)
+        tok_eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | tok_eos))
         backend = args.attention_backend or envs.JAXPAGED_ATTENTION_BACKEND or pallas_kernels.default_backend()
-        per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
-        weights = tree_bytes(loaded.params)
-        size = size_kv_cache(per_block, weights, self._activation_estimate(cfg, max_tokens, args.max_num_seqs),
-                             args.gpu_memory_utilization, args.num_gpu_blocks_override)
-        num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
-        self.num_blocks = size.num_blocks
-        self.block_size = args.block_size
-        self.buckets = BucketPolicy(max_tokens, args.max_num_seqs)
-        self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
-                                  backend, num_cpu_blocks)
-        self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, max_tokens, self.max_model_len,
-                                                   args.enable_chunked_prefill, args.scheduling_policy,
-                                                   args.preemption_mode or "recompute"), self.kv_manager)
+        self._build_cache_and_scheduler(loaded, backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._inflight = None            # the dispatched step whose results are not processed yet
         self._rng = np.random.default_rng(args.seed)
-        tokens = (size.num_blocks - 1) * args.block_size
         logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s",
-                    self.model_path, cfg.architecture, np.dtype(loaded.dtype).name, weights / 2**30, backend)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
-                    "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
-                    size.num_blocks * per_block / 2**30, tokens, self.max_model_len, tokens / self.max_model_len)
-        self.kv_cache_tokens = tokens
+                    self.model_path, cfg.architecture, np.dtype(loaded.dtype).name,
+                    tree_bytes(loaded.params) / 2**30, backend)
         compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
         if compile_all:
             secs = self.runner.warmup(self.buckets.all_buckets())
             logger.info("Compiled %d buckets in %.1f s", len(self.buckets.all_buckets()), secs)
         self.startup_seconds = time.perf_counter() - t0
 
+    def _build_cache_and_scheduler(self, loaded, backend: str) -> None:
+        """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""
+        from jaxpaged.runner.buckets import BucketPolicy
+        from jaxpaged.runner.model_runner import ModelRunner
+        args, cfg = self.args, loaded.config
+        per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
+        activations = self._activation_estimate(cfg, self.max_num_batched_tokens, args.max_num_seqs)
+        size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
+                             args.num_gpu_blocks_override)
+        num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
+        self.num_blocks, self.block_size = size.num_blocks, args.block_size
+        self.buckets = BucketPolicy(self.max_num_batched_tokens, args.max_num_seqs)
+        self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
+                                  backend, num_cpu_blocks)
+        self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
+                                         num_cpu_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, self.max_num_batched_tokens,
+                                                   self.max_model_len, args.enable_chunked_prefill,
+                                                   args.scheduling_policy, args.preemption_mode or "recompute"),
+                                   self.kv_manager)
+        self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
+                    "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
+                    size.num_blocks * per_block / 2**30, tokens, self.max_model_len, tokens / self.max_model_len)
+
     @staticmethod
     def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
-        """Peak of the step's temporaries: the logits, the widest MLP activations, slack for XLA."""
-        logits = max_seqs * cfg.vocab_size * 4 * 3
+        """Peak of the step's temporaries: the logits (of every token when prompt_logprobs is asked for),
+        the widest MLP activations, slack for XLA."""
+        logits = (max_seqs + max_tokens) * cfg.vocab_size * 4 * 3
         mlp = max_tokens * cfg.intermediate_size * 4 * 3
         return logits + mlp + (256 << 20)
 
