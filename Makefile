@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make serve   -> OpenAI-compatible server on the embedded SmolLM2-135M-Instruct (http://127.0.0.1:8000)
+#   make serve   -> OpenAI-compatible server on the embedded SmolLM2-135M-Instruct, port 8000 (all interfaces,
+#                   as vllm serve; ARGS="--host 127.0.0.1" to keep it local)
 #   make test    -> the whole test suite (CPU)
 PYTHON ?= python3
 VENV   ?= .venv
