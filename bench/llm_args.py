@@ -14,21 +14,23 @@ from typing import Any
 # The per-step split that issue 6 asks `--profile` to print. The engine exposes its counters as
 # `llm.llm_engine.stats` (today an EngineStats dataclass, jaxpaged/engine/stats.py; a dict works too).
 # Each field may be a cumulative number of seconds or a list of per-step values.
-# TODO(engine): as of 7ecc850 the engine keeps only the coarse host timers schedule_s / execute_s /
-# process_s. The split issue 6 wants also needs device_s, host_gap_s, prepare_inputs_s, sampling_s and
-# detokenize_s; `step_split` lists whichever are missing, and on a GPU `--profile` measures device busy
-# time and idle gaps from the trace itself (bench/trace_analysis.py) meanwhile.
+# The engine's host timers (cumulative seconds): schedule_s, prepare_inputs_s (padded model and sampling
+# inputs), launch_s (packing + JAX dispatch), wait_s (host blocked on the sampled ids), detokenize_s, and
+# the coarse execute_s / process_s. Device time and the idle gaps between device steps are not host
+# timers: on a GPU `--profile` measures them from the trace itself (bench/trace_analysis.py). Sampling
+# runs inside the one jitted step, so its device time is part of the step's.
 STEP_FIELDS = {
-    "device_s": "device time of the jitted step",
-    "host_gap_s": "device idle between consecutive steps",
+    "device_s": "device time of the jitted step (from the trace)",
+    "host_gap_s": "device idle between consecutive steps (from the trace)",
     "schedule_s": "Scheduler.schedule()",
-    "prepare_inputs_s": "ModelRunner.prepare_inputs()",
-    "sampling_s": "sampling (device) + fetch of sampled ids",
-    "detokenize_s": "incremental detokenization",
-    "execute_s": "runner: prepare inputs + dispatch + wait for sampled ids (engine's coarse timer)",
-    "process_s": "update_from_output + detokenize + outputs (engine's coarse timer)",
+    "prepare_inputs_s": "ModelRunner.prepare_inputs() + prepare_sampling()",
+    "launch_s": "packing the inputs + JAX dispatch of the step",
+    "wait_s": "host blocked on the device's sampled ids",
+    "detokenize_s": "incremental detokenization and stop strings",
+    "execute_s": "runner: prepare inputs + dispatch (engine's coarse timer)",
+    "process_s": "processing step N-1's results + outputs (engine's coarse timer)",
 }
-WANTED_FIELDS = ("device_s", "host_gap_s", "schedule_s", "prepare_inputs_s", "sampling_s", "detokenize_s")
+WANTED_FIELDS = ("schedule_s", "prepare_inputs_s", "launch_s", "wait_s", "detokenize_s")
 NUM_STEPS_FIELDS = ("num_steps", "steps")
 
 

@@ -27,7 +27,7 @@ def test_step_split_from_cumulative_and_lists():
     assert split["execute_per_step_ms"] == pytest.approx(100.0)
     assert split["device_total_s"] == pytest.approx(1.0)
     assert split["execute_share"] == pytest.approx(0.5)
-    assert "host_gap_s" in split["missing"] and "device_s" not in split["missing"]
+    assert "wait_s" in split["missing"] and "schedule_s" not in split["missing"]
     assert split["other_fields"]["kv_cache_usage"] == 0.7
     assert step_split(None)["available"] is False
 

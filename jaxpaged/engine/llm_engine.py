@@ -223,6 +223,7 @@ class LLMEngine:
         t4 = time.perf_counter()
         self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
                            process_s=(t1 - t0) + (t4 - t3))
+        self.stats.prepare_inputs_s, self.stats.launch_s = self.runner.prepare_s, self.runner.launch_s
         return outputs
 
     def _record_prompt_logprobs(self, inflight, result) -> None:
@@ -277,7 +278,9 @@ class LLMEngine:
             if req.sampling_params.logprobs is not None:
                 self.output_processor.record_logprobs(req, token, result, row)
             status = self.scheduler.check_stop(req)
+            t_detok = time.perf_counter()
             stop = self.output_processor.detokenize(req)
+            self.stats.detokenize_s += time.perf_counter() - t_detok
             if stop is not None and status is None:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop

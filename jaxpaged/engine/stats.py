@@ -28,6 +28,9 @@ class EngineStats:
     execute_s: float = 0.0
     process_s: float = 0.0
     wait_s: float = 0.0                         # host blocked on the device's sampled ids
+    prepare_inputs_s: float = 0.0               # runner: padded model and sampling inputs (host)
+    launch_s: float = 0.0                       # runner: packing + JAX dispatch of the step (host)
+    detokenize_s: float = 0.0                   # incremental detokenization and stop strings (host)
     last_step_time: float = dataclasses.field(default_factory=time.time)
     arrivals: int = 0
     max_waste_seen: float = 0.0

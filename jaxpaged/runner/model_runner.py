@@ -81,6 +81,8 @@ class ModelRunner:
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         self.step_times: list[float] = []
+        self.prepare_s = 0.0
+        self.launch_s = 0.0
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
@@ -203,13 +205,17 @@ class ModelRunner:
     # ---- execution ----------------------------------------------------------------------------
     def dispatch(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> InFlight:
         """Prepare and launch one step without waiting for it (JAX dispatch is asynchronous)."""
+        t0 = time.perf_counter()
         self._apply_block_moves(out)
         model_input, bucket = self.prepare_inputs(out, block_ids)
         sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
         options = RuntimeOptions(self.attn_backend, bucket.decode_only)
         self.compiled_keys.add((bucket, flags))
+        t1 = time.perf_counter()
         self.kv_cache, self.prev_sampled, result = self._step(
             self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
+        self.prepare_s += t1 - t0                 # host: padded inputs and sampling arrays
+        self.launch_s += time.perf_counter() - t1  # host: packing + JAX dispatch (not device time)
         rows = {r.request_id: i for i, r in enumerate(out.scheduled) if r.request_id in out.sampling_ids}
         self.prev_rows = rows
         prompt_rows = {}
