@@ -57,3 +57,28 @@ def test_deleted_llm_frees_device_memory(model_dir):
     del llm
     gc.collect()
     assert sum(x.nbytes for x in jax.live_arrays()) == before
+
+
+def test_no_state_left_behind(model_dir):
+    """After a mix of finished, stopped, aborted, parallel-sampled and refused requests, every per-request
+    table in the engine is empty and every block is back in the pool (nothing leaks per request)."""
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    engine = llm.llm_engine
+    rng = np.random.default_rng(3)
+    for i in range(6):
+        engine.add_request(f"r{i}", rng.integers(100, 40000, 20 + i).tolist(),
+                           SamplingParams(max_tokens=12, ignore_eos=True, n=1 + i % 3, seed=i,
+                                          stop_token_ids=[int(rng.integers(100, 40000))]))
+    with pytest.raises(ValueError):
+        engine.add_request("too-long", [5] * 300, SamplingParams(max_tokens=4))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["r1", "r4"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = engine.kv_manager
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks - 1
+    assert not kv.req_to_blocks and not kv.num_cached_blocks and not kv._ids_cache and not kv.swapped
+    assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
+    assert engine._inflight is None
