@@ -82,3 +82,11 @@ def test_no_state_left_behind(model_dir):
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
     assert engine._inflight is None
+
+
+def test_out_of_vocab_logit_bias_is_refused(model_dir):
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=32)
+    with pytest.raises(ValueError, match="out-of-vocab"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}), use_tqdm=False)
+    (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={5: 1.0}), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) >= 1

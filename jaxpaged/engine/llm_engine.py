@@ -153,9 +153,13 @@ class LLMEngine:
             raise ValueError(f"This request needs up to {total} tokens of context ({n} in the prompt), which "
                              f"needs more KV cache blocks than the pool holds ({self.num_blocks - 1} blocks of "
                              f"{self.block_size} tokens). Lower max_tokens, or raise gpu_memory_utilization.")
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.model_config.vocab_size}).")
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids (vocab size {vocab}).")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> list[str]:
