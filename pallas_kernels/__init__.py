@@ -21,6 +21,9 @@ from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 
 BACKENDS = ("reference", "xla", "pallas")
 
+__all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
+           "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
+
 
 def default_backend() -> str:
     return "xla" if jax.default_backend() == "cpu" else "pallas"

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from bench import datasets as ds
-from bench.datasets import SampleRequest, get_dataset, is_valid_sequence, sample_sharegpt, summarize
+from bench.datasets import get_dataset, is_valid_sequence, sample_sharegpt, summarize
 
 
 def test_sharegpt_like_exact_totals():

@@ -247,8 +247,7 @@ def test_n4_samples_share_the_prompt_blocks():
 
 
 def test_request_whose_output_can_never_fit_is_refused_on_arrival():
-    s = make(num_blocks=3, max_num_batched_tokens=64)          # 2 blocks of 4 = 8 token slots
     r = req("a", list(range(5)), max_tokens=10)                 # needs 14 slots
-    check = validate(num_blocks=3)
+    check = validate(num_blocks=3)                              # 2 blocks of 4 = 8 token slots
     with pytest.raises(ValueError, match="KV cache blocks"):
         check(r.prompt_token_ids, r.sampling_params)
