@@ -4,7 +4,17 @@
     llm = LLM()                      # the embedded SmolLM2-135M-Instruct
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
-from jaxpaged import envs as _envs  # noqa: F401  (sets allocator defaults before jax starts)
+import logging as _logging
+
+from jaxpaged import envs as _envs  # (sets allocator defaults before jax starts)
+
+if _envs.JAXPAGED_CONFIGURE_LOGGING and not _logging.getLogger("jaxpaged").handlers:
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    _root = _logging.getLogger("jaxpaged")
+    _root.addHandler(_handler)
+    _root.setLevel(_logging.INFO)
+    _root.propagate = False
 from jaxpaged.config import EngineArgs
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

@@ -20,3 +20,6 @@ JAXPAGED_LOG_COMPILES = os.environ.get("JAXPAGED_LOG_COMPILES", "0") == "1"
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 # The fraction actually in force (jax may have started before jaxpaged was imported: then XLA's 0.75).
 XLA_MEM_FRACTION = float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+# As vLLM: give the `jaxpaged` logger its own INFO handler (start-up facts such as the KV pool size),
+# unless the application configures logging itself ("0").
+JAXPAGED_CONFIGURE_LOGGING = os.environ.get("JAXPAGED_CONFIGURE_LOGGING", "1") != "0"
