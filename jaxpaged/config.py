@@ -24,6 +24,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"           # fcfs | priority
     seed: int = 0
     tensor_parallel_size: int = 1
+    max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
     attention_backend: str | None = None      # reference | xla | pallas; default by platform
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     disable_log_stats: bool = True

@@ -56,6 +56,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="Split long prompts into chunks scheduled beside running decodes.")
+    c.add_argument("--max-logprobs", type=_positive_int, default=20,
+                   help="Most logprobs (and prompt logprobs) one request may ask for; more is a 400.")
     c.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: first come first served; priority: the request's `priority` field first.")
     c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -112,4 +114,4 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs)

@@ -90,3 +90,13 @@ def test_out_of_vocab_logit_bias_is_refused(model_dir):
         llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}), use_tqdm=False)
     (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={5: 1.0}), use_tqdm=False)
     assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_logprobs_above_max_logprobs_are_refused(model_dir):
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=32, max_logprobs=5)
+    with pytest.raises(ValueError, match="greater than max allowed: 5"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2, logprobs=6), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt logprobs of 9"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2, prompt_logprobs=9), use_tqdm=False)
+    (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=2, logprobs=5), use_tqdm=False)
+    assert all(len(e) >= 5 for e in out.outputs[0].logprobs)

@@ -153,6 +153,10 @@ class LLMEngine:
             raise ValueError(f"This request needs up to {total} tokens of context ({n} in the prompt), which "
                              f"needs more KV cache blocks than the pool holds ({self.num_blocks - 1} blocks of "
                              f"{self.block_size} tokens). Lower max_tokens, or raise gpu_memory_utilization.")
+        for name, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if k is not None and k > self.args.max_logprobs:
+                raise ValueError(f"Requested {name} logprobs of {k}, which is greater than max allowed: "
+                                 f"{self.args.max_logprobs}")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
