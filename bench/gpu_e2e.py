@@ -101,6 +101,7 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
             "output_tokens": int(out.sum()), "steps": stats.num_steps - s0[3],
             "schedule_s": stats.schedule_s - s0[0], "execute_s": stats.execute_s - s0[1],
             "process_s": stats.process_s - s0[2], "max_waste": stats.max_waste_seen, "wait_s": stats.wait_s,
+            "avg_waste": stats.kv_cache_waste_avg,
             "compiled_keys": len(llm.llm_engine.runner.compiled_keys),
             "preemptions": stats.num_preemptions}
         from bench.step_probe import time_decode_steps

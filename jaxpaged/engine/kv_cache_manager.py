@@ -173,13 +173,18 @@ class KVCacheManager:
         return [(h, b.block_id) for h, b in zip(host, blocks)]
 
     # ---- accounting ---------------------------------------------------------------------------
-    def memory_waste(self, requests) -> float:
-        """(allocated - used) token slots over allocated, over the given running requests."""
+    def slot_usage(self, requests) -> tuple[int, int]:
+        """(allocated, used) token slots of the given running requests."""
         allocated = used = 0
         for r in requests:
-            n = len(self.req_to_blocks.get(r.request_id, []))
+            n = len(self.req_to_blocks.get(r.request_id, ()))
             allocated += n * self.block_size
             used += min(r.num_computed_tokens, n * self.block_size)
+        return allocated, used
+
+    def memory_waste(self, requests) -> float:
+        """(allocated - used) token slots over allocated, over the given running requests."""
+        allocated, used = self.slot_usage(requests)
         return 0.0 if allocated == 0 else (allocated - used) / allocated
 
 

@@ -34,6 +34,9 @@ class EngineStats:
     last_step_time: float = dataclasses.field(default_factory=time.time)
     arrivals: int = 0
     max_waste_seen: float = 0.0
+    # summed over steps, so kv_cache_waste_avg is the allocated-slot-weighted average of the run
+    waste_slots_allocated: int = 0
+    waste_slots_unused: int = 0
 
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
@@ -58,8 +61,11 @@ class EngineStats:
         self.num_requests_running = scheduler.num_running
         self.num_requests_waiting = scheduler.num_waiting
         self.kv_cache_usage = kv.pool.usage
-        self.kv_cache_waste = kv.memory_waste(scheduler.running)
+        allocated, used = kv.slot_usage(scheduler.running)
+        self.kv_cache_waste = 0.0 if allocated == 0 else (allocated - used) / allocated
         self.max_waste_seen = max(self.max_waste_seen, self.kv_cache_waste)
+        self.waste_slots_allocated += allocated
+        self.waste_slots_unused += allocated - used
         self.prefix_cache_queries = kv.pool.num_queries
         self.prefix_cache_hits = kv.pool.num_hits
         self.num_preemptions = scheduler.num_preemptions
@@ -71,6 +77,11 @@ class EngineStats:
         self.execute_s += execute_s
         self.process_s += process_s
         self.last_step_time = time.time()
+
+    @property
+    def kv_cache_waste_avg(self) -> float:
+        """Allocated-but-unused slots over allocated slots, weighted over every step so far."""
+        return self.waste_slots_unused / self.waste_slots_allocated if self.waste_slots_allocated else 0.0
 
     def drain_latencies(self) -> tuple[list, list, list]:
         out = (self.ttft, self.itl, self.e2e)
