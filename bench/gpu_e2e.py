@@ -83,12 +83,12 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
                        "first_ids": o.outputs[0].token_ids[:8], "text_head": o.outputs[0].text[:60]}
                       for p, o in zip(prompts, outs)]
     if throughput:
-        n = 1000
-        inp = np.clip(rng.lognormal(np.log(148), 1.0, n), 4, 1024).astype(int)
-        rng = np.random.default_rng(0)
-        inp = np.clip(rng.lognormal(np.log(148), 1.0, n), 4, 1024).astype(int)
-        out = np.clip(rng.lognormal(np.log(123), 1.0, n), 4, 2048 - inp).astype(int)
-        reqs = [rng.integers(100, 151936 - 200, i).tolist() for i in inp]
+        from bench.datasets import sample_sharegpt_like
+        workload = sample_sharegpt_like(llm.llm_engine.model_config.vocab_size, 1000, seed=0)
+        n = len(workload)
+        inp = np.array([len(w.prompt_token_ids) for w in workload])
+        out = np.array([w.output_len for w in workload])
+        reqs = [w.prompt_token_ids for w in workload]
         sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=int(o), ignore_eos=True) for o in out]
         stats = llm.llm_engine.stats
         s0 = (stats.schedule_s, stats.execute_s, stats.process_s, stats.num_steps)

@@ -37,11 +37,15 @@ class LLM:
         # Offline generation only wants finished requests: no per-step outputs to build.
         params = [sp if sp.output_kind == RequestOutputKind.FINAL_ONLY
                   else sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
-        # Validate every prompt before queueing any, so one bad prompt leaves the engine untouched.
+        # Tokenize and validate every prompt before queueing any, so one bad prompt leaves the engine
+        # untouched; the engine then receives the token ids and does not tokenize again.
+        tokenized = []
         for p, sp in zip(prompts, params):
-            self.llm_engine.validate_prompt(self.llm_engine.tokenize_prompt(p)[1], sp)
+            text, token_ids = self.llm_engine.tokenize_prompt(p)
+            self.llm_engine.validate_prompt(token_ids, sp)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(zip(tokenized, params)):
             rid = str(next(self._counter))
             self.llm_engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
             ids.append(rid)

@@ -223,15 +223,15 @@ class LLMEngine:
         t2 = time.perf_counter()
         new = None
         if not sched.is_empty:
-            block_ids = self.kv_manager.block_ids_view()
-            new = self.runner.dispatch(sched, block_ids)
+            new = self.runner.dispatch(sched, self.kv_manager.block_ids_view())
+            self.stats.prepare_inputs_s += new.prepare_s
+            self.stats.launch_s += new.launch_s
         t3 = time.perf_counter()
         outputs += self._finish_inflight()
         self._inflight = new
         t4 = time.perf_counter()
         self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
                            process_s=(t1 - t0) + (t4 - t3))
-        self.stats.prepare_inputs_s, self.stats.launch_s = self.runner.prepare_s, self.runner.launch_s
         return outputs
 
     def _record_prompt_logprobs(self, inflight, result) -> None:
@@ -251,8 +251,7 @@ class LLMEngine:
                     token, float(lp[row]), int(rank[row]), top_ids[row][:k], top_lp[row][:k]))
 
     def _needs_sync(self) -> bool:
-        return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
-                   or r.sampling_params.repetition_penalty != 1.0 for r in self.scheduler.running)
+        return any(r.needs_host_history for r in self.scheduler.running)
 
     def _finish_inflight(self) -> list:
         inflight, self._inflight = self._inflight, None

@@ -59,9 +59,14 @@ class Request:
         self.last_token_time: float | None = None
         sp = sampling_params
         # the sampler's per-request parameters, packed once (the runner stacks these rows every step)
-        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
-                             sp.frequency_penalty, sp.repetition_penalty)
         self.needs_bias = bool(sp.logit_bias) or sp.min_tokens > 0
+        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
+                             sp.frequency_penalty, sp.repetition_penalty,
+                             -1 if sp.logprobs is None else sp.logprobs,
+                             -1 if sp.prompt_logprobs is None else sp.prompt_logprobs, self.needs_bias)
+        # penalties need the exact token history on the host, so such batches run synchronously
+        self.needs_host_history = bool(sp.presence_penalty or sp.frequency_penalty
+                                       or sp.repetition_penalty != 1.0)
         self._update_block_hashes()
 
     @property

@@ -41,7 +41,14 @@ class InFlight(NamedTuple):
     result: tuple                 # device arrays from sample()
     rows: dict[str, int]          # request id -> row of its sample in this step
     prompt_rows: dict[str, tuple[int, int, int]]  # request id -> (first token, count, first prompt index)
-    dispatch_time: float
+    prepare_s: float              # host time building the padded inputs
+    launch_s: float               # host time packing them and dispatching the step
+
+
+class PreparedInputs(NamedTuple):
+    model_input: ModelInput
+    bucket: Bucket
+    prompt_rows: dict[str, tuple[int, int, int]]  # prompt_logprobs: request id -> (first token, count, index)
 
 
 class RunnerOutput(NamedTuple):
@@ -52,6 +59,11 @@ class RunnerOutput(NamedTuple):
     top_ids: np.ndarray           # i32[R, X]
     top_logprobs: np.ndarray      # f32[R, X]
     prompt: tuple | None = None   # (logprob f32[T], rank i32[T], top ids i32[T, P], top logprobs f32[T, P])
+
+
+def _logprobs_width(most: float) -> int:
+    """Static top-k width for the largest request: -1 none asked, 0 only the chosen token's, else a power of 2."""
+    return -1 if most < 0 else (_pow2(int(most), 1) if most > 0 else 0)
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -80,9 +92,6 @@ class ModelRunner:
         self.max_rows = _pow2(buckets.max_reqs)
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
-        self.step_times: list[float] = []
-        self.prepare_s = 0.0
-        self.launch_s = 0.0
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
@@ -92,7 +101,7 @@ class ModelRunner:
                             dtype=self.dtype, options=options, flags=flags)
 
     # ---- inputs -------------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple[ModelInput, Bucket]:
+    def prepare_inputs(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> PreparedInputs:
         reqs = out.scheduled
         num_reqs = len(reqs)
         n_sched = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], np.int32)
@@ -140,53 +149,55 @@ class ModelRunner:
         logits_idx[:num_reqs] = qsl[1:num_reqs + 1] - 1
         meta = AttentionMetadata(positions, slots, tables, lens, qsl)
         targets = np.zeros(0, np.int32)
+        prompt_rows: dict[str, tuple[int, int, int]] = {}
         if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
             targets = np.full(T, -1, np.int32)
             for i, (r, s, n) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
-                end = min(s + n, r.num_prompt_tokens - 1)   # token p predicts prompt token p + 1
-                if r.sampling_params.prompt_logprobs is not None and end > s:
-                    targets[qsl[i]:qsl[i] + end - s] = r.prompt_token_ids[s + 1:end + 1]
-        return ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src, targets), bucket
+                count = min(s + n, r.num_prompt_tokens - 1) - s   # token p predicts prompt token p + 1
+                if r.sampling_params.prompt_logprobs is not None and count > 0:
+                    targets[qsl[i]:qsl[i] + count] = r.prompt_token_ids[s + 1:s + 1 + count]
+                    prompt_rows[r.request_id] = (int(qsl[i]), count, s + 1)
+        return PreparedInputs(ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src, targets), bucket,
+                              prompt_rows)
 
     def prepare_sampling(self, out: SchedulerOutput, padded_reqs: int) -> tuple[SamplingInputs, SamplerFlags]:
         reqs = out.scheduled
         R = padded_reqs
         n = len(reqs)
         # One pass over the requests: each request's parameters were packed into a row once, at arrival.
-        table = np.empty((R, 9), np.float64)
+        # columns: Request.sampling_row (temperature, top_k, top_p, min_p, presence, frequency, repetition,
+        # logprobs, prompt_logprobs, needs_bias), then seed and the output index being sampled
+        table = np.empty((R, 12), np.float64)
         table[:n] = [r.sampling_row + (r.sample_seed, r.num_output_tokens + r.num_output_placeholders - 1)
                      for r in reqs]
-        table[n:] = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, 0, 0)   # padding rows: greedy, no penalties
+        table[n:] = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, -1, -1, 0, 0, 0)   # padding: greedy, nothing extra
         temperature, top_p, min_p = (table[:, c].astype(np.float32) for c in (0, 2, 3))
         pres, freq, rep = (table[:, c].astype(np.float32) for c in (4, 5, 6))
         top_k = table[:, 1].astype(np.int32)
-        seeds = table[:, 7].astype(np.uint32)
+        seeds = table[:, 10].astype(np.uint32)
         # output index of the token being sampled: the placeholder this step just added is that token
-        positions = np.maximum(table[:, 8], 0).astype(np.int32)
-        sps = [r.sampling_params for r in reqs]
+        positions = np.maximum(table[:, 11], 0).astype(np.int32)
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
-        lp = [sp.logprobs for sp in sps if sp.logprobs is not None]
-        plp = [sp.prompt_logprobs for sp in sps if sp.prompt_logprobs is not None]
         flags = SamplerFlags(
             top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
             penalties=penalties,
-            num_logprobs=(_pow2(max(lp), 1) if max(lp) > 0 else 0) if lp else -1,
-            num_prompt_logprobs=(_pow2(max(plp), 1) if max(plp) > 0 else 0) if plp else -1,
+            num_logprobs=_logprobs_width(table[:, 7].max()),
+            num_prompt_logprobs=_logprobs_width(table[:, 8].max()),
         )
         out_ids = prompt_ids = np.full((R, 0), -1, np.int32)
         if penalties:
             out_ids = _pad_rows([r.output_token_ids for r in reqs], R)
             prompt_ids = _pad_rows([r.prompt_token_ids for r in reqs], R)
-        bias_rows = [self._bias_entries(r) if r.needs_bias else [] for r in reqs]
-        if any(bias_rows):
+        bias_rows = {i: self._bias_entries(reqs[i]) for i in np.flatnonzero(table[:n, 9])}
+        bias_rows = {i: row for i, row in bias_rows.items() if row}
+        if bias_rows:
             flags = dataclasses.replace(flags, logit_bias=True)
-            width = _pow2(max(len(b) for b in bias_rows), 4)
+            width = _pow2(max(len(b) for b in bias_rows.values()), 4)
             bias_ids = np.full((R, width), -1, np.int32)
             bias_vals = np.zeros((R, width), np.float32)
-            for i, row in enumerate(bias_rows):
-                if row:
-                    bias_ids[i, :len(row)] = [t for t, _ in row]
-                    bias_vals[i, :len(row)] = [v for _, v in row]
+            for i, row in bias_rows.items():
+                bias_ids[i, :len(row)] = [t for t, _ in row]
+                bias_vals[i, :len(row)] = [v for _, v in row]
         else:
             bias_ids, bias_vals = np.full((R, 0), -1, np.int32), np.zeros((R, 0), np.float32)
         inputs = SamplingInputs(temperature, top_k, top_p, min_p, seeds, positions, pres, freq, rep,
@@ -207,32 +218,21 @@ class ModelRunner:
         """Prepare and launch one step without waiting for it (JAX dispatch is asynchronous)."""
         t0 = time.perf_counter()
         self._apply_block_moves(out)
-        model_input, bucket = self.prepare_inputs(out, block_ids)
+        model_input, bucket, prompt_rows = self.prepare_inputs(out, block_ids)
         sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
         options = RuntimeOptions(self.attn_backend, bucket.decode_only)
         self.compiled_keys.add((bucket, flags))
         t1 = time.perf_counter()
         self.kv_cache, self.prev_sampled, result = self._step(
             self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
-        self.prepare_s += t1 - t0                 # host: padded inputs and sampling arrays
-        self.launch_s += time.perf_counter() - t1  # host: packing + JAX dispatch (not device time)
+        t2 = time.perf_counter()
         rows = {r.request_id: i for i, r in enumerate(out.scheduled) if r.request_id in out.sampling_ids}
         self.prev_rows = rows
-        prompt_rows = {}
-        if flags.num_prompt_logprobs >= 0:
-            qsl = np.asarray(model_input.meta.query_start_loc)
-            for i, r in enumerate(out.scheduled):
-                n = out.num_scheduled_tokens[r.request_id]
-                start = r.num_computed_tokens - n
-                count = min(start + n, r.num_prompt_tokens - 1) - start
-                if r.sampling_params.prompt_logprobs is not None and count > 0:
-                    prompt_rows[r.request_id] = (int(qsl[i]), count, start + 1)
-        return InFlight(out, result, rows, prompt_rows, time.perf_counter())
+        return InFlight(out, result, rows, prompt_rows, prepare_s=t1 - t0, launch_s=t2 - t1)
 
     def fetch(self, inflight: InFlight) -> RunnerOutput:
         """Block on a dispatched step's sampled ids (one device_get)."""
         ids, lp, rank, top_ids, top_lp, prompt = jax.device_get(inflight.result)
-        self.step_times.append(time.perf_counter() - inflight.dispatch_time)
         return RunnerOutput(ids, lp, rank, top_ids, top_lp, prompt if inflight.prompt_rows else None)
 
     def execute(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> RunnerOutput:
