@@ -1,8 +1,10 @@
 """Input checks shared by the attention kernels' public ops."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 
-def validate_q_and_cache(q, kv_cache) -> None:
+
+def validate_q_and_cache(q, kv_cache, layer_idx) -> None:
     """Shared checks of a query batch against the pool layout [L, 2, B, K, S, D]."""
     if q.ndim != 3 or kv_cache.ndim != 6:
         raise ValueError(f"expected q[T, N, D] and kv_cache[L, 2, B, K, S, D]; got {q.shape}, "
@@ -16,3 +18,7 @@ def validate_q_and_cache(q, kv_cache) -> None:
     if block_size not in (8, 16, 32, 64) or head_dim not in (64, 128, 256):
         raise ValueError(f"block size {block_size} / head dim {head_dim} unsupported "
                          "(block sizes 8/16/32/64, head dims 64/128/256)")
+    if jnp.shape(layer_idx) not in ((), (1,)):
+        raise ValueError(f"layer_idx must be a scalar; got shape {jnp.shape(layer_idx)}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")

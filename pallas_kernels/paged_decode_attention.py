@@ -132,17 +132,13 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens):
-    validate_q_and_cache(q, kv_cache)
+    validate_q_and_cache(q, kv_cache, layer_idx)
     num_reqs = q.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
         raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} do not match "
                          f"{num_reqs} requests")
     if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
         raise ValueError("block_tables and seq_lens must be int32")
-    if jnp.shape(layer_idx) not in ((), (1,)):
-        raise ValueError(f"layer_idx must be a scalar; got shape {jnp.shape(layer_idx)}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",

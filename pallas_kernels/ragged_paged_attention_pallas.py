@@ -148,7 +148,7 @@ def _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
-    validate_q_and_cache(q, kv_cache)
+    validate_q_and_cache(q, kv_cache, layer_idx)
     num_reqs = seq_lens.shape[0]
     if (block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.ndim != 1
             or query_start_loc.shape != (num_reqs + 1,)):
@@ -158,10 +158,6 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
                     ("query_start_loc", query_start_loc)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
-    if jnp.shape(layer_idx) not in ((), (1,)):
-        raise ValueError(f"layer_idx must be a scalar; got shape {jnp.shape(layer_idx)}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "block_m",

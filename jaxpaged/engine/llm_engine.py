@@ -158,9 +158,10 @@ class LLMEngine:
                 raise ValueError(f"Requested {name} logprobs of {k}, which is greater than max allowed: "
                                  f"{self.args.max_logprobs}")
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).")
+        ids = np.asarray(token_ids)
+        bad = ids[(ids < 0) | (ids >= vocab)]       # one vectorised pass, not a Python loop per token
+        if bad.size:
+            raise ValueError(f"Token id {int(bad[0])} is out of vocabulary (vocab size {vocab}).")
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids (vocab size {vocab}).")
