@@ -47,10 +47,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="GiB of host memory for swapped-out blocks (with --preemption-mode swap).")
     c.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="What to do with a preempted request's blocks: drop and recompute, or swap to host.")
-    c.add_argument("--max-num-seqs", type=_positive_int, default=256,
-                   help="Most requests in one batch.")
+    c.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="Most requests in one batch. Default (vLLM's): 1024 on GPUs with >= 70 GiB, else "
+                        "256.")
     c.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="Token budget of one engine step. Default: 2048, or max-model-len when chunked "
+                   help="Token budget of one engine step. Default (vLLM's server defaults): 8192 on GPUs with "
+                        ">= 70 GiB, 2048 on smaller GPUs and the CPU; at least max-model-len when chunked "
                         "prefill is off.")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
@@ -114,4 +116,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
-        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs)
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
+        usage_context="openai_api_server")

@@ -65,6 +65,7 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, engine, model_name: str):
         self.engine = engine
+        engine.stats.record_latencies = True       # drained into the histograms below
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
 

@@ -109,6 +109,12 @@ class IncrementalDetokenizer:
 
     def _add_tokens_bytes(self, new_token_ids: list[int]) -> StopMatch | None:
         table = self._table
+        if not self.stop:       # no stop strings to find: one join and one decode for all the tokens
+            n = len(table)
+            self.token_ids.extend(new_token_ids)
+            self.output_text += self._utf8.decode(b"".join([table[t] if 0 <= t < n else b""
+                                                            for t in new_token_ids]))
+            return None
         for tid in new_token_ids:
             self.token_ids.append(tid)
             piece = table[tid] if 0 <= tid < len(table) else b""

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from jaxpaged import envs
-from jaxpaged.config import EngineArgs
+from jaxpaged.config import EngineArgs, batch_defaults
 from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -39,18 +39,25 @@ def _configure_jax() -> None:
         jax.config.update("jax_log_compiles", True)
 
 
-def _limits(args: EngineArgs, cfg) -> tuple[int, int]:
-    """(max_model_len, max_num_batched_tokens), checked against each other and the model."""
+def _limits(args: EngineArgs, cfg) -> tuple[int, int, int]:
+    """(max_model_len, max_num_batched_tokens, max_num_seqs), defaults filled in as vLLM does (by device and
+    usage context, config.batch_defaults) and checked against each other and the model."""
+    import jax
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
-    default = 2048 if args.enable_chunked_prefill else max(max_model_len, 2048)
-    max_tokens = args.max_num_batched_tokens or default
+    device = jax.devices()[0]
+    memory = (device.memory_stats() or {}).get("bytes_limit", 0) if device.platform != "cpu" else 0
+    default_tokens, default_seqs = batch_defaults(device.platform, memory, device.device_kind,
+                                                  args.usage_context)
+    if not args.enable_chunked_prefill:
+        default_tokens = max(max_model_len, default_tokens)
+    max_tokens = args.max_num_batched_tokens or default_tokens
     if not args.enable_chunked_prefill and max_tokens < max_model_len:
         raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len "
                          f"({max_model_len}) with chunked prefill disabled: long prompts could never run")
-    return max_model_len, max_tokens
+    return max_model_len, max_tokens, args.max_num_seqs or default_seqs
 
 
 class LLMEngine:
@@ -68,7 +75,7 @@ class LLMEngine:
         loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed)
         self.model_config = cfg = loaded.config
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_path)
-        self.max_model_len, self.max_num_batched_tokens = _limits(args, cfg)
+        self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs = _limits(args, cfg)
         tok_eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | tok_eos))
         backend = args.attention_backend or envs.JAXPAGED_ATTENTION_BACKEND or pallas_kernels.default_backend()
@@ -92,17 +99,17 @@ class LLMEngine:
         from jaxpaged.runner.model_runner import ModelRunner
         args, cfg = self.args, loaded.config
         per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
-        activations = self._activation_estimate(cfg, self.max_num_batched_tokens, args.max_num_seqs)
+        activations = self._activation_estimate(cfg, self.max_num_batched_tokens, self.max_num_seqs)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
                              args.num_gpu_blocks_override)
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
-        self.buckets = BucketPolicy(self.max_num_batched_tokens, args.max_num_seqs)
+        self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
                                   backend, num_cpu_blocks)
         self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
                                          num_cpu_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, self.max_num_batched_tokens,
+        self.scheduler = Scheduler(SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill,
                                                    args.scheduling_policy, args.preemption_mode or "recompute"),
                                    self.kv_manager)
@@ -268,32 +275,41 @@ class LLMEngine:
         touched = []
         if result.prompt is not None:
             self._record_prompt_logprobs(inflight, result)
+        sampled = result.sampled_ids.tolist()           # one conversion, not one numpy scalar per request
+        rows = inflight.rows
+        stats, scheduler, detokenize = self.stats, self.scheduler, self.output_processor.detokenize
+        finished = []
+        t_detok = 0.0
         for req in inflight.sched.scheduled:
-            row = inflight.rows.get(req.request_id)
+            row = rows.get(req.request_id)
             if row is None:
                 continue      # a prefill chunk that did not reach the end: its sample is not a token
             req.num_output_placeholders -= 1
             if req.is_finished:
                 continue      # finished (or aborted) while this step was in flight: a wasted token
-            token = int(result.sampled_ids[row])
+            token = sampled[row]
             req.append_output_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-                self.stats.on_first_token(req, now)
+                stats.on_first_token(req, now)
             else:
-                self.stats.on_token(req, now)
+                stats.on_token(req, now)
             req.last_token_time = now
             if req.sampling_params.logprobs is not None:
                 self.output_processor.record_logprobs(req, token, result, row)
-            status = self.scheduler.check_stop(req)
-            t_detok = time.perf_counter()
-            stop = self.output_processor.detokenize(req)
-            self.stats.detokenize_s += time.perf_counter() - t_detok
+            status = scheduler.check_stop(req)
+            t0 = time.perf_counter()
+            stop = detokenize(req)
+            t_detok += time.perf_counter() - t0
             if stop is not None and status is None:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop
             if status is not None:
-                self.scheduler.finish_request(req, status)
-                self.stats.on_finish(req)
+                finished.append((req, status))
             touched.append(req)
+        stats.generation_tokens += len(touched)
+        stats.detokenize_s += t_detok
+        for req, status in finished:
+            scheduler.finish_request(req, status)
+            stats.on_finish(req)
         return self.output_processor.make_outputs(touched)

@@ -23,6 +23,9 @@ class _Parent:
     sent_logprobs: list[int]
     finished_sent: list[bool]
     prompt_logprobs_sent: bool = False
+    # FINAL_ONLY without stop strings: nobody reads the text before the end, so it is decoded once, at
+    # the end (a join over the byte table), instead of token by token
+    deferred_text: bool = False
 
 
 class OutputProcessor:
@@ -34,7 +37,8 @@ class OutputProcessor:
     def add(self, request_id, prompt, prompt_token_ids, params, children, detoks) -> None:
         n = len(children)
         parent = _Parent(request_id, prompt, prompt_token_ids, params, children, detoks,
-                         [0] * n, [0] * n, [0] * n, [False] * n)
+                         [0] * n, [0] * n, [0] * n, [False] * n,
+                         deferred_text=params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop)
         self.parents[request_id] = parent
         for i, c in enumerate(children):
             self.child_to_parent[c.request_id] = (parent, i)
@@ -52,6 +56,8 @@ class OutputProcessor:
     def detokenize(self, req: Request) -> str | None:
         """Feed the newest token to the child's detokenizer; returns a completed stop string or None."""
         parent, i = self.child_to_parent[req.request_id]
+        if parent.deferred_text:
+            return None
         match = parent.detoks[i].add_tokens(req.output_token_ids[-1:])
         return None if match is None else match.stop
 
@@ -100,6 +106,8 @@ class OutputProcessor:
         completions = []
         for i, (child, detok) in enumerate(zip(parent.children, parent.detoks)):
             done = child.is_finished
+            if parent.deferred_text:
+                detok.add_tokens(child.output_token_ids[len(detok.token_ids):])
             if kind == RequestOutputKind.DELTA:
                 if parent.finished_sent[i]:
                     continue

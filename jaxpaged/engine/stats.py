@@ -19,7 +19,9 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     finished_by_reason: Counter = dataclasses.field(default_factory=Counter)
-    # latency samples since the last drain (the server moves them into histograms)
+    # latency samples since the last drain, kept only when record_latencies is on (the server turns it on
+    # and moves them into histograms every few seconds; offline runs keep none, so nothing grows)
+    record_latencies: bool = False
     ttft: list = dataclasses.field(default_factory=list)
     itl: list = dataclasses.field(default_factory=list)
     e2e: list = dataclasses.field(default_factory=list)
@@ -42,19 +44,19 @@ class EngineStats:
         self.arrivals += n
 
     def on_first_token(self, req, now: float) -> None:
-        self.ttft.append(now - req.arrival_time)
-        self.generation_tokens += 1
+        if self.record_latencies:
+            self.ttft.append(now - req.arrival_time)
 
     def on_token(self, req, now: float) -> None:
-        self.generation_tokens += 1
-        if req.last_token_time is not None:
+        if self.record_latencies and req.last_token_time is not None:
             self.itl.append(now - req.last_token_time)
 
     def on_finish(self, req) -> None:
         reason = req.status.finish_reason
         if reason:
             self.finished_by_reason[reason] += 1
-        self.e2e.append(time.time() - req.arrival_time)
+        if self.record_latencies:
+            self.e2e.append(time.time() - req.arrival_time)
 
     def on_step(self, sched, scheduler, kv, *, schedule_s: float, execute_s: float, process_s: float) -> None:
         self.num_steps += 1

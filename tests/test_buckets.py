@@ -1,0 +1,36 @@
+"""Every shape the engine can ask for is one of the buckets compiled at start-up, and holds the step."""
+import numpy as np
+import pytest
+
+from jaxpaged.config import batch_defaults
+from jaxpaged.runner.buckets import BucketPolicy
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs", [(16384, 1024), (8192, 1024), (2048, 256), (1000, 100),
+                                                 (64, 8), (32, 256)])
+def test_every_step_lands_in_a_precompiled_bucket(max_tokens, max_seqs):
+    policy = BucketPolicy(max_tokens, max_seqs)
+    buckets = set(policy.all_buckets())
+    assert len(buckets) == len(policy.all_buckets())          # no duplicates
+    rng = np.random.default_rng(0)
+    cases = [(1, 1), (max_tokens, min(max_seqs, max_tokens)), (min(max_seqs, max_tokens),) * 2]
+    cases += [(int(t), int(rng.integers(1, min(t, max_seqs) + 1)))
+              for t in rng.integers(1, max_tokens + 1, 2000)]
+    for num_tokens, num_reqs in cases:
+        b = policy.pick(num_tokens, num_reqs, decode_only=False)
+        assert b in buckets, (num_tokens, num_reqs, b)
+        assert b.padded_num_tokens >= num_tokens and b.padded_num_reqs >= num_reqs
+        assert b.padded_num_reqs <= b.padded_num_tokens
+        if num_tokens == num_reqs:
+            d = policy.pick(num_reqs, num_reqs, decode_only=True)
+            assert d in buckets and d.padded_num_reqs >= num_reqs
+
+
+def test_h100_defaults_keep_start_up_small():
+    # vLLM's H100 defaults for the LLM class: 16384 tokens, 1024 sequences -> 11 decode + 35 mixed shapes
+    assert batch_defaults("gpu", 80 * 2**30, "NVIDIA H100 80GB HBM3", "llm_class") == (16384, 1024)
+    assert batch_defaults("gpu", 80 * 2**30, "NVIDIA H100 80GB HBM3", "openai_api_server") == (8192, 1024)
+    assert batch_defaults("gpu", 80 * 2**30, "NVIDIA A100-SXM4-80GB", "llm_class") == (8192, 256)
+    assert batch_defaults("gpu", 24 * 2**30, "NVIDIA L4", "openai_api_server") == (2048, 256)
+    assert batch_defaults("cpu", 0, "cpu", "llm_class") == (2048, 256)
+    assert len(BucketPolicy(16384, 1024).all_buckets()) == 46
