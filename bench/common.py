@@ -28,7 +28,10 @@ _GIT_REV_FILE = REPO_ROOT / "bench" / "results" / "GIT_REV"   # written by prepa
 
 
 def git_revision() -> str:
-    """`git rev-parse HEAD` (+ '-dirty'), else $JAXPAGED_GIT_REV, else bench/results/GIT_REV, else 'unknown'."""
+    """$JAXPAGED_GIT_REV (the GPU suite sets it: the device copy's .git, if any, is not this revision), else
+    `git rev-parse HEAD` (+ '-dirty'), else bench/results/GIT_REV, else 'unknown'."""
+    if _GIT_REV_ENV:
+        return _GIT_REV_ENV
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
@@ -37,34 +40,9 @@ def git_revision() -> str:
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    if _GIT_REV_ENV:
-        return _GIT_REV_ENV
     if _GIT_REV_FILE.exists():
         return _GIT_REV_FILE.read_text().strip() or "unknown"
     return "unknown"
-
-
-def device_info() -> dict[str, Any]:
-    """Device kind and JAX version; imports jax lazily so pure-client scripts need no JAX."""
-    info: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
-    try:
-        import jax
-        devices = jax.devices()
-        info.update(jax_version=jax.__version__, backend=jax.default_backend(),
-                    device=devices[0].device_kind, num_devices=len(devices))
-    except Exception as e:  # noqa: BLE001 - a stamp must never fail a benchmark
-        info.update(jax_version="unavailable", device=f"unknown ({type(e).__name__})")
-    return info
-
-
-def gpu_name_from_nvidia_smi() -> str | None:
-    """The GPU's name without initialising CUDA in this process (a client beside a running server)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout.strip().splitlines()
-        return out[0].strip() if out else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def stamp(argv: list[str] | None = None, with_device: bool = True) -> dict[str, Any]:

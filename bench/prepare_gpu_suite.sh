@@ -34,9 +34,12 @@ for kind, (pkg, rel) in TIKTOKEN_SOURCES.items():
     print("tokenizer source:", dst)
 PY
 # The ShareGPT samples, tokenized with each model's tokenizer (the cache key the GPU run looks up).
+# 1000 prompts for the throughput runs, 200 for the profiled run and the HF baselines.
 for m in qwen2-0.5b llama3-8b; do
-  JAXPAGED_BENCH_DATA=.cache/gpu/bench_data $PY -m bench.datasets --dataset sharegpt --model $m --num-prompts 1000 \
-    | tr -d '\n' | cut -c1-160; echo
+  for n in 1000 200; do
+    JAXPAGED_BENCH_DATA=.cache/gpu/bench_data $PY -m bench.datasets --dataset sharegpt --model $m --num-prompts $n \
+      | tr -d '\n' | cut -c1-160; echo
+  done
 done
 rev=$(git rev-parse HEAD)
 if [ -n "$(git status --porcelain --untracked-files=no)" ]; then rev="$rev-dirty"; fi

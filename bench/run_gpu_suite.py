@@ -69,8 +69,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
                                                       "8" if smoke else "200", "--result-name",
                                                       f"throughput-{q}-sharegpt-profile"] + small),
-            Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "200",
-                                               "--cb-num-prompts", "8" if smoke else "64",
+            Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "100",
+                                               "--cb-num-prompts", "8" if smoke else "48",
                                                "--max-time-s", "10" if smoke else "45"]),
         ],
         "llama": [

@@ -24,7 +24,8 @@ export PYTHONPATH=/tmp/jp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
 export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
 if [ -z "${JAXPAGED_GIT_REV:-}" ]; then
-  JAXPAGED_GIT_REV=$(git -C "$REPO" rev-parse HEAD 2>/dev/null || cat "$REPO/.cache/gpu/GIT_REV" 2>/dev/null || echo unknown)
+  # GIT_REV (written by prepare_gpu_suite.sh here) first: a .git in the device's copy may be stale
+  JAXPAGED_GIT_REV=$(cat "$REPO/.cache/gpu/GIT_REV" 2>/dev/null || git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)
   export JAXPAGED_GIT_REV
 fi
 echo "jaxpaged suite: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"

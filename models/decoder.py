@@ -115,14 +115,24 @@ class DecoderLayer(nn.Module):
         return (h, kv_cache, layer_idx + 1), None
 
 
+PROMPT_HEAD_CHUNK = 2048     # tokens whose full-vocabulary logits exist at once (prompt logprobs)
+
+
 class DecoderModel(nn.Module):
-    """token_ids i32[T] -> (logits f32[R, V] at logits_indices, updated kv_cache)."""
+    """token_ids i32[T] -> (logits f32[R, V] at logits_indices, updated kv_cache, prompt head output).
+
+    prompt_head (optional, static): a function (logits f32[C, V], targets i32[C]) -> tuple of arrays with
+    leading dim C, applied to the logits of every token of the batch in chunks of at most
+    PROMPT_HEAD_CHUNK tokens, so that prompt logprobs never hold [T, V] logits at once (16k tokens x 152k
+    vocabulary would be 10 GB); the outputs are concatenated back to leading dim T.
+    """
     cfg: DecoderConfig
     dtype: Any
     options: RuntimeOptions = RuntimeOptions()
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache, meta: AttentionMetadata, logits_indices):
+    def __call__(self, token_ids, kv_cache, meta: AttentionMetadata, logits_indices, prompt_targets=None,
+                 prompt_head=None):
         c = self.cfg
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         h = embed(token_ids)
@@ -133,13 +143,34 @@ class DecoderModel(nn.Module):
                          unroll=min(self.options.scan_unroll, c.num_layers))
         (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
             (h, kv_cache, jnp.int32(0)), meta, cos, sin)
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(h[logits_indices])
+        norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
         if c.tie_word_embeddings:
-            logits = embed.attend(h)
+            head = embed.attend
         else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                              name="lm_head")(h)
-        return logits.astype(jnp.float32), kv_cache
+            head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")
+        logits = head(norm(h[logits_indices])).astype(jnp.float32)
+        if prompt_head is None:
+            return logits, kv_cache, ()
+        return logits, kv_cache, self._prompt_head(norm(h), prompt_targets, prompt_head)
+
+    def _prompt_head(self, h, targets, prompt_head):
+        """prompt_head over the logits of every token, PROMPT_HEAD_CHUNK tokens at a time."""
+        if self.cfg.tie_word_embeddings:
+            w = self.variables["params"]["embed_tokens"]["embedding"].T          # [H, V]
+        else:
+            w = self.variables["params"]["lm_head"]["kernel"]                    # [H, V]
+        t = h.shape[0]
+        chunk = min(t, PROMPT_HEAD_CHUNK)
+        pad = -t % chunk
+        h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
+        targets = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
+
+        def one(args):
+            hc, tc = args
+            return prompt_head(jnp.dot(hc, w.astype(hc.dtype)).astype(jnp.float32), tc)
+
+        out = jax.lax.map(one, (h, targets))
+        return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:t], out)
 
 
 def kv_cache_shape(cfg: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """Tiny random Llama / Qwen2 / Qwen3 models: jaxpaged's logits through the paged KV cache equal HF
 transformers' (PyTorch, float32) for a prefill and several decode steps."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,8 +59,8 @@ class PagedRunner:
         meta = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
                                  jnp.asarray([self.num_computed + n], jnp.int32), jnp.asarray([0, n], jnp.int32))
         # logits at every token, to compare the whole prefill
-        logits, self.kv = self.model.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
-                                           meta, jnp.arange(n, dtype=jnp.int32))
+        logits, self.kv, _ = self.model.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
+                                              meta, jnp.arange(n, dtype=jnp.int32))
         self.num_computed += n
         return np.asarray(logits)
 
@@ -83,3 +84,33 @@ def test_logits_match_hf(family, tmp_path):
     got = np.concatenate(ours, axis=0)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])     # tied embeddings and a separate lm_head
+def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
+    """The prompt-logprob head sees every token's logits, a few tokens at a time (here 8 of 21, padded),
+    and its outputs equal the head applied to the whole [T, V] logits at once."""
+    from jaxpaged.models import decoder
+
+    make_hf_model(family, tmp_path)
+    loaded = load_model(tmp_path, dtype="float32")
+    runner = PagedRunner(loaded)
+    n = 21
+    rng = np.random.default_rng(2)
+    token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
+    targets = jnp.asarray(rng.integers(-1, 320, n), jnp.int32)
+    pos = np.arange(n)
+    slots = np.array([runner.block_ids[p // 4] * 4 + p % 4 for p in pos])
+    table = np.zeros((1, 20), np.int32)
+    table[0, :6] = runner.block_ids[:6]
+    meta = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
+                             jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+    head = lambda logits, t: (jax.nn.log_softmax(logits)[jnp.arange(t.shape[0]), jnp.maximum(t, 0)], logits)
+    full, _, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, jnp.arange(n))
+    monkeypatch.setattr(decoder, "PROMPT_HEAD_CHUNK", 8)
+    _, _, (lp, logits) = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta,
+                                            jnp.arange(n), targets, head)
+    assert logits.shape == full.shape
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=1e-5, atol=1e-5)
+    ref = jax.nn.log_softmax(full)[jnp.arange(n), jnp.maximum(targets, 0)]
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -120,9 +120,10 @@ class LLMEngine:
 
     @staticmethod
     def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
-        """Peak of the step's temporaries: the logits (of every token when prompt_logprobs is asked for),
-        the widest MLP activations, slack for XLA."""
-        logits = (max_seqs + max_tokens) * cfg.vocab_size * 4 * 3
+        """Peak of the step's temporaries: the sampled rows' logits, one chunk of every-token logits (prompt
+        logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest MLP activations, slack for XLA."""
+        from jaxpaged.models.decoder import PROMPT_HEAD_CHUNK
+        logits = (max_seqs + min(max_tokens, PROMPT_HEAD_CHUNK)) * cfg.vocab_size * 4 * 3
         mlp = max_tokens * cfg.intermediate_size * 4 * 3
         return logits + mlp + (256 << 20)
 

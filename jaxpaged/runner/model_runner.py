@@ -331,14 +331,12 @@ def _step_body(params, kv_cache, prev_sampled, model_input: ModelInput, sampling
     token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
         prev_sampled[model_input.fill_src_row], mode="drop")
     num_reqs = model_input.logits_indices.shape[0]
-    indices = model_input.logits_indices
-    if flags.num_prompt_logprobs >= 0:   # logits at every token too: [R + T, V]
-        indices = jnp.concatenate([indices, jnp.arange(token_ids.shape[0], dtype=jnp.int32)])
-    logits, kv_cache = model.apply({"params": params}, token_ids, kv_cache, model_input.meta, indices)
-    result = sample(logits[:num_reqs], sampling, flags)
-    prompt = ()
-    if flags.num_prompt_logprobs >= 0:
-        prompt = prompt_logprobs(logits[num_reqs:], model_input.prompt_target_ids, flags.num_prompt_logprobs)
+    # prompt logprobs: the model applies the head to every token's logits, a bounded chunk at a time
+    head = (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
+            if flags.num_prompt_logprobs >= 0 else None)
+    logits, kv_cache, prompt = model.apply({"params": params}, token_ids, kv_cache, model_input.meta,
+                                           model_input.logits_indices, model_input.prompt_target_ids, head)
+    result = sample(logits, sampling, flags)
     # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
     sampled_buf = jnp.zeros_like(prev_sampled).at[:num_reqs].set(result[0])
     return kv_cache, sampled_buf, (*result, prompt)

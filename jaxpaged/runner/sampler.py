@@ -126,7 +126,7 @@ def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
     return ids, chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
-def prompt_logprobs(logits, target_ids, k: int):
+def prompt_logprobs(logits, target_ids, *, k: int):
     """Logprobs of the prompt's own next tokens, for `prompt_logprobs`.
 
     logits f32[T, V] at every token of the batch; target_ids i32[T] the next prompt token (-1: none).
