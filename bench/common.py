@@ -45,6 +45,29 @@ def git_revision() -> str:
     return "unknown"
 
 
+def device_info() -> dict[str, Any]:
+    """Device kind and JAX version; imports jax lazily so pure-client scripts need no JAX."""
+    info: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import jax
+        devices = jax.devices()
+        info.update(jax_version=jax.__version__, backend=jax.default_backend(),
+                    device=devices[0].device_kind, num_devices=len(devices))
+    except Exception as e:  # noqa: BLE001 - a stamp must never fail a benchmark
+        info.update(jax_version="unavailable", device=f"unknown ({type(e).__name__})")
+    return info
+
+
+def gpu_name_from_nvidia_smi() -> str | None:
+    """The GPU's name without initialising CUDA in this process (a client beside a running server)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout.strip().splitlines()
+        return out[0].strip() if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def stamp(argv: list[str] | None = None, with_device: bool = True) -> dict[str, Any]:
     """The provenance every result carries: command, date, git revision, device, JAX version.
 

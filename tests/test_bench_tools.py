@@ -109,3 +109,13 @@ def test_scripts_have_help():
         r = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / f"{script}.py"), "-h"], capture_output=True,
                            text=True, timeout=120, cwd="/")
         assert r.returncode == 0 and "usage" in r.stdout, (script, r.stderr[-500:])
+
+
+def test_stamp_with_and_without_jax(monkeypatch):
+    """Every result carries its provenance; a suite-provided revision wins over the local git."""
+    from bench import common
+    monkeypatch.setattr(common, "_GIT_REV_ENV", "abc1234")
+    for with_device in (True, False):
+        s = common.stamp(["bench/x.py", "--flag"], with_device=with_device)
+        assert s["git_revision"] == "abc1234" and "bench/x.py --flag" in s["command"]
+        assert s["device"] and s["date"]
