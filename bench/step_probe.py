@@ -14,7 +14,8 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
-def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1) -> dict:
+def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1,
+                      trace_dir: str | None = None) -> dict:
     """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time."""
     import jax
     import numpy as np
@@ -60,6 +61,17 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         jax.block_until_ready(r)
         res[R] = {"blocking_us": round(float(np.median(lat)) * 1e6),
                   "pipelined_us": round((time.perf_counter() - t0) / n * 1e6), "compile_s": round(compile_s, 1)}
+        if trace_dir is not None:      # 10 pipelined steps under the profiler: the kernels by total time
+            from bench import trace_analysis
+            d = f"{trace_dir}/R{R}"
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(10):
+                    r = step()
+                jax.block_until_ready(r)
+            events = trace_analysis.load_events(d)
+            if events:
+                res[R]["busy"] = trace_analysis.analyze_events(events)
+                res[R]["top_kernels_per_10_steps"] = trace_analysis.top_kernels(events, 25)
     return res
 
 
@@ -71,13 +83,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--label", default="")
+    ap.add_argument("--trace", default=None, help="folder: trace 10 steps per batch, list the top kernels")
     args = ap.parse_args()
     from bench.models import ensure_model_dir
     from jaxpaged import LLM
     llm = LLM(model=ensure_model_dir(args.model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
               attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=40000)
     res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend}
-    res.update(time_decode_steps(llm, [int(b) for b in args.batches.split(",")], args.ctx, args.unroll))
+    res.update(time_decode_steps(llm, [int(b) for b in args.batches.split(",")], args.ctx, args.unroll,
+                                 args.trace))
     print("PROBE", json.dumps(res))
 
 

@@ -59,13 +59,35 @@ def analyze_events(events: list[dict[str, Any]], gap_threshold_us: float = GAP_T
             "median_gap_over_threshold_us": float(sorted(big)[len(big) // 2]) if big else 0.0}
 
 
-def analyze(trace_dir: str) -> dict[str, Any] | None:
+def top_kernels(events: list[dict[str, Any]], n: int = 20) -> list[dict[str, Any]]:
+    """The device's kernels by total time: [{"name", "total_ms", "count", "mean_us"}], longest first."""
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "/device:" in str(e.get("args", {}).get("name", ""))
+                   and "host" not in str(e.get("args", {}).get("name", "")).lower()}
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids:
+            t = totals.setdefault(str(e.get("name", "?"))[:90], [0.0, 0])
+            t[0] += float(e.get("dur", 0.0))
+            t[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": k, "total_ms": v[0] / 1000, "count": int(v[1]), "mean_us": v[0] / v[1]} for k, v in rows]
+
+
+def load_events(trace_dir: str) -> list[dict[str, Any]] | None:
     path = find_trace(trace_dir)
     if path is None:
         return None
     with gzip.open(path, "rt") as f:
         data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def analyze(trace_dir: str) -> dict[str, Any] | None:
+    path = find_trace(trace_dir)
+    if path is None:
+        return None
+    events = load_events(trace_dir)
     out = analyze_events(events)
     if out is not None:
         out["trace_file"] = path
