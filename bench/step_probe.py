@@ -83,12 +83,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--label", default="")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
     ap.add_argument("--trace", default=None, help="folder: trace 10 steps per batch, list the top kernels")
     args = ap.parse_args()
     from bench.models import ensure_model_dir
     from jaxpaged import LLM
     llm = LLM(model=ensure_model_dir(args.model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=40000)
+              attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=args.num_blocks)
     res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend}
     res.update(time_decode_steps(llm, [int(b) for b in args.batches.split(",")], args.ctx, args.unroll,
                                  args.trace))
