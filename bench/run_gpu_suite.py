@@ -10,6 +10,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
   llama  throughput llama3-8b sharegpt 1000; latency llama3-8b batch 256 (+ decode step vs floor); HF
          static + continuous (first 32)
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
+  speed  qwen throughput + the profiled run (warm start-up) + the server with the same step shapes
+         (warm start-up) and openqa at concurrency 1 and 10: issue 6's figures in one command
 
 Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
 installed jaxpaged, not the repo's ./jaxpaged folder, is imported); its log goes to
@@ -51,6 +53,7 @@ class Step:
     budget_s: float
     argv: list[str] = field(default_factory=list)    # a bench script and its arguments
     kind: str = "script"                               # script | serve
+    server_args: list[str] = field(default_factory=list)   # serve: extra jaxpaged.server flags
 
 
 def parts(smoke: bool) -> dict[str, list[Step]]:
@@ -81,6 +84,17 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                         "--num-iters", "2" if smoke else "3"] + small),
             Step("hf-llama", 140, hf + quick + ["--model", l_, "--num-prompts", "8" if smoke else "32",
                                                 "--max-time-s", "10" if smoke else "40"]),
+        ],
+        # The figures issue 6 asks for, in one command: throughput (cold compile), the profiled run (its
+        # start-up reads the warm compile cache), then the server with the same step shapes (so its
+        # start-up is warm too) and openqa at concurrency 1 and 10.
+        "speed": [
+            Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small),
+            Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
+                                                      "8" if smoke else "200", "--result-name",
+                                                      f"throughput-{q}-sharegpt-profile"] + small),
+            Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"] if smoke else []),
+                 kind="serve", server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
         ],
         "serve": [
             Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"] if smoke else []),
@@ -144,6 +158,7 @@ def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, 
                                                                   if path else [])
     if smoke:
         server += ["--max-model-len", "2048"]
+    server += step.server_args
     t0 = time.perf_counter()
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(server)}\n".encode())
@@ -252,12 +267,12 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | all")
+    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | all")
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)
     table = parts(a.smoke)
-    names = list(table) if "all" in a.parts else a.parts
+    names = [n for n in table if n != "speed"] if "all" in a.parts else a.parts   # speed repeats parts of qwen and serve
     for name in names:
         if name not in table:
             p.error(f"unknown part {name!r}; choose from {list(table)} or all")
