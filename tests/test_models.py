@@ -114,3 +114,35 @@ def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=1e-5, atol=1e-5)
     ref = jax.nn.log_softmax(full)[jnp.arange(n), jnp.maximum(targets, 0)]
     np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
+    """embed -> layer x L (each on its own weights) -> head gives the scanned model's logits and cache."""
+    from jaxpaged.models import decoder
+
+    make_hf_model(family, tmp_path)
+    loaded = load_model(tmp_path, dtype="float32")
+    cfg = loaded.config
+    runner = PagedRunner(loaded)
+    n = 11
+    rng = np.random.default_rng(4)
+    token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
+    pos = np.arange(n)
+    slots = np.array([runner.block_ids[p // 4] * 4 + p % 4 for p in pos])
+    table = np.zeros((1, 20), np.int32)
+    table[0, :3] = runner.block_ids[:3]
+    meta = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
+                             jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+    idx = jnp.asarray([3, n - 1], jnp.int32)
+    want, want_kv, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, idx)
+
+    rest, layers = decoder.split_layer_params(runner.params)
+    assert len(layers) == cfg.num_layers
+    h, cos, sin = decoder.embed_phase(cfg, jnp.float32, rest, token_ids, meta.positions)
+    kv = runner.kv
+    for i, lp in enumerate(layers):
+        h, kv = decoder.layer_phase(cfg, jnp.float32, decoder.RuntimeOptions(), lp, h, kv, jnp.int32(i), meta, cos, sin)
+    got, _ = decoder.head_phase(cfg, jnp.float32, rest, h, idx)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv), np.asarray(want_kv), rtol=1e-5, atol=1e-6)
