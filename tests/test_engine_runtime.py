@@ -78,7 +78,8 @@ def test_no_state_left_behind(model_dir):
         engine.step()
     kv = engine.kv_manager
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - 1
-    assert not kv.req_to_blocks and not kv.num_cached_blocks and not kv._ids_cache and not kv.swapped
+    assert not kv.req_to_blocks and not kv.num_cached_blocks and not kv.table_rows and not kv.swapped
+    assert not kv.block_table.any()          # freed rows are zeroed
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
     assert engine._inflight is None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from jaxpaged.engine.block_pool import BlockPool, KVCacheBlock
 from jaxpaged.engine.request import Request
 
@@ -28,7 +30,14 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
         self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
-        self._ids_cache: dict[str, tuple[int, list[int]]] = {}    # request -> (id of its block list, ids)
+        # The block ids of every request with device blocks, kept as rows of one table updated where the
+        # lists change (allocate, copy-on-write, fork, swap, free), so a step gathers its batch's block
+        # tables with one fancy index instead of flattening ~30k ids. Row 0 stays all zeros (the null
+        # block): padding rows of a batch gather it. Free rows are zeroed.
+        self.block_table = np.zeros((64, 16), np.int32)
+        self.table_rows: dict[str, int] = {}                     # request -> its row of block_table
+        self._free_rows: list[int] = []
+        self._next_row = 1
 
     # ---- prefix cache -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -64,6 +73,20 @@ class KVCacheManager:
         total = request.num_computed_tokens + self._hit_tokens(request, new_computed) + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(blocks) - len(new_computed))
 
+    def append_in_place(self, request: Request, end: int) -> bool:
+        """The common decode case: tokens up to `end` fit in blocks the request already owns, and the
+        block the next token lands in is its own (no copy-on-write). Then registers the blocks that are
+        full now and returns True; otherwise changes nothing and returns False (call allocate_slots)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or end > len(blocks) * self.block_size:
+            return False
+        idx = request.num_computed_tokens // self.block_size
+        if idx < len(blocks) and blocks[idx].ref_cnt > 1:
+            return False
+        if self.enable_caching and end // self.block_size > self.num_cached_blocks.get(request.request_id, 0):
+            self._cache_full_blocks(request, blocks, end)
+        return True
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones; None when the pool is short.
@@ -71,15 +94,8 @@ class KVCacheManager:
         new_computed: prefix-cache hits to attach first (the request's num_computed_tokens does not yet
         count them).
         """
-        if not new_computed:
-            blocks = self.req_to_blocks.get(request.request_id)
-            end = request.num_computed_tokens + num_new_tokens
-            if blocks is not None and end <= len(blocks) * self.block_size \
-                    and not self._needs_copy_on_write(request, blocks):
-                # The common decode case: the tokens fit in blocks the request already owns.
-                if end // self.block_size > self.num_cached_blocks.get(request.request_id, 0):
-                    self._cache_full_blocks(request, blocks, end)
-                return []
+        if not new_computed and self.append_in_place(request, request.num_computed_tokens + num_new_tokens):
+            return []
         new_computed = new_computed or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_new = self.num_blocks_needed(request, num_new_tokens, new_computed)
@@ -88,12 +104,14 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new + int(cow) > self.pool.num_free_blocks - evictable_hits:
             return None
+        start = len(blocks)
         self.pool.touch(new_computed)
         blocks.extend(new_computed)
         if cow:
             self._copy_on_write(request, blocks)
         fresh = self.pool.get_new_blocks(num_new)
         blocks.extend(fresh)
+        self._write_row(request.request_id, blocks, start)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens
                                 + self._hit_tokens(request, new_computed) + num_new_tokens)
         return fresh
@@ -108,9 +126,9 @@ class KVCacheManager:
         shared = blocks[idx]
         (own,) = self.pool.get_new_blocks(1)
         self.blocks_to_copy.append((shared.block_id, own.block_id))
-        self._ids_cache.pop(request.request_id, None)        # an id changed in place
         self.pool.free_blocks([shared])
         blocks[idx] = own
+        self._write_row(request.request_id, blocks, idx, idx + 1)      # an id changed in place
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register blocks that are full once this step's tokens are in (their token ids are all known)."""
@@ -128,22 +146,64 @@ class KVCacheManager:
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
         self.pool.touch(blocks)
         self.req_to_blocks[child.request_id] = blocks
+        self._write_row(child.request_id, blocks, 0)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self._ids_cache.pop(request.request_id, None)
+        self._release_row(request.request_id)
         # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
         self.pool.free_blocks(reversed(blocks))
         self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
 
-    def block_ids_view(self) -> "_BlockIdsView":
-        """Read-only mapping request id -> block ids, computed on access (no per-step dict building)."""
-        return _BlockIdsView(self.req_to_blocks, self._ids_cache)
+    def block_ids_view(self) -> "BlockTableView":
+        """Read-only mapping request id -> block ids over the persistent table (no per-step building)."""
+        return BlockTableView(self)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    # ---- the block table ----------------------------------------------------------------------
+    def _write_row(self, request_id: str, blocks: list[KVCacheBlock], start: int, stop: int | None = None) -> None:
+        """Copy blocks[start:stop] into the request's table row (taking a row on first use)."""
+        stop = len(blocks) if stop is None else stop
+        row = self.table_rows.get(request_id)
+        if row is None:
+            if self._free_rows:
+                row = self._free_rows.pop()
+            else:
+                row = self._next_row
+                self._next_row += 1
+                if row == self.block_table.shape[0]:
+                    self._resize_table(2 * row, self.block_table.shape[1])
+            self.table_rows[request_id] = row
+        if stop > self.block_table.shape[1]:
+            self._resize_table(self.block_table.shape[0], max(stop, 2 * self.block_table.shape[1]))
+        if stop > start:
+            self.block_table[row, start:stop] = [b.block_id for b in blocks[start:stop]]
+
+    def _release_row(self, request_id: str) -> None:
+        row = self.table_rows.pop(request_id, None)
+        if row is not None:
+            self.block_table[row] = 0
+            self._free_rows.append(row)
+
+    def _resize_table(self, num_rows: int, width: int) -> None:
+        table = np.zeros((num_rows, width), np.int32)
+        keep = min(width, self.block_table.shape[1])
+        table[:self.block_table.shape[0], :keep] = self.block_table[:, :keep]
+        self.block_table = table
+
+    def gather_block_tables(self, request_ids, num_rows: int, width: int) -> np.ndarray:
+        """int32[num_rows, width]: the block ids of `request_ids` in order, then all-null padding rows."""
+        if self.block_table.shape[1] != width:
+            if self.block_table.shape[1] > width and self.block_table[:, width:].any():
+                raise ValueError(f"a request holds more than {width} blocks")
+            self._resize_table(self.block_table.shape[0], width)
+        rows = np.zeros(num_rows, np.intp)
+        rows[:len(request_ids)] = [self.table_rows.get(rid, 0) for rid in request_ids]
+        return self.block_table[rows]
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
@@ -153,7 +213,7 @@ class KVCacheManager:
         """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
         blocks = self.req_to_blocks.pop(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
-        self._ids_cache.pop(request.request_id, None)
+        self._release_row(request.request_id)
         host = [self.free_cpu_blocks.pop() for _ in blocks]
         self.swapped[request.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
@@ -167,6 +227,7 @@ class KVCacheManager:
             return None
         blocks = self.pool.get_new_blocks(len(host))
         self.req_to_blocks[request.request_id] = blocks
+        self._write_row(request.request_id, blocks, 0)
         del self.swapped[request.request_id]
         self.free_cpu_blocks.extend(host)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens)
@@ -188,24 +249,20 @@ class KVCacheManager:
         return 0.0 if allocated == 0 else (allocated - used) / allocated
 
 
-class _BlockIdsView:
-    """request id -> its block ids. Block lists only grow at the end between copy-on-writes (which drop
-    the cached entry), so each step appends just the new ids instead of rebuilding every list."""
-    __slots__ = ("_blocks", "_cache")
+class BlockTableView:
+    """request id -> its block ids, read from the KV cache manager's persistent table; the runner
+    gathers a whole batch's block tables at once with `gather`."""
+    __slots__ = ("_kv",)
 
-    def __init__(self, req_to_blocks: dict[str, list[KVCacheBlock]], cache: dict[str, tuple[int, list[int]]]):
-        self._blocks = req_to_blocks
-        self._cache = cache
+    def __init__(self, kv: KVCacheManager):
+        self._kv = kv
 
     def __getitem__(self, request_id: str) -> list[int]:
-        blocks = self._blocks.get(request_id)
-        if blocks is None:
+        kv = self._kv
+        row = kv.table_rows.get(request_id)
+        if row is None:
             return []
-        entry = self._cache.get(request_id)
-        if entry is None or entry[0] != id(blocks) or len(entry[1]) > len(blocks):
-            entry = (id(blocks), [b.block_id for b in blocks])
-            self._cache[request_id] = entry
-        ids = entry[1]
-        if len(ids) < len(blocks):
-            ids.extend(b.block_id for b in blocks[len(ids):])
-        return ids
+        return kv.block_table[row, :len(kv.req_to_blocks[request_id])].tolist()
+
+    def gather(self, request_ids, num_rows: int, width: int) -> np.ndarray:
+        return self._kv.gather_block_tables(request_ids, num_rows, width)

@@ -38,10 +38,16 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
-        self.status = RequestStatus.WAITING
+        self._status = RequestStatus.WAITING
+        self.is_finished = False                          # status.finished, kept as a plain attribute
         self.stop_reason: int | str | None = None
         self.all_token_ids = list(prompt_token_ids)      # prompt + output
         self.output_token_ids: list[int] = []
+        # len(prompt_token_ids), len(all_token_ids), len(output_token_ids): plain attributes, read several
+        # times per request per step; append_output_token keeps them (the only writer of the lists)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0                      # tokens whose K/V are in the cache
         # Tokens sampled by a dispatched step whose ids the host has not seen yet (async scheduling):
         # the next step already computes past them, reading the ids from the device.
@@ -67,28 +73,28 @@ class Request:
         # penalties need the exact token history on the host, so such batches run synchronously
         self.needs_host_history = bool(sp.presence_penalty or sp.frequency_penalty
                                        or sp.repetition_penalty != 1.0)
+        # check_stop's token sets, built once: EOS (unless ignored) and the stop token ids
+        self.eos_stop_ids = frozenset(() if sp.ignore_eos else eos_token_ids)
+        self.stop_ids = frozenset(sp.stop_token_ids or ())
+        self._next_full_block_at = block_size                # num_tokens that fills the next unhashed block
         self._update_block_hashes()
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+    def status(self) -> RequestStatus:
+        return self._status
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
+    @status.setter
+    def status(self, status: RequestStatus) -> None:
+        self._status = status
+        self.is_finished = status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self._update_block_hashes()
+        self.num_output_tokens += 1
+        self.num_tokens += 1
+        if self.num_tokens >= self._next_full_block_at:
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         """Hash every newly full block: hash(parent_hash, block_token_ids)."""
@@ -97,6 +103,7 @@ class Request:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None
             self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * s:(i + 1) * s]))
+        self._next_full_block_at = (len(self.block_hashes) + 1) * s
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "

@@ -85,32 +85,52 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
-        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        num_scheduled = out.num_scheduled_tokens
+        out.total_num_scheduled_tokens = sum(num_scheduled.values())
         out.blocks_to_copy = self.kv.blocks_to_copy
         self.kv.blocks_to_copy = []
+        sampling_ids = out.sampling_ids
         for req in out.scheduled:
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            req.num_computed_tokens += num_scheduled[req.request_id]
             # A chunk that reaches the end of the known tokens samples the next one.
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-                out.sampling_ids.add(req.request_id)
+                sampling_ids.add(req.request_id)
                 req.num_output_placeholders += 1
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         pending = req.num_output_placeholders
-        sp = req.sampling_params
-        if sp.max_tokens is not None and req.num_output_tokens + pending >= sp.max_tokens:
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and req.num_output_tokens + pending >= max_tokens:
             return 0          # its last token is already in flight
         n = min(req.num_tokens + pending - req.num_computed_tokens, budget,
                 self.config.max_model_len - req.num_computed_tokens)
         return max(n, 0)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        scheduled, num_scheduled = out.scheduled, out.num_scheduled_tokens
+        max_model_len = self.config.max_model_len
+        append_in_place = self.kv.append_in_place
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = self._num_new_tokens(req, budget)
-            if num_new == 0:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            # _num_new_tokens, inlined: this loop runs once per running request every step
+            pending = req.num_output_placeholders
+            computed = req.num_computed_tokens
+            max_tokens = req.sampling_params.max_tokens
+            if max_tokens is not None and req.num_output_tokens + pending >= max_tokens:
+                i += 1            # its last token is already in flight
+                continue
+            num_new = min(req.num_tokens + pending - computed, budget, max_model_len - computed)
+            if num_new <= 0:
+                i += 1
+                continue
+            # The common decode case first: the tokens fit in blocks the request already owns (no COW).
+            if append_in_place(req, computed + num_new):
+                scheduled.append(req)
+                num_scheduled[req.request_id] = num_new
+                budget -= num_new
                 i += 1
                 continue
             preempted_any = False
@@ -121,11 +141,11 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(req)
-                out.num_scheduled_tokens[req.request_id] = num_new
+                scheduled.append(req)
+                num_scheduled[req.request_id] = num_new
                 budget -= num_new
                 # a priority victim may have sat before req; without preemption, req is still at i
-                i = self.running.index(req) + 1 if preempted_any else i + 1
+                i = running.index(req) + 1 if preempted_any else i + 1
                 continue
             # req itself was preempted: it left self.running, so index i now holds the next one
         return budget
@@ -219,13 +239,14 @@ class Scheduler:
         """Stop conditions that need no text: EOS, stop token ids, max_tokens, max_model_len."""
         sp = req.sampling_params
         last = req.output_token_ids[-1]
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and last in req.eos_token_ids:
+        num_output = req.num_output_tokens
+        if num_output >= sp.min_tokens:
+            if last in req.eos_stop_ids:          # EOS, unless ignore_eos
                 return RequestStatus.FINISHED_STOPPED
-            if last in sp.stop_token_ids:
+            if last in req.stop_ids:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

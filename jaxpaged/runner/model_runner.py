@@ -61,6 +61,13 @@ class RunnerOutput(NamedTuple):
     prompt: tuple | None = None   # (logprob f32[T], rank i32[T], top ids i32[T, P], top logprobs f32[T, P])
 
 
+# Columns of the per-request static sampler rows: Request.sampling_row, then the seed.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logprobs", "prompt_logprobs", "needs_bias", "seed")
+_PROMPT_LOGPROBS = SAMPLING_COLUMNS.index("prompt_logprobs")
+_PADDING_ROW = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, -1, -1, 0, 0)      # greedy, nothing extra
+
+
 def _logprobs_width(most: float) -> int:
     """Static top-k width for the largest request: -1 none asked, 0 only the chosen token's, else a power of 2."""
     return -1 if most < 0 else (_pow2(int(most), 1) if most > 0 else 0)
@@ -92,6 +99,14 @@ class ModelRunner:
         self.max_rows = _pow2(buckets.max_reqs)
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
+        # Each request's static sampler row (SAMPLING_COLUMNS), written once into a persistent table
+        # and gathered by slot every step. Slots are keyed by the Request object (a reused request id
+        # never sees a stale row) and come back when the scheduler reports the request finished.
+        self._sampling_slots: dict = {}                 # Request -> its row of _sampling_table
+        self._sampling_owner: dict = {}                 # request id -> Request holding a slot
+        self._sampling_table = np.zeros((64, len(SAMPLING_COLUMNS)), np.float64)
+        self._free_sampling_slots: list[int] = list(range(63, -1, -1))
+        self._batch_cache: tuple = (None, None, None)   # (SchedulerOutput, request ids, static sampler rows)
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
@@ -101,12 +116,51 @@ class ModelRunner:
                             dtype=self.dtype, options=options, flags=flags)
 
     # ---- inputs -------------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> PreparedInputs:
+    def _batch(self, out: SchedulerOutput) -> tuple[list[str], np.ndarray]:
+        """The batch's request ids and static sampler rows f64[n, len(SAMPLING_COLUMNS)], once per step."""
+        if self._batch_cache[0] is not out:
+            for rid in out.finished_ids:
+                self._release_sampling_slot(rid)
+            reqs = out.scheduled
+            slots = self._sampling_slots
+            rows = [slots.get(r, -1) for r in reqs]
+            if -1 in rows:
+                rows = [s if s >= 0 else self._new_sampling_slot(r) for s, r in zip(rows, reqs)]
+            self._batch_cache = (out, [r.request_id for r in reqs], self._sampling_table[rows])
+        return self._batch_cache[1], self._batch_cache[2]
+
+    def _release_sampling_slot(self, request_id: str) -> None:
+        req = self._sampling_owner.get(request_id)
+        if req is not None and req.is_finished:
+            del self._sampling_owner[request_id]
+            self._free_sampling_slots.append(self._sampling_slots.pop(req))
+
+    def _new_sampling_slot(self, req) -> int:
+        if not self._free_sampling_slots:
+            # finished requests whose ids never reached the runner (an empty step) give theirs back first
+            for r in [r for r in self._sampling_slots if r.is_finished]:
+                self._free_sampling_slots.append(self._sampling_slots.pop(r))
+                if self._sampling_owner.get(r.request_id) is r:
+                    del self._sampling_owner[r.request_id]
+            cap = len(self._sampling_table)
+            if len(self._free_sampling_slots) < cap // 4:
+                self._sampling_table = np.concatenate([self._sampling_table, np.zeros_like(self._sampling_table)])
+                self._free_sampling_slots.extend(range(2 * cap - 1, cap - 1, -1))
+        slot = self._free_sampling_slots.pop()
+        self._sampling_table[slot] = req.sampling_row + (req.sample_seed,)
+        self._sampling_slots[req] = slot
+        self._sampling_owner[req.request_id] = req
+        return slot
+
+    def prepare_inputs(self, out: SchedulerOutput, block_ids) -> PreparedInputs:
+        """block_ids: the KV cache manager's BlockTableView (one gather of persistent rows), or any
+        mapping request id -> block id list."""
         reqs = out.scheduled
         num_reqs = len(reqs)
-        n_sched = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], np.int32)
+        rids, static = self._batch(out)
+        n_sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, rids), np.int32, num_reqs)
         # the scheduler already advanced num_computed_tokens past this step's tokens
-        seq_lens = np.array([r.num_computed_tokens for r in reqs], np.int32)
+        seq_lens = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, num_reqs)
         starts = seq_lens - n_sched
         num_tokens = int(n_sched.sum())
         decode_only = bool((n_sched == 1).all())
@@ -116,30 +170,40 @@ class ModelRunner:
         qsl = np.full(R + 1, num_tokens, np.int32)
         qsl[0] = 0
         np.cumsum(n_sched, out=qsl[1:num_reqs + 1])
-        # token -> request row: n_sched [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
-        req_of_token = np.repeat(np.arange(num_reqs), n_sched)
         positions = np.zeros(T, np.int32)
-        positions[:num_tokens] = starts[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
+        if decode_only:
+            req_of_token = np.arange(num_reqs)
+            positions[:num_tokens] = starts
+        else:
+            # token -> request row: n_sched [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+            req_of_token = np.repeat(np.arange(num_reqs), n_sched)
+            positions[:num_tokens] = starts[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
         token_ids = np.zeros(T, np.int32)
         fill_idx = np.full(R, T, np.int32)
         fill_src = np.zeros(R, np.int32)
-        pieces = []
-        for i, (r, s, n) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
-            known = r.all_token_ids[s:s + n]
-            if len(known) < n:
-                # the last input token was sampled by the previous step and is still on the device
-                fill_idx[i] = qsl[i] + n - 1
-                fill_src[i] = self.prev_rows[r.request_id]
-                known = known + [0]
-            pieces.append(known)
-        token_ids[:num_tokens] = np.concatenate(pieces)
-        tables = np.zeros((R, self.max_blocks_per_req), np.int32)
-        # All block lists in one scatter: lens [2, 3] -> rows [0, 0, 1, 1, 1], cols [0, 1, 0, 1, 2]
-        lists = [block_ids[r.request_id] for r in reqs]
-        lens = np.fromiter(map(len, lists), np.int64, num_reqs)
-        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum()))
-        rows = np.repeat(np.arange(num_reqs), lens)
-        tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+        # Input tokens already on the host: all_token_ids[start:start + known]. The rest (at most the
+        # last one) was sampled by the previous step and is still on the device: the step reads it there.
+        host_tokens = np.fromiter((r.num_tokens for r in reqs), np.int32, num_reqs)
+        known = np.minimum(n_sched, host_tokens - starts)
+        if (known < n_sched - 1).any():
+            raise ValueError("more than one input token of a request is not on the host")
+        missing = np.flatnonzero(known < n_sched)
+        if missing.size:
+            fill_idx[missing] = qsl[missing + 1] - 1
+            prev = self.prev_rows
+            fill_src[missing] = [prev[rids[i]] for i in missing.tolist()]
+        single = np.flatnonzero(known == 1)
+        if single.size:
+            token_ids[qsl[single]] = [reqs[i].all_token_ids[s]
+                                      for i, s in zip(single.tolist(), starts[single].tolist())]
+        for i in np.flatnonzero(known > 1).tolist():
+            s, k, q = int(starts[i]), int(known[i]), int(qsl[i])
+            token_ids[q:q + k] = reqs[i].all_token_ids[s:s + k]
+        gather = getattr(block_ids, "gather", None)
+        if gather is not None:
+            tables = gather(rids, R, self.max_blocks_per_req)
+        else:
+            tables = _tables_from_lists([block_ids[rid] for rid in rids], R, self.max_blocks_per_req)
         slots = np.zeros(T, np.int32)      # padding tokens write into the null block
         pos = positions[:num_tokens]
         slots[:num_tokens] = tables[req_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
@@ -150,7 +214,7 @@ class ModelRunner:
         meta = AttentionMetadata(positions, slots, tables, lens, qsl)
         targets = np.zeros(0, np.int32)
         prompt_rows: dict[str, tuple[int, int, int]] = {}
-        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+        if num_reqs and static[:, _PROMPT_LOGPROBS].max() >= 0:
             targets = np.full(T, -1, np.int32)
             for i, (r, s, n) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
                 count = min(s + n, r.num_prompt_tokens - 1) - s   # token p predicts prompt token p + 1
@@ -164,25 +228,26 @@ class ModelRunner:
         reqs = out.scheduled
         R = padded_reqs
         n = len(reqs)
-        # One pass over the requests: each request's parameters were packed into a row once, at arrival.
-        # columns: Request.sampling_row (temperature, top_k, top_p, min_p, presence, frequency, repetition,
-        # logprobs, prompt_logprobs, needs_bias), then seed and the output index being sampled
-        table = np.empty((R, 12), np.float64)
-        table[:n] = [r.sampling_row + (r.sample_seed, r.num_output_tokens + r.num_output_placeholders - 1)
-                     for r in reqs]
-        table[n:] = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, -1, -1, 0, 0, 0)   # padding: greedy, nothing extra
+        # Each request's parameters were packed into a row once (Request.sampling_row + seed, see
+        # SAMPLING_COLUMNS) and sit in a persistent table: one gather, then the output index being sampled.
+        _, static = self._batch(out)
+        table = np.empty((R, len(SAMPLING_COLUMNS)), np.float64)
+        table[:n] = static
+        table[n:] = _PADDING_ROW        # padding: greedy, nothing extra
         temperature, top_p, min_p = (table[:, c].astype(np.float32) for c in (0, 2, 3))
         pres, freq, rep = (table[:, c].astype(np.float32) for c in (4, 5, 6))
         top_k = table[:, 1].astype(np.int32)
         seeds = table[:, 10].astype(np.uint32)
         # output index of the token being sampled: the placeholder this step just added is that token
-        positions = np.maximum(table[:, 11], 0).astype(np.int32)
+        positions = np.zeros(R, np.int32)
+        positions[:n] = np.fromiter((r.num_output_tokens + r.num_output_placeholders for r in reqs), np.int32, n)
+        np.maximum(positions - 1, 0, out=positions)
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         flags = SamplerFlags(
             top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
             penalties=penalties,
             num_logprobs=_logprobs_width(table[:, 7].max()),
-            num_prompt_logprobs=_logprobs_width(table[:, 8].max()),
+            num_prompt_logprobs=_logprobs_width(table[:, _PROMPT_LOGPROBS].max()),
         )
         out_ids = prompt_ids = np.full((R, 0), -1, np.int32)
         if penalties:
@@ -226,7 +291,11 @@ class ModelRunner:
         self.kv_cache, self.prev_sampled, result = self._step(
             self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
         t2 = time.perf_counter()
-        rows = {r.request_id: i for i, r in enumerate(out.scheduled) if r.request_id in out.sampling_ids}
+        rids, _ = self._batch(out)
+        if len(out.sampling_ids) == len(rids):      # every request samples a token (decode steps)
+            rows = dict(zip(rids, range(len(rids))))
+        else:
+            rows = {rid: i for i, rid in enumerate(rids) if rid in out.sampling_ids}
         self.prev_rows = rows
         return InFlight(out, result, rows, prompt_rows, prepare_s=t1 - t0, launch_s=t2 - t1)
 
@@ -340,6 +409,17 @@ def _step_body(params, kv_cache, prev_sampled, model_input: ModelInput, sampling
     # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
     sampled_buf = jnp.zeros_like(prev_sampled).at[:num_reqs].set(result[0])
     return kv_cache, sampled_buf, (*result, prompt)
+
+
+def _tables_from_lists(lists: list[list[int]], num_rows: int, width: int) -> np.ndarray:
+    """int32[num_rows, width] block tables from block id lists, in one scatter:
+    lens [2, 3] -> rows [0, 0, 1, 1, 1], cols [0, 1, 0, 1, 2]; the rest is the null block."""
+    tables = np.zeros((num_rows, width), np.int32)
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum()))
+    rows = np.repeat(np.arange(len(lists)), lens)
+    tables[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
+    return tables
 
 
 def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:

@@ -1,0 +1,215 @@
+"""The host fast paths of one engine step: the KV cache manager's persistent block table (updated on
+allocate, copy-on-write, fork, swap and free) always equals the request block lists, and the runner's
+vectorised inputs equal the per-request reference (the pre-table implementation) on mixed steps with
+chunked prefill, prefix hits, n > 1, prompt logprobs, preemption and async placeholders."""
+import itertools
+
+import numpy as np
+import pytest
+
+from jaxpaged import SamplingParams
+from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def check_table(kv: KVCacheManager) -> None:
+    view = kv.block_ids_view()
+    used = set()
+    for rid, blocks in kv.req_to_blocks.items():
+        ids = [b.block_id for b in blocks]
+        assert view[rid] == ids
+        row = kv.table_rows.get(rid)
+        if row is None:
+            assert not ids
+            continue
+        used.add(row)
+        assert kv.block_table[row, :len(ids)].tolist() == ids and not kv.block_table[row, len(ids):].any()
+    assert set(kv.table_rows) <= set(kv.req_to_blocks)
+    assert 0 not in used and len(used) == len(kv.table_rows)
+    free = [r for r in range(kv.block_table.shape[0]) if r not in used]
+    assert not kv.block_table[free].any()          # the null row and every free row are all zeros
+    rids = list(kv.req_to_blocks)
+    width = kv.block_table.shape[1]
+    got = view.gather(rids + ["not-there"], len(rids) + 3, width)
+    want = np.zeros_like(got)
+    for i, rid in enumerate(rids):
+        ids = kv.get_block_ids(rid)
+        want[i, :len(ids)] = ids
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mode,caching", [("recompute", True), ("swap", True), ("recompute", False)])
+def test_block_table_follows_every_block_list_change(mode, caching):
+    """A random workload over a small pool: prefix hits, forks (beam-style, with copy-on-write of the
+    shared partly filled block), preemption by recompute or swap, aborts and finishes."""
+    rng = np.random.default_rng(0)
+    kv = KVCacheManager(48, 4, caching, num_cpu_blocks=64 if mode == "swap" else 0)
+    s = Scheduler(SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=40, max_model_len=96,
+                                  preemption_mode=mode), kv)
+    base = rng.integers(100, 200, 9).tolist()
+    ids = itertools.count()
+    forks = 0
+    for step in range(400):
+        if rng.random() < 0.3 and len(s.requests) < 16:
+            prompt = (base if rng.random() < 0.5 else []) + rng.integers(100, 200, int(rng.integers(1, 20))).tolist()
+            s.add_request(Request(f"r{next(ids)}", prompt, SamplingParams(max_tokens=int(rng.integers(2, 30))),
+                                  block_size=4))
+        out = s.schedule()
+        check_table(kv)
+        for r in list(out.scheduled):
+            if r.request_id not in out.sampling_ids:
+                continue
+            r.num_output_placeholders -= 1
+            if r.is_finished:
+                continue
+            r.append_output_token(int(rng.integers(100, 200)))
+            status = s.check_stop(r)
+            if status is None and rng.random() < 0.02:
+                status = RequestStatus.FINISHED_ABORTED
+            if status is not None:
+                s.finish_request(r, status)
+            elif rng.random() < 0.15 and len(s.running) < 12 and r.num_output_placeholders == 0:
+                child = Request(f"r{next(ids)}", r.prompt_token_ids, r.sampling_params, block_size=4)
+                for t in r.output_token_ids:
+                    child.append_output_token(t)
+                s.add_forked(r, child)
+                forks += 1
+        check_table(kv)
+    while s.has_unfinished():
+        for r in list(s.running) + list(s.waiting):
+            s.finish_request(r, RequestStatus.FINISHED_ABORTED)
+    check_table(kv)
+    assert forks > 5 and s.num_preemptions > 0
+    assert not kv.table_rows and not kv.block_table.any() and kv.pool.num_free_blocks == 47
+
+
+def test_request_counters_are_kept_as_attributes():
+    r = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, stop_token_ids=[9]), eos_token_ids=(2,),
+                block_size=4)
+    assert (r.num_prompt_tokens, r.num_tokens, r.num_output_tokens, r.is_finished) == (5, 5, 0, False)
+    assert len(r.block_hashes) == 1
+    for t in (7, 8, 9):
+        r.append_output_token(t)
+    assert (r.num_tokens, r.num_output_tokens) == (8, 3) and len(r.block_hashes) == 2
+    r.status = RequestStatus.RUNNING
+    assert not r.is_finished
+    r.status = RequestStatus.FINISHED_STOPPED
+    assert r.is_finished and r.status.finish_reason == "stop"
+    s = Scheduler(SchedulerConfig(), KVCacheManager(8, 4))
+    assert s.check_stop(r) == RequestStatus.FINISHED_STOPPED and r.stop_reason == 9
+    ignore = Request("b", [1], SamplingParams(ignore_eos=True), eos_token_ids=(2,), block_size=4)
+    ignore.append_output_token(2)
+    assert s.check_stop(ignore) is None
+
+
+# ---- the runner's inputs against the per-request reference -------------------------------------
+
+def reference_inputs(runner, out, block_ids):
+    """The pre-table prepare_inputs: one python pass per request, block lists flattened every step."""
+    reqs = out.scheduled
+    n = len(reqs)
+    n_sched = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], np.int32)
+    seq_lens = np.array([r.num_computed_tokens for r in reqs], np.int32)
+    starts = seq_lens - n_sched
+    num_tokens = int(n_sched.sum())
+    bucket = runner.buckets.pick(num_tokens, n, bool((n_sched == 1).all()))
+    T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
+    qsl = np.full(R + 1, num_tokens, np.int32)
+    qsl[0] = 0
+    np.cumsum(n_sched, out=qsl[1:n + 1])
+    req_of_token = np.repeat(np.arange(n), n_sched)
+    positions = np.zeros(T, np.int32)
+    positions[:num_tokens] = starts[req_of_token] + (np.arange(num_tokens) - qsl[req_of_token])
+    token_ids = np.zeros(T, np.int32)
+    fill_idx = np.full(R, T, np.int32)
+    fill_src = np.zeros(R, np.int32)
+    pieces = []
+    for i, (r, s, k) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
+        known = r.all_token_ids[s:s + k]
+        if len(known) < k:
+            fill_idx[i] = qsl[i] + k - 1
+            fill_src[i] = runner.prev_rows[r.request_id]
+            known = known + [0]
+        pieces.append(known)
+    token_ids[:num_tokens] = np.concatenate(pieces)
+    tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
+    for i, r in enumerate(reqs):
+        ids = block_ids[r.request_id]
+        tables[i, :len(ids)] = ids
+    pos = positions[:num_tokens]
+    slots = np.zeros(T, np.int32)
+    slots[:num_tokens] = tables[req_of_token, pos // runner.block_size] * runner.block_size + pos % runner.block_size
+    targets = np.zeros(0, np.int32)
+    if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+        targets = np.full(T, -1, np.int32)
+        for i, (r, s, k) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
+            count = min(s + k, r.num_prompt_tokens - 1) - s
+            if r.sampling_params.prompt_logprobs is not None and count > 0:
+                targets[qsl[i]:qsl[i] + count] = r.prompt_token_ids[s + 1:s + 1 + count]
+    out_idx = np.array([r.num_output_tokens + r.num_output_placeholders - 1 for r in reqs] + [0] * (R - n))
+    rows = [r.sampling_row + (r.sample_seed,) for r in reqs]
+    return dict(token_ids=token_ids, positions=positions, slot_mapping=slots, block_tables=tables,
+                query_start_loc=qsl, fill_token_idx=fill_idx, fill_src_row=fill_src, prompt_target_ids=targets,
+                sample_positions=np.maximum(out_idx, 0), seeds=np.array([r[10] for r in rows] + [0] * (R - n)),
+                temperature=np.array([r[0] for r in rows] + [0.0] * (R - n), np.float32))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from conftest import save_tiny_llama
+    d = tmp_path_factory.mktemp("tiny_llama_inputs")
+    save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+    return str(d)
+
+
+@pytest.mark.parametrize("kw", [dict(num_gpu_blocks_override=64, max_num_batched_tokens=48),
+                                dict(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.01),
+                                dict(num_gpu_blocks_override=14, preemption_mode="recompute")],
+                         ids=["chunked", "swap", "recompute"])
+def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
+    from jaxpaged import LLM
+    args = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=8, compile_buckets=False)
+    llm = LLM(model=model_dir, **{**args, **kw})
+    eng = llm.llm_engine
+    runner = eng.runner
+    real_dispatch = runner.dispatch
+    checked = []
+
+    def dispatch(out, block_ids):
+        want = reference_inputs(runner, out, {rid: block_ids[rid] for rid in out.num_scheduled_tokens})
+        mi, bucket, _ = runner.prepare_inputs(out, block_ids)
+        si, _ = runner.prepare_sampling(out, bucket.padded_num_reqs)
+        # the dict path (beam search hands the runner plain lists) builds the same tables
+        mi_dict, _, _ = runner.prepare_inputs(out, {rid: list(block_ids[rid]) for rid in out.num_scheduled_tokens})
+        got = dict(token_ids=mi.token_ids, positions=mi.meta.positions, slot_mapping=mi.meta.slot_mapping,
+                   block_tables=mi.meta.block_tables, query_start_loc=mi.meta.query_start_loc,
+                   fill_token_idx=mi.fill_token_idx, fill_src_row=mi.fill_src_row,
+                   prompt_target_ids=mi.prompt_target_ids, sample_positions=si.positions, seeds=si.seeds,
+                   temperature=si.temperature)
+        for k, v in want.items():
+            np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
+        np.testing.assert_array_equal(mi_dict.meta.block_tables, want["block_tables"])
+        checked.append(bool(mi.fill_token_idx.min() < len(mi.token_ids)))
+        return real_dispatch(out, block_ids)
+
+    runner.dispatch = dispatch
+    rng = np.random.default_rng(5)
+    base = rng.integers(100, 40000, 20).tolist()
+    prompts = [base + rng.integers(100, 40000, int(k)).tolist() for k in (3, 30, 11, 50, 1, 17)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True, n=3),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.5, seed=9, max_tokens=16, ignore_eos=True)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [20, 25, 25, 25, 12, 30, 8, 8, 16]
+    assert len(checked) > 20 and any(checked)            # async steps read tokens from the device
+    if "preemption_mode" in kw:
+        assert eng.scheduler.num_preemptions > 0
+    kv = eng.kv_manager
+    assert not kv.table_rows and not kv.block_table.any()
+    # every finished request's sampler slot came back (or is reclaimable: its request is finished)
+    assert all(r.is_finished for r in runner._sampling_slots)
