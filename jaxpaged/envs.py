@@ -8,6 +8,8 @@ import pathlib
 JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib.Path.home() / ".cache" / "jaxpaged"))
 # Override the attention implementation: reference | xla | pallas (default: by backend).
 JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
+# How a step runs the layers: scan (one executable) | per_layer (default: by the size of a layer's weights).
+JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
 # Persistent XLA compilation cache (set to "0" to disable).
 JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
 # KV budget on the CPU backend, which reports no device memory (MiB).

@@ -66,7 +66,8 @@ def test_greedy_matches_hf(model_dir, reference):
     dict(enable_prefix_caching=False, max_num_batched_tokens=32),
     dict(num_gpu_blocks_override=12, preemption_mode="recompute"),
     dict(num_gpu_blocks_override=12, preemption_mode="swap", swap_space=0.01),
-], ids=["chunked", "no-chunking-no-caching", "no-caching", "preempt-recompute", "preempt-swap"])
+    dict(layer_dispatch="per_layer", max_num_batched_tokens=32),
+], ids=["chunked", "no-chunking-no-caching", "no-caching", "preempt-recompute", "preempt-swap", "per-layer"])
 def test_greedy_identical_across_scheduling(model_dir, reference, kw):
     llm = make_llm(model_dir, **kw)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -80,6 +81,22 @@ def test_greedy_identical_across_scheduling(model_dir, reference, kw):
     if eng.args.enable_prefix_caching:
         assert eng.kv_manager.pool.num_hits > 0
     assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1
+
+
+def test_per_layer_dispatch_equals_the_layer_scan(model_dir, llm):
+    """Seeded sampling, logprobs and prompt logprobs come out the same when each layer is its own dispatch."""
+    per_layer = make_llm(model_dir, layer_dispatch="per_layer")
+    assert per_layer.llm_engine.runner.layer_params is not None and llm.llm_engine.runner.layer_params is None
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    a = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    b = per_layer.generate(PROMPTS[:2], params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    lp = lambda o: [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+    np.testing.assert_allclose(lp(a[0]), lp(b[0]), rtol=1e-5, atol=1e-5)
+    plp = lambda o: [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+    np.testing.assert_allclose(plp(a[0]), plp(b[0]), rtol=1e-5, atol=1e-5)
 
 
 def test_prefix_cache_reports_cached_tokens(llm):

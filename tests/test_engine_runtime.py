@@ -31,11 +31,12 @@ class CompileCounter:
             self.count += 1
 
 
-def test_zero_recompilations_after_warmup(model_dir):
+@pytest.mark.parametrize("layer_dispatch", ["scan", "per_layer"])
+def test_zero_recompilations_after_warmup(model_dir, layer_dispatch):
     counter = CompileCounter()
     counter.active = True
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True)
+              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True, layer_dispatch=layer_dispatch)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(1, 120, 20)]
     params = [SamplingParams(temperature=float(t), max_tokens=int(m), ignore_eos=True, seed=int(i))

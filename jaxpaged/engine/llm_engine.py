@@ -84,9 +84,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self._inflight = None            # the dispatched step whose results are not processed yet
         self._rng = np.random.default_rng(args.seed)
-        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s",
+        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s; layers by %s",
                     self.model_path, cfg.architecture, np.dtype(loaded.dtype).name,
-                    tree_bytes(loaded.params) / 2**30, backend)
+                    tree_bytes(loaded.params) / 2**30, backend, self.layer_dispatch)
         compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
         if compile_all:
             secs = self.runner.warmup(self.buckets.all_buckets())
@@ -95,6 +95,7 @@ class LLMEngine:
 
     def _build_cache_and_scheduler(self, loaded, backend: str) -> None:
         """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""
+        from jaxpaged.runner import layerwise
         from jaxpaged.runner.buckets import BucketPolicy
         from jaxpaged.runner.model_runner import ModelRunner
         args, cfg = self.args, loaded.config
@@ -105,8 +106,10 @@ class LLMEngine:
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
+        self.layer_dispatch = args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH or (
+            "per_layer" if layerwise.layer_bytes(loaded.params) >= layerwise.PER_LAYER_MIN_BYTES else "scan")
         self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
-                                  backend, num_cpu_blocks)
+                                  backend, num_cpu_blocks, self.layer_dispatch)
         self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
                                          num_cpu_blocks)
         self.scheduler = Scheduler(SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,

@@ -16,6 +16,7 @@ import numpy as np
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.models import AttentionMetadata, DecoderModel, LoadedModel, RuntimeOptions, kv_cache_shape
 from jaxpaged.runner.buckets import Bucket, BucketPolicy
+from jaxpaged.runner import layerwise
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -82,10 +83,18 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
-                 buckets: BucketPolicy, attn_backend: str, num_cpu_blocks: int = 0):
+                 buckets: BucketPolicy, attn_backend: str, num_cpu_blocks: int = 0,
+                 layer_dispatch: str = "scan"):
         self.cfg = model.config
-        self.params = model.params
         self.dtype = model.dtype
+        self.layer_dispatch = layer_dispatch
+        if layer_dispatch == "per_layer":
+            # Each layer's weights as their own arrays (runner/layerwise.py), before the KV pool is
+            # allocated; model.params["layers"] is deleted on the way.
+            self.params, self.layer_params = layerwise.split_params(model.params)
+            self.layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(self.layer_params))]
+        else:
+            self.params, self.layer_params, self.layer_ids = model.params, None, None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_req = -(-max_model_len // block_size)
@@ -112,6 +121,9 @@ class ModelRunner:
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
         ints, floats, layout = _pack((model_input, sampling))
+        if self.layer_params is not None:
+            return layerwise.step(params, self.layer_params, self.layer_ids, kv_cache, prev_sampled, ints, floats,
+                                  layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
         return _packed_step(params, kv_cache, prev_sampled, ints, floats, layout=layout, cfg=self.cfg,
                             dtype=self.dtype, options=options, flags=flags)
 

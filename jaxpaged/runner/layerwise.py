@@ -1,0 +1,88 @@
+"""Per-layer dispatch of one engine step: embed -> one compiled layer program run L times -> head + sampling.
+
+Why: under the layer scan each layer's weights are dynamic slices of the stacked [L, ...] weights, and XLA
+copies every slice that feeds a cuBLAS matmul. On llama3-8b that is four copies per layer, 0.44 GB per
+layer and 9.4 ms of a 24.9 ms decode step at batch 256 (bench/results/h100/NOTES.md). Unrolling the layers
+removes the copies but compiles ~20x longer. Here each layer's weights are their own arrays and the same
+layer executable runs L times with the layer index as an argument (the kernels index the pool's layer
+themselves), so nothing is sliced and compile time stays that of one layer.
+
+The price is L + 2 dispatches per step instead of one (~20-30 us of host time each), worth it where a
+layer's weights are large (the default picks it from 64 MiB per layer: llama3-8b yes, qwen2-0.5b no).
+Same inputs and outputs as model_runner._packed_step; a test checks both give the same tokens.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase, split_layer_params
+from jaxpaged.runner.sampler import SamplerFlags, prompt_logprobs, sample
+
+PER_LAYER_MIN_BYTES = 64 << 20      # auto: per-layer dispatch when one layer's weights are at least this
+
+
+def layer_bytes(params) -> int:
+    """Bytes of one layer's weights in DecoderModel's stacked params."""
+    leaves = jax.tree.leaves(params["layers"])
+    return sum(x.size * x.dtype.itemsize for x in leaves) // max(1, leaves[0].shape[0])
+
+
+def split_params(params) -> tuple[dict, list[dict]]:
+    """Stacked params -> (the rest, one tree per layer). The stacked layer arrays are DELETED.
+
+    They go through host memory: copied out, freed on the device, then each layer's slice copied back.
+    Splitting on the device would hold the weights twice, and the freed stacked region would leave the
+    allocator too fragmented for the one large KV pool allocated next (llama3-8b: 16 GB of layers
+    beside a 49 GB pool on an 80 GB GPU)."""
+    stacked = params["layers"]
+    host = jax.tree.map(lambda x: np.array(x), stacked)            # a copy, not a view of the buffer
+    for x in jax.tree.leaves(stacked):
+        x.delete()
+    rest, layers = split_layer_params({**params, "layers": host})
+    return rest, [jax.tree.map(jnp.asarray, lp) for lp in layers]
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype"))
+def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
+    from jaxpaged.runner.model_runner import _unpack       # (model_runner imports this module)
+    model_input, sampling = _unpack(ints, floats, layout)
+    token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
+        prev_sampled[model_input.fill_src_row], mode="drop")
+    h, cos, sin = embed_phase(cfg, dtype, params, token_ids, model_input.meta.positions)
+    return h, cos, sin, model_input, sampling
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
+def _layer(layer_params, h, kv_cache, layer_idx, meta, cos, sin, *, cfg, dtype, options: RuntimeOptions):
+    return layer_phase(cfg, dtype, options, layer_params, h, kv_cache, layer_idx, meta, cos, sin)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"))
+def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags):
+    head = (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
+            if flags.num_prompt_logprobs >= 0 else None)
+    logits, prompt = head_phase(cfg, dtype, params, h, model_input.logits_indices,
+                                model_input.prompt_target_ids, head)
+    result = sample(logits, sampling, flags)
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:logits.shape[0]].set(result[0])
+    return sampled_buf, (*result, prompt)
+
+
+def step(params, layer_params, layer_ids, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
+         options: RuntimeOptions, flags: SamplerFlags):
+    """One engine step dispatched layer by layer -> (kv_cache, sampled_buf, results), as _packed_step.
+
+    layer_ids: one device int32 scalar per layer, made once (a Python int would be copied every call).
+    """
+    h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
+                                              dtype=dtype)
+    meta = model_input.meta
+    for lp, idx in zip(layer_params, layer_ids):
+        h, kv_cache = _layer(lp, h, kv_cache, idx, meta, cos, sin, cfg=cfg, dtype=dtype, options=options)
+    sampled_buf, result = _post(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
+                                flags=flags)
+    return kv_cache, sampled_buf, result
