@@ -25,10 +25,11 @@ def check_table(kv: KVCacheManager) -> None:
             continue
         used.add(row)
         assert kv.block_table[row, :len(ids)].tolist() == ids and not kv.block_table[row, len(ids):].any()
+        assert kv.row_lens[row] == len(ids)
     assert set(kv.table_rows) <= set(kv.req_to_blocks)
     assert 0 not in used and len(used) == len(kv.table_rows)
     free = [r for r in range(kv.block_table.shape[0]) if r not in used]
-    assert not kv.block_table[free].any()          # the null row and every free row are all zeros
+    assert not kv.block_table[free].any() and not kv.row_lens[free].any()   # null and free rows: zeros
     rids = list(kv.req_to_blocks)
     width = kv.block_table.shape[1]
     got = view.gather(rids + ["not-there"], len(rids) + 3, width)
@@ -57,6 +58,9 @@ def test_block_table_follows_every_block_list_change(mode, caching):
                                   block_size=4))
         out = s.schedule()
         check_table(kv)
+        allocated = sum(len(kv.req_to_blocks.get(r.request_id, ())) * 4 for r in s.running)
+        used = sum(min(r.num_computed_tokens, len(kv.req_to_blocks.get(r.request_id, ())) * 4) for r in s.running)
+        assert kv.slot_usage(s.running) == (allocated, used)
         for r in list(out.scheduled):
             if r.request_id not in out.sampling_ids:
                 continue
@@ -82,6 +86,33 @@ def test_block_table_follows_every_block_list_change(mode, caching):
     check_table(kv)
     assert forks > 5 and s.num_preemptions > 0
     assert not kv.table_rows and not kv.block_table.any() and kv.pool.num_free_blocks == 47
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempting_a_request_scheduled_earlier_in_the_step_undoes_its_tokens(mode):
+    """Running requests' tokens are committed as they are scheduled; a priority victim that sat before
+    the request that needs its blocks gets them back: num_computed_tokens and the placeholder."""
+    kv = KVCacheManager(5, 4, num_cpu_blocks=8)
+    s = Scheduler(SchedulerConfig(policy="priority", max_num_batched_tokens=64, preemption_mode=mode), kv)
+    lo = Request("lo", list(range(100, 105)), SamplingParams(max_tokens=6), priority=3, arrival_time=0.0, block_size=4)
+    hi = Request("hi", list(range(200, 208)), SamplingParams(max_tokens=6), priority=0, arrival_time=1.0, block_size=4)
+    s.add_request(lo)
+    out = s.schedule()                       # lo's prompt of 5 tokens: two blocks
+    lo.num_output_placeholders -= 1          # its sample arrives
+    lo.append_output_token(5)
+    s.add_request(hi)
+    out = s.schedule()                       # lo's token 6 in place; hi's prompt of 8: two blocks
+    assert [r.request_id for r in s.running] == ["lo", "hi"] and kv.pool.num_free_blocks == 0
+    # the samples are still in flight (async): lo 6 computed, 1 placeholder
+    assert (lo.num_computed_tokens, lo.num_output_placeholders) == (6, 1)
+    # lo's token 7 fits its second block (scheduled first), hi's token 9 needs a third: none is free
+    out = s.schedule()
+    assert out.preempted_ids == ["lo"] and [r.request_id for r in out.scheduled] == ["hi"]
+    assert out.sampling_ids == {"hi"} and hi.num_output_placeholders == 2
+    assert lo.num_output_placeholders == 1   # undone: only the in-flight one is left
+    assert lo.num_computed_tokens == (6 if mode == "swap" else 0)
+    assert lo.status == (RequestStatus.SWAPPED if mode == "swap" else RequestStatus.PREEMPTED)
+    check_table(kv)
 
 
 def test_request_counters_are_kept_as_attributes():

@@ -2,6 +2,8 @@
 shared partly filled block (beam forks), swap to host memory, and memory-waste accounting. No jax."""
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -13,6 +15,10 @@ from jaxpaged.engine.request import Request
 class ComputedBlocks(NamedTuple):
     blocks: list[KVCacheBlock]     # prefix-cache hits, in order
     num_tokens: int                # tokens they hold
+
+
+_REQUEST_ID = operator.attrgetter("request_id")
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,6 +42,7 @@ class KVCacheManager:
         # block): padding rows of a batch gather it. Free rows are zeroed.
         self.block_table = np.zeros((64, 16), np.int32)
         self.table_rows: dict[str, int] = {}                     # request -> its row of block_table
+        self.row_lens = np.zeros(64, np.int32)                   # blocks in each row (slot_usage)
         self._free_rows: list[int] = []
         self._next_row = 1
 
@@ -182,11 +189,13 @@ class KVCacheManager:
             self._resize_table(self.block_table.shape[0], max(stop, 2 * self.block_table.shape[1]))
         if stop > start:
             self.block_table[row, start:stop] = [b.block_id for b in blocks[start:stop]]
+        self.row_lens[row] = len(blocks)
 
     def _release_row(self, request_id: str) -> None:
         row = self.table_rows.pop(request_id, None)
         if row is not None:
             self.block_table[row] = 0
+            self.row_lens[row] = 0
             self._free_rows.append(row)
 
     def _resize_table(self, num_rows: int, width: int) -> None:
@@ -194,6 +203,7 @@ class KVCacheManager:
         keep = min(width, self.block_table.shape[1])
         table[:self.block_table.shape[0], :keep] = self.block_table[:, :keep]
         self.block_table = table
+        self.row_lens = np.concatenate([self.row_lens, np.zeros(num_rows - len(self.row_lens), np.int32)])
 
     def gather_block_tables(self, request_ids, num_rows: int, width: int) -> np.ndarray:
         """int32[num_rows, width]: the block ids of `request_ids` in order, then all-null padding rows."""
@@ -202,7 +212,8 @@ class KVCacheManager:
                 raise ValueError(f"a request holds more than {width} blocks")
             self._resize_table(self.block_table.shape[0], width)
         rows = np.zeros(num_rows, np.intp)
-        rows[:len(request_ids)] = [self.table_rows.get(rid, 0) for rid in request_ids]
+        n = len(request_ids)
+        rows[:n] = np.fromiter(map(self.table_rows.get, request_ids, itertools.repeat(0, n)), np.intp, n)
         return self.block_table[rows]
 
     # ---- swapping -----------------------------------------------------------------------------
@@ -236,12 +247,14 @@ class KVCacheManager:
     # ---- accounting ---------------------------------------------------------------------------
     def slot_usage(self, requests) -> tuple[int, int]:
         """(allocated, used) token slots of the given running requests."""
-        allocated = used = 0
-        for r in requests:
-            n = len(self.req_to_blocks.get(r.request_id, ()))
-            allocated += n * self.block_size
-            used += min(r.num_computed_tokens, n * self.block_size)
-        return allocated, used
+        requests = list(requests)
+        n = len(requests)
+        if not n:
+            return 0, 0
+        rows = np.fromiter(map(self.table_rows.get, map(_REQUEST_ID, requests), itertools.repeat(0, n)), np.intp, n)
+        allocated = self.row_lens[rows].astype(np.int64) * self.block_size
+        computed = np.fromiter(map(_NUM_COMPUTED, requests), np.int64, n)
+        return int(allocated.sum()), int(np.minimum(computed, allocated).sum())
 
     def memory_waste(self, requests) -> float:
         """(allocated - used) token slots over allocated, over the given running requests."""

@@ -83,20 +83,24 @@ class Scheduler:
         out = SchedulerOutput([], {}, 0, [], [], [], [], self.finished_ids)
         self.finished_ids = set()
         budget = self._schedule_running(out, budget)
+        num_committed = len(out.scheduled)        # the running requests: their tokens are committed
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
         num_scheduled = out.num_scheduled_tokens
         out.total_num_scheduled_tokens = sum(num_scheduled.values())
         out.blocks_to_copy = self.kv.blocks_to_copy
         self.kv.blocks_to_copy = []
-        sampling_ids = out.sampling_ids
-        for req in out.scheduled:
-            req.num_computed_tokens += num_scheduled[req.request_id]
-            # A chunk that reaches the end of the known tokens samples the next one.
-            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-                sampling_ids.add(req.request_id)
-                req.num_output_placeholders += 1
+        for req in out.scheduled[num_committed:]:
+            self._commit(req, num_scheduled[req.request_id], out.sampling_ids)
         return out
+
+    @staticmethod
+    def _commit(req: Request, num_new: int, sampling_ids: set[str]) -> None:
+        req.num_computed_tokens += num_new
+        # A chunk that reaches the end of the known tokens samples the next one.
+        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+            sampling_ids.add(req.request_id)
+            req.num_output_placeholders += 1
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         pending = req.num_output_placeholders
@@ -108,8 +112,11 @@ class Scheduler:
         return max(n, 0)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first. Each one's tokens are committed as soon as it is scheduled (advance
+        num_computed_tokens, add the placeholder of the token it samples); _preempt undoes that for a
+        victim that was already scheduled this step."""
         running = self.running
-        scheduled, num_scheduled = out.scheduled, out.num_scheduled_tokens
+        scheduled, num_scheduled, sampling_ids = out.scheduled, out.num_scheduled_tokens, out.sampling_ids
         max_model_len = self.config.max_model_len
         append_in_place = self.kv.append_in_place
         i = 0
@@ -131,6 +138,11 @@ class Scheduler:
                 scheduled.append(req)
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
+                # _commit, inlined
+                req.num_computed_tokens = computed = computed + num_new
+                if computed >= req.num_tokens + pending:
+                    sampling_ids.add(req.request_id)
+                    req.num_output_placeholders = pending + 1
                 i += 1
                 continue
             preempted_any = False
@@ -144,6 +156,7 @@ class Scheduler:
                 scheduled.append(req)
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
+                self._commit(req, num_new, sampling_ids)
                 # a priority victim may have sat before req; without preemption, req is still at i
                 i = running.index(req) + 1 if preempted_any else i + 1
                 continue
@@ -159,7 +172,10 @@ class Scheduler:
         self.running.remove(victim)
         if victim.request_id in out.num_scheduled_tokens:   # already given tokens this step: undo
             out.scheduled.remove(victim)
-            del out.num_scheduled_tokens[victim.request_id]
+            victim.num_computed_tokens -= out.num_scheduled_tokens.pop(victim.request_id)
+            if victim.request_id in out.sampling_ids:
+                out.sampling_ids.discard(victim.request_id)
+                victim.num_output_placeholders -= 1
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
             out.blocks_to_swap_out.extend(self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED

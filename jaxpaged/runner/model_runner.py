@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 import time
 from typing import NamedTuple
 
@@ -66,6 +67,12 @@ class RunnerOutput(NamedTuple):
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "logprobs", "prompt_logprobs", "needs_bias", "seed")
 _PROMPT_LOGPROBS = SAMPLING_COLUMNS.index("prompt_logprobs")
+# per-request reads in C loops: np.fromiter(map(_NUM_TOKENS, reqs)) beats a generator expression
+_REQUEST_ID = operator.attrgetter("request_id")
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+_NUM_OUTPUT = operator.attrgetter("num_output_tokens")
+_NUM_PLACEHOLDERS = operator.attrgetter("num_output_placeholders")
 _PADDING_ROW = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, -1, -1, 0, 0)      # greedy, nothing extra
 
 
@@ -135,10 +142,10 @@ class ModelRunner:
                 self._release_sampling_slot(rid)
             reqs = out.scheduled
             slots = self._sampling_slots
-            rows = [slots.get(r, -1) for r in reqs]
+            rows = list(map(slots.get, reqs, itertools.repeat(-1, len(reqs))))
             if -1 in rows:
                 rows = [s if s >= 0 else self._new_sampling_slot(r) for s, r in zip(rows, reqs)]
-            self._batch_cache = (out, [r.request_id for r in reqs], self._sampling_table[rows])
+            self._batch_cache = (out, list(map(_REQUEST_ID, reqs)), self._sampling_table[rows])
         return self._batch_cache[1], self._batch_cache[2]
 
     def _release_sampling_slot(self, request_id: str) -> None:
@@ -172,7 +179,7 @@ class ModelRunner:
         rids, static = self._batch(out)
         n_sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, rids), np.int32, num_reqs)
         # the scheduler already advanced num_computed_tokens past this step's tokens
-        seq_lens = np.fromiter((r.num_computed_tokens for r in reqs), np.int32, num_reqs)
+        seq_lens = np.fromiter(map(_NUM_COMPUTED, reqs), np.int32, num_reqs)
         starts = seq_lens - n_sched
         num_tokens = int(n_sched.sum())
         decode_only = bool((n_sched == 1).all())
@@ -195,7 +202,7 @@ class ModelRunner:
         fill_src = np.zeros(R, np.int32)
         # Input tokens already on the host: all_token_ids[start:start + known]. The rest (at most the
         # last one) was sampled by the previous step and is still on the device: the step reads it there.
-        host_tokens = np.fromiter((r.num_tokens for r in reqs), np.int32, num_reqs)
+        host_tokens = np.fromiter(map(_NUM_TOKENS, reqs), np.int32, num_reqs)
         known = np.minimum(n_sched, host_tokens - starts)
         if (known < n_sched - 1).any():
             raise ValueError("more than one input token of a request is not on the host")
@@ -203,7 +210,10 @@ class ModelRunner:
         if missing.size:
             fill_idx[missing] = qsl[missing + 1] - 1
             prev = self.prev_rows
-            fill_src[missing] = [prev[rids[i]] for i in missing.tolist()]
+            if missing.size == num_reqs:       # decode steps under async scheduling: every row
+                fill_src[:num_reqs] = np.fromiter(map(prev.__getitem__, rids), np.int32, num_reqs)
+            else:
+                fill_src[missing] = [prev[rids[i]] for i in missing.tolist()]
         single = np.flatnonzero(known == 1)
         if single.size:
             token_ids[qsl[single]] = [reqs[i].all_token_ids[s]
@@ -252,7 +262,8 @@ class ModelRunner:
         seeds = table[:, 10].astype(np.uint32)
         # output index of the token being sampled: the placeholder this step just added is that token
         positions = np.zeros(R, np.int32)
-        positions[:n] = np.fromiter((r.num_output_tokens + r.num_output_placeholders for r in reqs), np.int32, n)
+        positions[:n] = np.fromiter(map(_NUM_OUTPUT, reqs), np.int32, n)
+        positions[:n] += np.fromiter(map(_NUM_PLACEHOLDERS, reqs), np.int32, n)
         np.maximum(positions - 1, 0, out=positions)
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         flags = SamplerFlags(
