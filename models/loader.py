@@ -89,13 +89,17 @@ def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0) -> Any:
     """Random weights of the right shapes (vLLM's --load-format dummy): uniform(-1e-3, 1e-3), norms 1."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    out = []
-    for (path, sds), key in zip(leaves, keys):
-        is_norm = getattr(path[-1], "key", None) == "scale"
-        init = jax.jit(lambda k, s=sds, n=is_norm: (jnp.ones(s.shape, s.dtype) if n else
-                       jax.random.uniform(k, s.shape, jnp.float32, -1e-3, 1e-3).astype(s.dtype)))
-        out.append(init(key))
+    specs = [(sds.shape, sds.dtype, getattr(path[-1], "key", None) == "scale") for path, sds in leaves]
+
+    # One program for every leaf (one compile, kept by the persistent cache), not one per leaf: on a GPU
+    # each small compile costs ~1 s and a model has ~17 leaves.
+    @jax.jit
+    def init(keys):
+        return [jnp.ones(shape, dt) if is_norm else
+                jax.random.uniform(keys[i], shape, jnp.float32, -1e-3, 1e-3).astype(dt)
+                for i, (shape, dt, is_norm) in enumerate(specs)]
+
+    out = init(jax.random.split(jax.random.PRNGKey(seed), len(leaves)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

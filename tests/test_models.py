@@ -146,3 +146,24 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     got, _ = decoder.head_phase(cfg, jnp.float32, rest, h, idx)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(kv), np.asarray(want_kv), rtol=1e-5, atol=1e-6)
+
+
+def test_dummy_weights(tmp_path):
+    """load_format="dummy": every weight of the checkpoint's shapes, norms 1, the rest small and random,
+    the same for the same seed."""
+    make_hf_model("qwen2", tmp_path)
+    real = load_model(tmp_path, dtype="float32")
+    a = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
+    b = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
+    flat = lambda p: {"/".join(str(getattr(k, "key", k)) for k in path): x
+                      for path, x in __import__("jax").tree_util.tree_flatten_with_path(p)[0]}
+    ra, fa, fb = flat(real.params), flat(a.params), flat(b.params)
+    assert ra.keys() == fa.keys()
+    for name, x in fa.items():
+        assert x.shape == ra[name].shape and x.dtype == jnp.bfloat16
+        x32 = np.asarray(x, np.float32)
+        if name.endswith("scale"):
+            assert (x32 == 1).all()
+        else:
+            assert np.abs(x32).max() <= 1e-3 and np.unique(x32).size > 10
+        np.testing.assert_array_equal(x32, np.asarray(fb[name], np.float32))
