@@ -16,7 +16,7 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.stats import EngineStats
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -199,7 +199,12 @@ class LLMEngine:
                                   [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                           params.stop, params.include_stop_str_in_output)
                                    for _ in children])
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         for req in children:
+            # Decided once: FINAL_ONLY requests produce nothing until they finish, and without stop strings
+            # their text is decoded once at the end (OutputProcessor.deferred_text).
+            req.streams = not final_only
+            req.deferred_text = final_only and not params.stop
             self.scheduler.add_request(req)
         self.stats.on_arrival(len(children))
         return [r.request_id for r in children]
@@ -275,15 +280,23 @@ class LLMEngine:
         return self._process(inflight, result)
 
     def _process(self, inflight, result) -> list:
+        """Append step N-1's sampled tokens, check stops, detokenize, and build outputs.
+
+        Per request and token this is the hottest host loop (1000+ running requests): what can be
+        decided once per request (does anyone read its text or outputs before it finishes?) was, at
+        arrival (Request.streams / .deferred_text), and the stats calls are skipped when they record nothing.
+        """
         now = time.time()
         touched = []
         if result.prompt is not None:
             self._record_prompt_logprobs(inflight, result)
         sampled = result.sampled_ids.tolist()           # one conversion, not one numpy scalar per request
         rows = inflight.rows
-        stats, scheduler, detokenize = self.stats, self.scheduler, self.output_processor.detokenize
+        stats, check_stop, detokenize = self.stats, self.scheduler.check_stop, self.output_processor.detokenize
+        record = stats.record_latencies
         finished = []
         t_detok = 0.0
+        num_tokens = 0
         for req in inflight.sched.scheduled:
             row = rows.get(req.request_id)
             if row is None:
@@ -293,27 +306,32 @@ class LLMEngine:
                 continue      # finished (or aborted) while this step was in flight: a wasted token
             token = sampled[row]
             req.append_output_token(token)
+            num_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-                stats.on_first_token(req, now)
-            else:
+                if record:
+                    stats.on_first_token(req, now)
+            elif record:
                 stats.on_token(req, now)
             req.last_token_time = now
             if req.sampling_params.logprobs is not None:
                 self.output_processor.record_logprobs(req, token, result, row)
-            status = scheduler.check_stop(req)
-            t0 = time.perf_counter()
-            stop = detokenize(req)
-            t_detok += time.perf_counter() - t0
-            if stop is not None and status is None:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = stop
+            status = check_stop(req)
+            if not req.deferred_text:
+                t0 = time.perf_counter()
+                stop = detokenize(req)
+                t_detok += time.perf_counter() - t0
+                if stop is not None and status is None:
+                    status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = stop
             if status is not None:
                 finished.append((req, status))
-            touched.append(req)
-        stats.generation_tokens += len(touched)
+                touched.append(req)
+            elif req.streams:
+                touched.append(req)
+        stats.generation_tokens += num_tokens
         stats.detokenize_s += t_detok
         for req, status in finished:
-            scheduler.finish_request(req, status)
+            self.scheduler.finish_request(req, status)
             stats.on_finish(req)
         return self.output_processor.make_outputs(touched)

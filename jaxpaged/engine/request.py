@@ -40,6 +40,10 @@ class Request:
         self.priority = priority
         self._status = RequestStatus.WAITING
         self.is_finished = False                          # status.finished, kept as a plain attribute
+        # set by the engine at arrival from the output kind: are outputs read before the request finishes
+        # (streaming / cumulative), and is its text decoded only once, at the end
+        self.streams = True
+        self.deferred_text = False
         self.stop_reason: int | str | None = None
         self.all_token_ids = list(prompt_token_ids)      # prompt + output
         self.output_token_ids: list[int] = []
