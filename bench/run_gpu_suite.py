@@ -5,7 +5,7 @@
   python3 bench/run_gpu_suite.py --smoke all  # the same steps on the CPU: tiny-llama, 8 prompts
 
 Parts and their steps (budget in seconds; a step that no longer fits the part's deadline is skipped):
-  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 200 prompts, --profile; HF static (first 200
+  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 64 prompts, --profile; HF static (first 200
          of the same sample, <= 45 s of batches) + HF continuous (first 64)
   llama  throughput llama3-8b sharegpt 1000; latency llama3-8b batch 256 (+ decode step vs floor); HF
          static + continuous (first 32)
@@ -70,7 +70,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         "qwen": [
             Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small),
             Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
-                                                      "8" if smoke else "200", "--result-name",
+                                                      "8" if smoke else "64", "--result-name",
                                                       f"throughput-{q}-sharegpt-profile"] + small),
             Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "100",
                                                "--cb-num-prompts", "8" if smoke else "48",
@@ -91,7 +91,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         "speed": [
             Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small),
             Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
-                                                      "8" if smoke else "200", "--result-name",
+                                                      "8" if smoke else "64", "--result-name",
                                                       f"throughput-{q}-sharegpt-profile"] + small),
             Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"] if smoke else []),
                  kind="serve", server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
