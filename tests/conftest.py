@@ -4,6 +4,14 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def tiny_llama_dir(tmp_path_factory, name: str, num_hidden_layers: int = 2) -> str:
+    """The smallest Llama the engine tests drive (hidden 32, MLP 64, 2 heads, 1 KV head), in a fresh folder."""
+    d = tmp_path_factory.mktemp(name)
+    save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+                    num_attention_heads=2, num_key_value_heads=1)
+    return str(d)
+
+
 def save_tiny_llama(path, **config):
     """A random-weight LlamaForCausalLM with SmolLM2's tokenizer (vocab 49152), saved as an HF folder."""
     import shutil

@@ -7,15 +7,12 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from conftest import save_tiny_llama
+from conftest import tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llama_rt")
-    save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1)
-    return str(d)
+    return tiny_llama_dir(tmp_path_factory, "tiny_llama_rt")
 
 
 class CompileCounter:

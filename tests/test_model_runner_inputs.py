@@ -188,11 +188,8 @@ def reference_inputs(runner, out, block_ids):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from conftest import save_tiny_llama
-    d = tmp_path_factory.mktemp("tiny_llama_inputs")
-    save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1)
-    return str(d)
+    from conftest import tiny_llama_dir
+    return tiny_llama_dir(tmp_path_factory, "tiny_llama_inputs", num_hidden_layers=1)
 
 
 @pytest.mark.parametrize("kw", [dict(num_gpu_blocks_override=64, max_num_batched_tokens=48),

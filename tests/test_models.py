@@ -49,6 +49,17 @@ class PagedRunner:
         self.model = DecoderModel(self.cfg, jnp.float32)
         self.num_computed = 0
 
+    def prefill_meta(self, n):
+        """Metadata of one request's first n tokens (a fresh prefill) in this runner's shuffled blocks."""
+        pos = np.arange(n)
+        slots = np.array([self.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+                          for p in pos])
+        table = np.zeros((1, 20), np.int32)
+        used = -(-n // self.block_size)
+        table[0, :used] = self.block_ids[:used]
+        return AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
+                                 jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+
     def step(self, token_ids):
         n = len(token_ids)
         pos = np.arange(self.num_computed, self.num_computed + n)
@@ -99,12 +110,7 @@ def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
     token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
     targets = jnp.asarray(rng.integers(-1, 320, n), jnp.int32)
-    pos = np.arange(n)
-    slots = np.array([runner.block_ids[p // 4] * 4 + p % 4 for p in pos])
-    table = np.zeros((1, 20), np.int32)
-    table[0, :6] = runner.block_ids[:6]
-    meta = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
-                             jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+    meta = runner.prefill_meta(n)
     head = lambda logits, t: (jax.nn.log_softmax(logits)[jnp.arange(t.shape[0]), jnp.maximum(t, 0)], logits)
     full, _, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, jnp.arange(n))
     monkeypatch.setattr(decoder, "PROMPT_HEAD_CHUNK", 8)
@@ -128,12 +134,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     n = 11
     rng = np.random.default_rng(4)
     token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
-    pos = np.arange(n)
-    slots = np.array([runner.block_ids[p // 4] * 4 + p % 4 for p in pos])
-    table = np.zeros((1, 20), np.int32)
-    table[0, :3] = runner.block_ids[:3]
-    meta = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
-                             jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+    meta = runner.prefill_meta(n)
     idx = jnp.asarray([3, n - 1], jnp.int32)
     want, want_kv, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, idx)
 
