@@ -206,6 +206,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     results: dict[str, Any] = {"model": short, "dataset": args.dataset, "device": device, "dtype": str(dtype),
                                "workload": summarize(requests), "transformers": __import__("transformers").__version__,
                                "torch": torch.__version__, "hf_max_batch_size": args.hf_max_batch_size}
+    name = args.result_name or f"hf-{short}-{args.dataset}"
+    meta = stamp(sys.argv if argv is None else ["bench/hf_baseline.py"] + list(argv), with_device=False)
+    path = None
     for mode in args.mode:
         try:
             r = (run_static(m, requests, args.hf_max_batch_size, device, args.max_time_s) if mode == "static"
@@ -220,11 +223,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                               r["total_output_tokens"], r["elapsed_time"]))
         print(f"HF {mode}: {r['output_tokens_per_second']:.2f} output tok/s ({r['num_requests']} requests)")
         results[mode] = r
-    best = max((results[m_].get("output_tokens_per_second", 0.0) for m_ in args.mode), default=0.0)
-    results["best_output_tokens_per_second"] = best
-    name = args.result_name or f"hf-{short}-{args.dataset}"
-    meta = stamp(sys.argv if argv is None else ["bench/hf_baseline.py"] + list(argv), with_device=False)
-    print(f"results: {write_result(name, results, meta=meta, title=f'HF transformers baseline: {name}')}")
+        # written after every mode, so a time limit hit in the next one keeps this one's figure
+        results["best_output_tokens_per_second"] = max(
+            results[m_].get("output_tokens_per_second", 0.0) for m_ in args.mode if m_ in results)
+        path = write_result(name, results, meta=meta, title=f"HF transformers baseline: {name}")
+    results.setdefault("best_output_tokens_per_second", 0.0)
+    if path is None:
+        path = write_result(name, results, meta=meta, title=f"HF transformers baseline: {name}")
+    print(f"results: {path}")
     return results
 
 
