@@ -10,6 +10,8 @@ JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib
 JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
 # How a step runs the layers: scan (one executable) | per_layer (default: by the size of a layer's weights).
 JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
+# Launch each step's JAX computation from a second thread while the engine processes the previous step.
+JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
 # Persistent XLA compilation cache (set to "0" to disable).
 JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
 # KV budget on the CPU backend, which reports no device memory (MiB).

@@ -202,10 +202,10 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     llm = LLM(model=model_dir, **{**args, **kw})
     eng = llm.llm_engine
     runner = eng.runner
-    real_dispatch = runner.dispatch
+    real_prepare = runner.prepare          # the engine builds each step's inputs through runner.prepare
     checked = []
 
-    def dispatch(out, block_ids):
+    def prepare(out, block_ids):
         want = reference_inputs(runner, out, {rid: block_ids[rid] for rid in out.num_scheduled_tokens})
         mi, bucket, _ = runner.prepare_inputs(out, block_ids)
         si, _ = runner.prepare_sampling(out, bucket.padded_num_reqs)
@@ -220,9 +220,9 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
             np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
         np.testing.assert_array_equal(mi_dict.meta.block_tables, want["block_tables"])
         checked.append(bool(mi.fill_token_idx.min() < len(mi.token_ids)))
-        return real_dispatch(out, block_ids)
+        return real_prepare(out, block_ids)
 
-    runner.dispatch = dispatch
+    runner.prepare = prepare
     rng = np.random.default_rng(5)
     base = rng.integers(100, 40000, 20).tolist()
     prompts = [base + rng.integers(100, 40000, int(k)).tolist() for k in (3, 30, 11, 50, 1, 17)]

@@ -2,6 +2,7 @@
 on its own thread)."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
@@ -83,6 +84,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._inflight = None            # the dispatched step whose results are not processed yet
+        # Opt-in (JAXPAGED_LAUNCH_THREAD=1): the JAX launch of step N runs on a second thread while this one
+        # processes step N-1; it pays where the launch is long host work outside the GIL (on a GPU,
+        # XLA enqueuing a few hundred kernels). Not measured on a GPU yet, so off by default.
+        self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-launch")
+                          if envs.JAXPAGED_LAUNCH_THREAD else None)
         self._rng = np.random.default_rng(args.seed)
         logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s; layers by %s",
                     self.model_path, cfg.architecture, np.dtype(loaded.dtype).name,
@@ -238,14 +244,23 @@ class LLMEngine:
         t1 = time.perf_counter()
         sched = self.scheduler.schedule()
         t2 = time.perf_counter()
-        new = None
+        new = launching = None
         if not sched.is_empty:
-            new = self.runner.dispatch(sched, self.kv_manager.block_ids_view())
+            prepared = self.runner.prepare(sched, self.kv_manager.block_ids_view())
+            if self._launcher is not None:       # JAXPAGED_LAUNCH_THREAD: launch N while N-1 is processed
+                launching = self._launcher.submit(self.runner.launch, prepared)
+            else:
+                new = self.runner.launch(prepared)
+        t3 = time.perf_counter()
+        try:
+            outputs += self._finish_inflight()
+        finally:
+            if launching is not None:
+                new = launching.result()
+            self._inflight = new
+        if new is not None:
             self.stats.prepare_inputs_s += new.prepare_s
             self.stats.launch_s += new.launch_s
-        t3 = time.perf_counter()
-        outputs += self._finish_inflight()
-        self._inflight = new
         t4 = time.perf_counter()
         self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
                            process_s=(t1 - t0) + (t4 - t3))

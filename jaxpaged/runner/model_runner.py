@@ -304,23 +304,32 @@ class ModelRunner:
     # ---- execution ----------------------------------------------------------------------------
     def dispatch(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> InFlight:
         """Prepare and launch one step without waiting for it (JAX dispatch is asynchronous)."""
+        return self.launch(self.prepare(out, block_ids))
+
+    def prepare(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple:
+        """The host half of dispatch: the step's padded inputs (Python and numpy work)."""
         t0 = time.perf_counter()
         self._apply_block_moves(out)
         model_input, bucket, prompt_rows = self.prepare_inputs(out, block_ids)
         sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
         options = RuntimeOptions(self.attn_backend, bucket.decode_only)
         self.compiled_keys.add((bucket, flags))
-        t1 = time.perf_counter()
-        self.kv_cache, self.prev_sampled, result = self._step(
-            self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
-        t2 = time.perf_counter()
         rids, _ = self._batch(out)
         if len(out.sampling_ids) == len(rids):      # every request samples a token (decode steps)
             rows = dict(zip(rids, range(len(rids))))
         else:
             rows = {rid: i for i, rid in enumerate(rids) if rid in out.sampling_ids}
+        return out, model_input, sampling, options, flags, rows, prompt_rows, time.perf_counter() - t0
+
+    def launch(self, prepared: tuple) -> InFlight:
+        """The device half of dispatch: pack and launch the step. Touches only the pool, prev_sampled and
+        prev_rows, so it may run on another thread while the engine processes the previous step."""
+        out, model_input, sampling, options, flags, rows, prompt_rows, prepare_s = prepared
+        t1 = time.perf_counter()
+        self.kv_cache, self.prev_sampled, result = self._step(
+            self.params, self.kv_cache, self.prev_sampled, model_input, sampling, options=options, flags=flags)
         self.prev_rows = rows
-        return InFlight(out, result, rows, prompt_rows, prepare_s=t1 - t0, launch_s=t2 - t1)
+        return InFlight(out, result, rows, prompt_rows, prepare_s=prepare_s, launch_s=time.perf_counter() - t1)
 
     def fetch(self, inflight: InFlight) -> RunnerOutput:
         """Block on a dispatched step's sampled ids (one device_get)."""
