@@ -5,9 +5,9 @@ Decode-only steps (T == R): R padded to a power of two, 1 .. max_num_seqs. Decod
 and padded rows cost little (the attention kernel exits at once on a zero-length row).
 
 Mixed steps (prefill chunks beside decodes): T padded to a power of two from 16 up to
-max_num_batched_tokens; R (which only sizes the block tables and the rows sampled) to 8, 64, 512, ...,
-capped at T and at max_num_seqs. With vLLM's H100 defaults (16384 tokens, 1024 sequences) that is
-11 decode + 35 mixed buckets.
+max_num_batched_tokens; R (which only sizes the block tables and the rows sampled) to one of two rungs,
+T // 8 (at least 8) or T, capped at max_num_seqs. With vLLM's H100 defaults (16384 tokens, 1024
+sequences) that is 11 decode + 20 mixed buckets.
 """
 from __future__ import annotations
 
@@ -21,29 +21,36 @@ class Bucket(NamedTuple):
 
 
 class BucketPolicy:
-    MIXED_REQS_STEP = 8
+    MIXED_REQS_FRACTION = 8      # a mixed step's request rows: T // 8 (at least 8) or T, capped
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16):
         self.max_tokens = max_num_batched_tokens
         self.max_reqs = max_num_seqs
         self.min_tokens = min_tokens
 
-    def padded_reqs(self, num_reqs: int, decode_only: bool) -> int:
-        b, step = (1, 2) if decode_only else (self.MIXED_REQS_STEP, self.MIXED_REQS_STEP)
-        while b < num_reqs:
-            b *= step
-        return max(num_reqs, min(b, _round_up_pow2(self.max_reqs)))
+    def _reqs_cap(self) -> int:
+        return _round_up_pow2(self.max_reqs)
+
+    def padded_reqs(self, num_reqs: int, decode_only: bool, padded_tokens: int | None = None) -> int:
+        if decode_only:
+            return max(num_reqs, min(_round_up_pow2(num_reqs), self._reqs_cap()))
+        # Mixed steps: two rungs per token bucket. Request rows only size the block tables and the
+        # rows the LM head and sampler see, which cost little beside T tokens through the model.
+        t = padded_tokens if padded_tokens is not None else self.padded_tokens(num_reqs)
+        small = min(max(8, _round_up_pow2(t) // self.MIXED_REQS_FRACTION), t, self._reqs_cap())
+        r = small if num_reqs <= small else min(t, self._reqs_cap())
+        return max(num_reqs, r)
 
     def padded_tokens(self, num_tokens: int) -> int:
         """16, 32, 64, ... and max_num_batched_tokens as the last rung (a request never exceeds it)."""
         return max(num_tokens, min(_round_up_pow2(max(num_tokens, self.min_tokens)), self.max_tokens))
 
     def pick(self, num_tokens: int, num_reqs: int, decode_only: bool) -> Bucket:
-        r = self.padded_reqs(num_reqs, decode_only)
         if decode_only:
+            r = self.padded_reqs(num_reqs, True)
             return Bucket(r, r, True)
         t = self.padded_tokens(num_tokens)
-        return Bucket(t, max(num_reqs, min(r, t)), False)
+        return Bucket(t, self.padded_reqs(num_reqs, False, t), False)
 
     def all_buckets(self) -> list[Bucket]:
         """Every bucket the engine can hit, for compiling at start-up."""
@@ -57,15 +64,11 @@ class BucketPolicy:
         seen = set()
         t = self.padded_tokens(1)
         while True:
-            r = 1
-            while True:
-                b = self.pick(t, min(r, t, self.max_reqs), False)
+            for n in (1, min(t, self.max_reqs)):          # the small rung and the full one
+                b = self.pick(t, n, False)
                 if b not in seen:
                     seen.add(b)
                     out.append(b)
-                if r >= min(self.max_reqs, t):
-                    break
-                r = min(r * self.MIXED_REQS_STEP, t, self.max_reqs)
             if t >= self.max_tokens:
                 break
             t = self.padded_tokens(t + 1)
