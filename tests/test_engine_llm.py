@@ -80,6 +80,8 @@ def test_greedy_identical_across_scheduling(model_dir, reference, kw):
         assert eng.stats.num_steps > len(PROMPTS) * 24 // 8
     if eng.args.enable_prefix_caching:
         assert eng.kv_manager.pool.num_hits > 0
+    elif "preemption_mode" not in kw:        # every prompt token prefilled exactly once, chunked or not
+        assert eng.stats.prompt_tokens == sum(map(len, PROMPTS))
     assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1
 
 
