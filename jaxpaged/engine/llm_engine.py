@@ -261,6 +261,10 @@ class LLMEngine:
         if new is not None:
             self.stats.prepare_inputs_s += new.prepare_s
             self.stats.launch_s += new.launch_s
+        if self._inflight is None and not self.scheduler.has_unfinished():
+            # idle: nothing will pass these ids to the runner in a next step, so release them now
+            self.runner.release_finished(self.scheduler.finished_ids)
+            self.scheduler.finished_ids = set()
         t4 = time.perf_counter()
         self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
                            process_s=(t1 - t0) + (t4 - t3))

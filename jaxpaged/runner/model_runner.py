@@ -148,6 +148,13 @@ class ModelRunner:
             self._batch_cache = (out, list(map(_REQUEST_ID, reqs)), self._sampling_table[rows])
         return self._batch_cache[1], self._batch_cache[2]
 
+    def release_finished(self, request_ids) -> None:
+        """Drop what the runner holds for finished requests now (the engine calls this when it goes idle;
+        otherwise the next step's finished_ids do it), including the last batch it remembers."""
+        for rid in request_ids:
+            self._release_sampling_slot(rid)
+        self._batch_cache = (None, [], None)
+
     def _release_sampling_slot(self, request_id: str) -> None:
         req = self._sampling_owner.get(request_id)
         if req is not None and req.is_finished:
