@@ -29,7 +29,9 @@ class CompileCounter:
 
 
 @pytest.mark.parametrize("layer_dispatch", ["scan", "per_layer"])
-def test_zero_recompilations_after_warmup(model_dir, layer_dispatch):
+def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, monkeypatch):
+    from jaxpaged import envs
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)     # no executables from earlier runs
     counter = CompileCounter()
     counter.active = True
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
@@ -44,6 +46,63 @@ def test_zero_recompilations_after_warmup(model_dir, layer_dispatch):
     counter.active = False
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
+
+
+def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, tmp_path, monkeypatch):
+    """A second engine with the same fingerprint loads every bucket's compiled step from disk (no trace,
+    no compile) and generates the same tokens; a different pool shape does not reuse them."""
+    from jaxpaged import envs
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    monkeypatch.setattr(envs, "JAXPAGED_EXEC_CACHE", True)
+    kw = dict(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (3, 40, 90, 7)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cold = LLM(**kw)
+    n = len(cold.llm_engine.buckets.all_buckets())
+    assert cold.llm_engine.runner.exec_cache.misses == n and cold.llm_engine.runner.exec_cache.hits == 0
+    want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp, use_tqdm=False)]
+    del cold
+    counter = CompileCounter()
+    counter.active = True
+    warm = LLM(**kw)
+    counter.active = False
+    assert warm.llm_engine.runner.exec_cache.hits == n
+    assert counter.count < n          # the step itself is not compiled again (small helpers may be)
+    assert [o.outputs[0].token_ids for o in warm.generate(prompts, sp, use_tqdm=False)] == want
+    other = LLM(**{**kw, "num_gpu_blocks_override": 80})
+    assert other.llm_engine.runner.exec_cache.hits == 0
+
+
+def test_cached_executable_that_fails_to_run_falls_back(model_dir, tmp_path, monkeypatch):
+    """A loaded executable that fails in warm-up is dropped from disk and the step compiled as usual.
+    The failing executable is a stand-in that raises XLA's runtime error, as qwen2-0.5b's deserialized
+    bf16 programs do on XLA:CPU ("Function wrapped_convert not found")."""
+    import jax
+    from jaxpaged import envs
+    from jaxpaged.runner.exec_cache import ExecutableCache
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    monkeypatch.setattr(envs, "JAXPAGED_EXEC_CACHE", True)
+    kw = dict(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = LLM(**kw).generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    files = sorted(p.name for p in tmp_path.rglob("*.bin"))
+    real_load = ExecutableCache.load
+
+    def broken(*args):
+        raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_convert not found")
+
+    def load_broken(self, key):
+        return broken if real_load(self, key) is not None else None
+
+    monkeypatch.setattr(ExecutableCache, "load", load_broken)
+    again = LLM(**kw)
+    assert again.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].outputs[0].token_ids == want
+    cache = again.llm_engine.runner.exec_cache
+    assert cache.hits == 0 and cache.misses == len(files) == len(again.llm_engine.buckets.all_buckets())
+    assert not list(tmp_path.rglob("*.bin"))         # dropped from disk (and not stored again this run)
 
 
 def test_deleted_llm_frees_device_memory(model_dir):

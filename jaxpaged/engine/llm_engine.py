@@ -96,7 +96,9 @@ class LLMEngine:
         compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
         if compile_all:
             secs = self.runner.warmup(self.buckets.all_buckets())
-            logger.info("Compiled %d buckets in %.1f s", len(self.buckets.all_buckets()), secs)
+            cache = self.runner.exec_cache
+            logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
+                        f" ({cache.hits} loaded from {cache.dir})" if cache is not None and cache.hits else "")
         self.startup_seconds = time.perf_counter() - t0
 
     def _build_cache_and_scheduler(self, loaded, backend: str) -> None:
@@ -114,8 +116,10 @@ class LLMEngine:
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH or (
             "per_layer" if layerwise.layer_bytes(loaded.params) >= layerwise.PER_LAYER_MIN_BYTES else "scan")
+        exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")
+                     if envs.JAXPAGED_EXEC_CACHE and envs.JAXPAGED_COMPILE_CACHE else None)
         self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
-                                  backend, num_cpu_blocks, self.layer_dispatch)
+                                  backend, num_cpu_blocks, self.layer_dispatch, exec_root)
         self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
                                          num_cpu_blocks)
         self.scheduler = Scheduler(SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,

@@ -18,6 +18,7 @@ from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.models import AttentionMetadata, DecoderModel, LoadedModel, RuntimeOptions, kv_cache_shape
 from jaxpaged.runner.buckets import Bucket, BucketPolicy
 from jaxpaged.runner import layerwise
+from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -91,7 +92,7 @@ def _pow2(n: int, lo: int = 1) -> int:
 class ModelRunner:
     def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, max_model_len: int,
                  buckets: BucketPolicy, attn_backend: str, num_cpu_blocks: int = 0,
-                 layer_dispatch: str = "scan"):
+                 layer_dispatch: str = "scan", exec_cache_root: str | None = None):
         self.cfg = model.config
         self.dtype = model.dtype
         self.layer_dispatch = layer_dispatch
@@ -123,6 +124,16 @@ class ModelRunner:
         self._sampling_table = np.zeros((64, len(SAMPLING_COLUMNS)), np.float64)
         self._free_sampling_slots: list[int] = list(range(63, -1, -1))
         self._batch_cache: tuple = (None, None, None)   # (SchedulerOutput, request ids, static sampler rows)
+        # Compiled steps by (layout, options, flags), filled at warm-up; read from disk when a start-up
+        # with the same fingerprint made them before (exec_cache.py). The layer scan only.
+        self._compiled: dict = {}
+        self._loaded: set = set()                       # keys of _compiled that came from disk
+        self.exec_cache = None
+        if exec_cache_root is not None and self.layer_params is None:
+            shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
+            self.exec_cache = ExecutableCache(exec_cache_root, fingerprint(
+                self.cfg, str(jnp.dtype(self.dtype)), attn_backend, self.kv_cache.shape,
+                self.max_blocks_per_req, self.max_rows, shapes))
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
@@ -131,6 +142,9 @@ class ModelRunner:
         if self.layer_params is not None:
             return layerwise.step(params, self.layer_params, self.layer_ids, kv_cache, prev_sampled, ints, floats,
                                   layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
+        compiled = self._compiled.get((layout, options, flags)) if self._compiled else None
+        if compiled is not None:
+            return compiled(params, kv_cache, prev_sampled, ints, floats)
         return _packed_step(params, kv_cache, prev_sampled, ints, floats, layout=layout, cfg=self.cfg,
                             dtype=self.dtype, options=options, flags=flags)
 
@@ -370,11 +384,41 @@ class ModelRunner:
             for flags in variants:
                 mi, si = self._dummy_inputs(bucket)
                 options = RuntimeOptions(self.attn_backend, bucket.decode_only)
-                self.kv_cache, self.prev_sampled, res = self._step(
-                    self.params, self.kv_cache, self.prev_sampled, mi, si, options=options, flags=flags)
-                jax.block_until_ready(res)
+                key = self._load_or_compile(mi, si, options, flags) if self.exec_cache is not None else None
+                try:
+                    self.kv_cache, self.prev_sampled, res = self._step(
+                        self.params, self.kv_cache, self.prev_sampled, mi, si, options=options, flags=flags)
+                    jax.block_until_ready(res)
+                except jax.errors.JaxRuntimeError as e:
+                    if key is None or key not in self._loaded:
+                        raise
+                    # A loaded executable that does not run (XLA:CPU cannot serialize some bf16 programs):
+                    # forget it and trace as usual. The pool holds nothing yet, so it is simply remade.
+                    logger.warning("A cached executable failed to run (%s); compiling it instead", e)
+                    self.exec_cache.discard(key)
+                    del self._compiled[key]
+                    self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, self.num_blocks, self.block_size), self.dtype)
+                    self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
+                    self.kv_cache, self.prev_sampled, res = self._step(
+                        self.params, self.kv_cache, self.prev_sampled, mi, si, options=options, flags=flags)
+                    jax.block_until_ready(res)
                 self.compiled_keys.add((bucket, flags))
         return time.perf_counter() - t0
+
+    def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
+        """The bucket's executable from the on-disk cache, else traced, compiled and stored there."""
+        ints, floats, layout = _pack((mi, si))
+        key = (layout, options, flags)
+        compiled = self.exec_cache.load(key)
+        if compiled is not None:
+            self._loaded.add(key)
+        else:
+            compiled = _packed_step.trace(self.params, self.kv_cache, self.prev_sampled, ints, floats,
+                                          layout=layout, cfg=self.cfg, dtype=self.dtype, options=options,
+                                          flags=flags).lower().compile()
+            self.exec_cache.store(key, compiled)
+        self._compiled[key] = compiled
+        return key
 
     def _dummy_inputs(self, bucket: Bucket):
         T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
