@@ -84,13 +84,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--label", default="")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
+    ap.add_argument("--layer-dispatch", choices=["scan", "per_layer"], default=None,
+                    help="default: the engine's choice (per_layer for layers >= 64 MiB)")
     ap.add_argument("--trace", default=None, help="folder: trace 10 steps per batch, list the top kernels")
     args = ap.parse_args()
     from bench.models import ensure_model_dir
     from jaxpaged import LLM
     llm = LLM(model=ensure_model_dir(args.model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=args.num_blocks)
-    res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend}
+              attention_backend=args.backend, compile_buckets=False, num_gpu_blocks_override=args.num_blocks,
+              layer_dispatch=args.layer_dispatch)
+    res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend,
+           "layer_dispatch": llm.llm_engine.layer_dispatch}
     res.update(time_decode_steps(llm, [int(b) for b in args.batches.split(",")], args.ctx, args.unroll,
                                  args.trace))
     print("PROBE", json.dumps(res))
