@@ -99,24 +99,25 @@ def _stub_app(chunk_delay_s, seen):
     return app
 
 
-def test_client_against_stub():
+async def _bench_against(app, requests, **kw):
+    """Serve `app` on a free local port, run the benchmark client against it, shut the app down."""
     from aiohttp import web
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", requests,
+                               disable_tqdm=True, **kw)
+    finally:
+        await runner.cleanup()
+
+
+def test_client_against_stub():
     seen = []
-
-    async def run():
-        runner = web.AppRunner(_stub_app(0.01, seen))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            reqs = [_req(7, 5), _req(9, 6), _req(3, 4), _req(5, 5)]
-            return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", reqs,
-                                   max_concurrency=2, disable_tqdm=True)
-        finally:
-            await runner.cleanup()
-
-    res = asyncio.run(run())
+    reqs = [_req(7, 5), _req(9, 6), _req(3, 4), _req(5, 5)]
+    res = asyncio.run(_bench_against(_stub_app(0.01, seen), reqs, max_concurrency=2))
     m = res["metrics"]
     assert m["completed"] == 4 and m["failed"] == 0
     assert m["total_output_tokens"] == 20 and m["total_input_tokens"] == 24
@@ -130,45 +131,20 @@ def test_client_against_stub():
 def test_client_records_http_errors():
     from aiohttp import web
 
-    async def run():
-        app = web.Application()
-
-        async def bad(request):
-            return web.Response(status=500, text="nope")
-        app.router.add_post("/v1/completions", bad)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", [_req(3, 4)] * 2,
-                                   warmup=False, disable_tqdm=True)
-        finally:
-            await runner.cleanup()
-
-    res = asyncio.run(run())
+    async def bad(request):
+        return web.Response(status=500, text="nope")
+    app = web.Application()
+    app.router.add_post("/v1/completions", bad)
+    res = asyncio.run(_bench_against(app, [_req(3, 4)] * 2, warmup=False))
     assert res["metrics"]["failed"] == 2 and res["metrics"]["completed"] == 0
     assert "HTTP 500" in res["errors"][0]
 
 
 def test_time_limit_skips_unstarted_requests():
-    from aiohttp import web
     seen = []
-
-    async def run():
-        runner = web.AppRunner(_stub_app(0.02, seen))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:   # one at a time, 5 chunks of 20 ms each: ~0.1 s a request, limit 0.15 s -> 2 run, 4 skipped
-            return await benchmark(f"http://127.0.0.1:{port}/v1/completions", "stub", [_req(3, 5)] * 6,
-                                   max_concurrency=1, warmup=False, disable_tqdm=True, time_limit_s=0.15)
-        finally:
-            await runner.cleanup()
-
-    m = asyncio.run(run())["metrics"]
+    # one at a time, 5 chunks of 20 ms each: ~0.1 s a request, limit 0.15 s -> 2 run, 4 skipped
+    m = asyncio.run(_bench_against(_stub_app(0.02, seen), [_req(3, 5)] * 6, max_concurrency=1, warmup=False,
+                                   time_limit_s=0.15))["metrics"]
     assert m["completed"] + m["skipped"] == 6 and m["failed"] == 0
     assert 1 <= m["completed"] <= 3 and m["skipped"] >= 3
     assert m["total_output_tokens"] == 5 * m["completed"]
