@@ -23,14 +23,18 @@ import jax
 
 logger = logging.getLogger("jaxpaged.runner")
 
-_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent      # the installed jaxpaged package
-
-
 def _sources_digest() -> str:
+    """Every source file the step is built from: jaxpaged and its models and kernels packages, which in a
+    source checkout live in separate folders (pyproject's package-dir)."""
+    import jaxpaged
+    import jaxpaged.models
+    import jaxpaged.pallas_kernels
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE_ROOT.rglob("*.py")):
-        h.update(str(path.relative_to(_PACKAGE_ROOT)).encode())
-        h.update(path.read_bytes())
+    for mod in (jaxpaged, jaxpaged.models, jaxpaged.pallas_kernels):
+        root = pathlib.Path(mod.__file__).resolve().parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{mod.__name__}/{path.relative_to(root)}".encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
