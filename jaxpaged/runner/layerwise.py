@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase, split_layer_params
-from jaxpaged.runner.sampler import SamplerFlags, prompt_logprobs, sample
+from jaxpaged.runner.sampler import SamplerFlags
 
 PER_LAYER_MIN_BYTES = 64 << 20      # auto: per-layer dispatch when one layer's weights are at least this
 
@@ -48,11 +48,10 @@ def split_params(params) -> tuple[dict, list[dict]]:
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype"))
 def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
-    from jaxpaged.runner.model_runner import _unpack       # (model_runner imports this module)
+    from jaxpaged.runner.model_runner import _unpack, fill_input_tokens   # (model_runner imports this module)
     model_input, sampling = _unpack(ints, floats, layout)
-    token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
-        prev_sampled[model_input.fill_src_row], mode="drop")
-    h, cos, sin = embed_phase(cfg, dtype, params, token_ids, model_input.meta.positions)
+    h, cos, sin = embed_phase(cfg, dtype, params, fill_input_tokens(model_input, prev_sampled),
+                              model_input.meta.positions)
     return h, cos, sin, model_input, sampling
 
 
@@ -63,13 +62,10 @@ def _layer(layer_params, h, kv_cache, layer_idx, meta, cos, sin, *, cfg, dtype, 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"))
 def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags):
-    head = (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
-            if flags.num_prompt_logprobs >= 0 else None)
+    from jaxpaged.runner.model_runner import prompt_head, sample_and_keep
     logits, prompt = head_phase(cfg, dtype, params, h, model_input.logits_indices,
-                                model_input.prompt_target_ids, head)
-    result = sample(logits, sampling, flags)
-    sampled_buf = jnp.zeros_like(prev_sampled).at[:logits.shape[0]].set(result[0])
-    return sampled_buf, (*result, prompt)
+                                model_input.prompt_target_ids, prompt_head(flags))
+    return sample_and_keep(logits, prompt, sampling, flags, prev_sampled)
 
 
 def step(params, layer_params, layer_ids, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,

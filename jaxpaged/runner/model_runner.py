@@ -95,7 +95,6 @@ class ModelRunner:
                  layer_dispatch: str = "scan", exec_cache_root: str | None = None):
         self.cfg = model.config
         self.dtype = model.dtype
-        self.layer_dispatch = layer_dispatch
         if layer_dispatch == "per_layer":
             # Each layer's weights as their own arrays (runner/layerwise.py), before the KV pool is
             # allocated; model.params["layers"] is deleted on the way.
@@ -473,25 +472,31 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
     """
     model_input, sampling = _unpack(ints, floats, layout)
-    return _step_body(params, kv_cache, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
-                      options=options, flags=flags)
-
-
-def _step_body(params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
-               cfg, dtype, options: RuntimeOptions, flags: SamplerFlags):
     model = DecoderModel(cfg, dtype, options)
-    token_ids = model_input.token_ids.at[model_input.fill_token_idx].set(
+    logits, kv_cache, prompt = model.apply({"params": params}, fill_input_tokens(model_input, prev_sampled),
+                                           kv_cache, model_input.meta, model_input.logits_indices,
+                                           model_input.prompt_target_ids, prompt_head(flags))
+    return (kv_cache, *sample_and_keep(logits, prompt, sampling, flags, prev_sampled))
+
+
+# ---- pieces of the step shared with per-layer dispatch (runner/layerwise.py) --------------------------
+def fill_input_tokens(model_input: ModelInput, prev_sampled):
+    """The step's input tokens, with those the previous step sampled (still on the device) filled in."""
+    return model_input.token_ids.at[model_input.fill_token_idx].set(
         prev_sampled[model_input.fill_src_row], mode="drop")
-    num_reqs = model_input.logits_indices.shape[0]
-    # prompt logprobs: the model applies the head to every token's logits, a bounded chunk at a time
-    head = (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
+
+
+def prompt_head(flags: SamplerFlags):
+    """The prompt-logprob head the model applies to every token's logits in bounded chunks, or None."""
+    return (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
             if flags.num_prompt_logprobs >= 0 else None)
-    logits, kv_cache, prompt = model.apply({"params": params}, token_ids, kv_cache, model_input.meta,
-                                           model_input.logits_indices, model_input.prompt_target_ids, head)
+
+
+def sample_and_keep(logits, prompt, sampling: SamplingInputs, flags: SamplerFlags, prev_sampled):
+    """(sampled ids in a fixed-size device buffer for the next step's inputs, the step's results)."""
     result = sample(logits, sampling, flags)
-    # keep this step's ids on the device, in a buffer of fixed size, for the next step's inputs
-    sampled_buf = jnp.zeros_like(prev_sampled).at[:num_reqs].set(result[0])
-    return kv_cache, sampled_buf, (*result, prompt)
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:logits.shape[0]].set(result[0])
+    return sampled_buf, (*result, prompt)
 
 
 def _tables_from_lists(lists: list[list[int]], num_rows: int, width: int) -> np.ndarray:
