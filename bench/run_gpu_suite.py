@@ -23,6 +23,7 @@ summary's plots, and the kernel bench's json/md/png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -67,12 +68,16 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     quick = ["--dataset", "random", "--input-len", "32", "--output-len", "16"] if smoke else ["--dataset", "sharegpt"]
     tput = [str(BENCH / "throughput.py"), "--no-tqdm"]
     hf = [str(BENCH / "hf_baseline.py")]
+    tput_qwen = Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small)
+    profile_qwen = Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
+                                                             "8" if smoke else "64", "--result-name",
+                                                             f"throughput-{q}-sharegpt-profile"] + small)
+    serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
+                                                            if smoke else []), kind="serve")
     return {
         "qwen": [
-            Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small),
-            Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
-                                                      "8" if smoke else "64", "--result-name",
-                                                      f"throughput-{q}-sharegpt-profile"] + small),
+            tput_qwen,
+            profile_qwen,
             Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "100",
                                                "--cb-num-prompts", "8" if smoke else "48",
                                                "--max-time-s", "10" if smoke else "45"]),
@@ -90,16 +95,12 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # step shapes (so its start-up reads the warm compile cache) and openqa at concurrency 1 and 10,
         # then the profiled run (warm start-up again) with whatever time is left.
         "speed": [
-            Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small),
-            Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"] if smoke else []),
-                 kind="serve", server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
-            Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
-                                                      "8" if smoke else "64", "--result-name",
-                                                      f"throughput-{q}-sharegpt-profile"] + small),
+            tput_qwen,
+            dataclasses.replace(serve_qwen, server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
+            profile_qwen,
         ],
         "serve": [
-            Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"] if smoke else []),
-                 kind="serve"),
+            serve_qwen,
             Step("kernels", 200, [str(BENCH / "bench_kernels.py")] + (["--smoke"] if smoke else [])),
         ],
     }

@@ -22,6 +22,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
 
     from jaxpaged.models import AttentionMetadata
     from jaxpaged.models.decoder import RuntimeOptions
+    from jaxpaged.runner.buckets import Bucket
     from jaxpaged.runner.model_runner import ModelInput
     from jaxpaged.runner.sampler import SamplerFlags
     runner = llm.llm_engine.runner
@@ -37,7 +38,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         meta = AttentionMetadata(pos, slots, tables, seq, np.arange(R + 1, dtype=np.int32))
         mi = ModelInput(rng.integers(0, 1000, R).astype(np.int32), meta, np.arange(R, dtype=np.int32),
                         np.full(R, R, np.int32), np.zeros(R, np.int32), np.zeros(0, np.int32))
-        _, si = runner._dummy_inputs(type("B", (), {"padded_num_tokens": R, "padded_num_reqs": R})())
+        _, si = runner._dummy_inputs(Bucket(R, R, True))
         si.temperature = np.ones(R, np.float32)
         opts = RuntimeOptions(runner.attn_backend, True, unroll)
 

@@ -36,11 +36,16 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
+def _device_pids(events: list[dict[str, Any]]) -> set:
+    """The trace's processes named like a device ("/device:GPU:0"), host-side ones excluded."""
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:" in str(e.get("args", {}).get("name", ""))
+            and "host" not in str(e.get("args", {}).get("name", "")).lower()}
+
+
 def device_intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """(start_us, end_us) of every complete event in a process named like a device ("/device:GPU:0")."""
-    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "/device:" in str(e.get("args", {}).get("name", ""))
-                   and "host" not in str(e.get("args", {}).get("name", "")).lower()}
+    device_pids = _device_pids(events)
     return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and e.get("pid") in device_pids and "ts" in e]
 
@@ -61,9 +66,7 @@ def analyze_events(events: list[dict[str, Any]], gap_threshold_us: float = GAP_T
 
 def top_kernels(events: list[dict[str, Any]], n: int = 20) -> list[dict[str, Any]]:
     """The device's kernels by total time: [{"name", "total_ms", "count", "mean_us"}], longest first."""
-    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "/device:" in str(e.get("args", {}).get("name", ""))
-                   and "host" not in str(e.get("args", {}).get("name", "")).lower()}
+    device_pids = _device_pids(events)
     totals: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in device_pids:
@@ -74,21 +77,22 @@ def top_kernels(events: list[dict[str, Any]], n: int = 20) -> list[dict[str, Any
     return [{"name": k, "total_ms": v[0] / 1000, "count": int(v[1]), "mean_us": v[0] / v[1]} for k, v in rows]
 
 
-def load_events(trace_dir: str) -> list[dict[str, Any]] | None:
-    path = find_trace(trace_dir)
-    if path is None:
-        return None
+def _read_events(path: str) -> list[dict[str, Any]]:
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def load_events(trace_dir: str) -> list[dict[str, Any]] | None:
+    path = find_trace(trace_dir)
+    return None if path is None else _read_events(path)
 
 
 def analyze(trace_dir: str) -> dict[str, Any] | None:
     path = find_trace(trace_dir)
     if path is None:
         return None
-    events = load_events(trace_dir)
-    out = analyze_events(events)
+    out = analyze_events(_read_events(path))
     if out is not None:
         out["trace_file"] = path
     return out
