@@ -90,18 +90,20 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
         out = np.array([w.output_len for w in workload])
         reqs = [w.prompt_token_ids for w in workload]
         sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=int(o), ignore_eos=True) for o in out]
+        from bench.llm_args import engine_stats, stats_delta
         stats = llm.llm_engine.stats
-        s0 = (stats.schedule_s, stats.execute_s, stats.process_s, stats.num_steps)
+        before = engine_stats(llm)
         t2 = time.perf_counter()
         llm.generate(reqs, sps, use_tqdm=False)
         dt = time.perf_counter() - t2
+        d = stats_delta(before, engine_stats(llm))     # this run only (wait_s was a running total before)
         res["sharegpt_like_1000"] = {
             "seconds": dt, "requests_per_s": n / dt, "output_tok_per_s": int(out.sum()) / dt,
             "total_tok_per_s": int(inp.sum() + out.sum()) / dt, "input_tokens": int(inp.sum()),
-            "output_tokens": int(out.sum()), "steps": stats.num_steps - s0[3],
-            "schedule_s": stats.schedule_s - s0[0], "execute_s": stats.execute_s - s0[1],
-            "process_s": stats.process_s - s0[2], "max_waste": stats.max_waste_seen, "wait_s": stats.wait_s,
-            "avg_waste": stats.kv_cache_waste_avg,
+            "output_tokens": int(out.sum()), "steps": d["num_steps"],
+            **{k: d[k] for k in ("schedule_s", "execute_s", "process_s", "wait_s", "prepare_inputs_s",
+                                 "launch_s", "detokenize_s")},
+            "max_waste": stats.max_waste_seen, "avg_waste": stats.kv_cache_waste_avg,
             "compiled_keys": len(llm.llm_engine.runner.compiled_keys),
             "preemptions": stats.num_preemptions}
         from bench.step_probe import time_decode_steps
