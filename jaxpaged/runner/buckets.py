@@ -27,18 +27,17 @@ class BucketPolicy:
         self.max_tokens = max_num_batched_tokens
         self.max_reqs = max_num_seqs
         self.min_tokens = min_tokens
+        self.max_rows = _round_up_pow2(max_num_seqs)     # the most request rows any bucket has
 
-    def _reqs_cap(self) -> int:
-        return _round_up_pow2(self.max_reqs)
-
-    def padded_reqs(self, num_reqs: int, decode_only: bool, padded_tokens: int | None = None) -> int:
+    def padded_reqs(self, num_reqs: int, decode_only: bool, padded_tokens: int = 0) -> int:
+        """Request rows of a step; mixed steps (decode_only False) name their padded token count."""
         if decode_only:
-            return max(num_reqs, min(_round_up_pow2(num_reqs), self._reqs_cap()))
+            return max(num_reqs, min(_round_up_pow2(num_reqs), self.max_rows))
         # Mixed steps: two rungs per token bucket. Request rows only size the block tables and the
         # rows the LM head and sampler see, which cost little beside T tokens through the model.
-        t = padded_tokens if padded_tokens is not None else self.padded_tokens(num_reqs)
-        small = min(max(8, _round_up_pow2(t) // self.MIXED_REQS_FRACTION), t, self._reqs_cap())
-        r = small if num_reqs <= small else min(t, self._reqs_cap())
+        t = padded_tokens
+        small = min(max(8, _round_up_pow2(t) // self.MIXED_REQS_FRACTION), t, self.max_rows)
+        r = small if num_reqs <= small else min(t, self.max_rows)
         return max(num_reqs, r)
 
     def padded_tokens(self, num_tokens: int) -> int:

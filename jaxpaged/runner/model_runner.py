@@ -112,7 +112,7 @@ class ModelRunner:
         self.cpu_cache = (np.zeros(kv_cache_shape(self.cfg, num_cpu_blocks, block_size),
                                    jnp.dtype(self.dtype)) if num_cpu_blocks else None)
         self.compiled_keys: set = set()
-        self.max_rows = _pow2(buckets.max_reqs)
+        self.max_rows = buckets.max_rows
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         # Each request's static sampler row (SAMPLING_COLUMNS), written once into a persistent table
@@ -126,7 +126,6 @@ class ModelRunner:
         # Compiled steps by (layout, options, flags), filled at warm-up; read from disk when a start-up
         # with the same fingerprint made them before (exec_cache.py). The layer scan only.
         self._compiled: dict = {}
-        self._loaded: set = set()                       # keys of _compiled that came from disk
         self.exec_cache = None
         if exec_cache_root is not None and self.layer_params is None:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
@@ -375,49 +374,47 @@ class ModelRunner:
 
     # ---- warm-up ------------------------------------------------------------------------------
     def warmup(self, buckets: list[Bucket], progress: bool = True) -> float:
-        """Compile the step for every bucket (greedy and sampling variants) before serving."""
+        """Compile the step for every bucket (default sampler variant) before serving."""
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
-        variants = [SamplerFlags()]
+        flags = SamplerFlags()
         for bucket in tqdm(buckets, desc="Compiling buckets", disable=not progress):
-            for flags in variants:
-                mi, si = self._dummy_inputs(bucket)
-                options = RuntimeOptions(self.attn_backend, bucket.decode_only)
-                key = self._load_or_compile(mi, si, options, flags) if self.exec_cache is not None else None
+            mi, si = self._dummy_inputs(bucket)
+            options = RuntimeOptions(self.attn_backend, bucket.decode_only)
+            loaded = self._load_or_compile(mi, si, options, flags) if self.exec_cache is not None else None
+            for attempt in (0, 1):
                 try:
                     self.kv_cache, self.prev_sampled, res = self._step(
                         self.params, self.kv_cache, self.prev_sampled, mi, si, options=options, flags=flags)
                     jax.block_until_ready(res)
+                    break
                 except jax.errors.JaxRuntimeError as e:
-                    if key is None or key not in self._loaded:
+                    if attempt or loaded is None:
                         raise
                     # A loaded executable that does not run (XLA:CPU cannot serialize some bf16 programs):
                     # forget it and trace as usual. The pool holds nothing yet, so it is simply remade.
                     logger.warning("A cached executable failed to run (%s); compiling it instead", e)
-                    self.exec_cache.discard(key)
-                    del self._compiled[key]
+                    self.exec_cache.discard(loaded)
+                    del self._compiled[loaded]
                     self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, self.num_blocks, self.block_size), self.dtype)
                     self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
-                    self.kv_cache, self.prev_sampled, res = self._step(
-                        self.params, self.kv_cache, self.prev_sampled, mi, si, options=options, flags=flags)
-                    jax.block_until_ready(res)
-                self.compiled_keys.add((bucket, flags))
+            self.compiled_keys.add((bucket, flags))
         return time.perf_counter() - t0
 
-    def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
-        """The bucket's executable from the on-disk cache, else traced, compiled and stored there."""
+    def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
+        """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
+        Returns its key when it came from disk (it has not run yet), else None."""
         ints, floats, layout = _pack((mi, si))
         key = (layout, options, flags)
         compiled = self.exec_cache.load(key)
-        if compiled is not None:
-            self._loaded.add(key)
-        else:
+        from_disk = compiled is not None
+        if not from_disk:
             compiled = _packed_step.trace(self.params, self.kv_cache, self.prev_sampled, ints, floats,
                                           layout=layout, cfg=self.cfg, dtype=self.dtype, options=options,
                                           flags=flags).lower().compile()
             self.exec_cache.store(key, compiled)
         self._compiled[key] = compiled
-        return key
+        return key if from_disk else None
 
     def _dummy_inputs(self, bucket: Bucket):
         T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
