@@ -40,40 +40,23 @@ class _Prepared:
             self.params.prompt_logprobs = request.logprobs     # echo scores the prompt tokens too
 
 
-def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int,
+def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int,
                     offset: int) -> CompletionLogProbs:
-    """OpenAI completions logprobs; `offset` is where these tokens' text starts in the choice's text."""
+    """OpenAI completions logprobs; `offset` is where these tokens' text starts in the choice's text. A None
+    entry (the prompt's first token under echo) gets null logprobs, as OpenAI's legacy API."""
     out = CompletionLogProbs()
     for tid, entry in zip(token_ids, logprobs):
-        lp = entry[tid]
-        token = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])
-        out.tokens.append(token)
-        out.token_logprobs.append(clamp(lp.logprob))
-        top = {token: clamp(lp.logprob)}
-        for top_id, top_lp in top_entries(entry, k):
-            top.setdefault(top_lp.decoded_token or tokenizer.decode([top_id]), clamp(top_lp.logprob))
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out
-
-
-def format_prompt_logprobs(tokenizer, token_ids: list[int], prompt_logprobs: list | None,
-                           k: int) -> CompletionLogProbs:
-    """echo + logprobs: the prompt's tokens, the first with null logprobs, as OpenAI's legacy API."""
-    out = CompletionLogProbs()
-    offset = 0
-    for tid, entry in zip(token_ids, prompt_logprobs or [None] * len(token_ids)):
-        token = tokenizer.decode([tid])
+        lp = entry[tid] if entry is not None else None
+        token = lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([tid])
         out.tokens.append(token)
         out.text_offset.append(offset)
         offset += len(token)
-        if entry is None:
+        if lp is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        out.token_logprobs.append(clamp(entry[tid].logprob))
-        top = {token: clamp(entry[tid].logprob)}
+        out.token_logprobs.append(clamp(lp.logprob))
+        top = {token: clamp(lp.logprob)}
         for top_id, top_lp in top_entries(entry, k):
             top.setdefault(top_lp.decoded_token or tokenizer.decode([top_id]), clamp(top_lp.logprob))
         out.top_logprobs.append(top)
@@ -124,9 +107,9 @@ async def _full(state: ServerState, request: CompletionRequest, request_id: str,
                 logprobs = format_logprobs(state.tokenizer, comp.token_ids, comp.logprobs or [],
                                            request.logprobs, len(prefix))
                 if request.echo:
-                    logprobs = _with_prompt(format_prompt_logprobs(state.tokenizer, prep.token_ids,
-                                                                   finals[i].prompt_logprobs, request.logprobs),
-                                            logprobs)
+                    prompt_lps = finals[i].prompt_logprobs or [None] * len(prep.token_ids)
+                    logprobs = _with_prompt(format_logprobs(state.tokenizer, prep.token_ids, prompt_lps,
+                                                            request.logprobs, 0), logprobs)
             choices.append(CompletionChoice(index=i * n + comp.index, text=prefix + comp.text, logprobs=logprobs,
                                             finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
     num_prompt = sum(len(p.token_ids) for p in prepared)
