@@ -17,7 +17,7 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.stats import EngineStats
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -209,12 +209,7 @@ class LLMEngine:
                                   [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                           params.stop, params.include_stop_str_in_output)
                                    for _ in children])
-        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         for req in children:
-            # Decided once: FINAL_ONLY requests produce nothing until they finish, and without stop strings
-            # their text is decoded once at the end (OutputProcessor.deferred_text).
-            req.streams = not final_only
-            req.deferred_text = final_only and not params.stop
             self.scheduler.add_request(req)
         self.stats.on_arrival(len(children))
         return [r.request_id for r in children]
@@ -307,7 +302,7 @@ class LLMEngine:
 
         Per request and token this is the hottest host loop (1000+ running requests): what can be
         decided once per request (does anyone read its text or outputs before it finishes?) was, at
-        arrival (Request.streams / .deferred_text), and the stats calls are skipped when they record nothing.
+        arrival (Request.streams / .deferred_text, set by OutputProcessor.add), and the stats calls are skipped when they record nothing.
         """
         now = time.time()
         touched = []

@@ -23,9 +23,6 @@ class _Parent:
     sent_logprobs: list[int]
     finished_sent: list[bool]
     prompt_logprobs_sent: bool = False
-    # FINAL_ONLY without stop strings: nobody reads the text before the end, so it is decoded once, at
-    # the end (a join over the byte table), instead of token by token
-    deferred_text: bool = False
 
 
 class OutputProcessor:
@@ -37,11 +34,16 @@ class OutputProcessor:
     def add(self, request_id, prompt, prompt_token_ids, params, children, detoks) -> None:
         n = len(children)
         parent = _Parent(request_id, prompt, prompt_token_ids, params, children, detoks,
-                         [0] * n, [0] * n, [0] * n, [False] * n,
-                         deferred_text=params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop)
+                         [0] * n, [0] * n, [0] * n, [False] * n)
         self.parents[request_id] = parent
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         for i, c in enumerate(children):
             self.child_to_parent[c.request_id] = (parent, i)
+            # Decided once per request, read by the engine's per-token loop: FINAL_ONLY requests produce
+            # nothing until they finish, and without stop strings nobody reads their text before the end,
+            # so it is decoded once then (a join over the byte table), not token by token.
+            c.streams = not final_only
+            c.deferred_text = final_only and not params.stop
 
     def children_of(self, request_id: str) -> list[Request]:
         parent = self.parents.get(request_id)
@@ -56,8 +58,6 @@ class OutputProcessor:
     def detokenize(self, req: Request) -> str | None:
         """Feed the newest token to the child's detokenizer; returns a completed stop string or None."""
         parent, i = self.child_to_parent[req.request_id]
-        if parent.deferred_text:
-            return None
         match = parent.detoks[i].add_tokens(req.output_token_ids[-1:])
         return None if match is None else match.stop
 
@@ -106,7 +106,7 @@ class OutputProcessor:
         completions = []
         for i, (child, detok) in enumerate(zip(parent.children, parent.detoks)):
             done = child.is_finished
-            if parent.deferred_text:
+            if child.deferred_text:
                 detok.add_tokens(child.output_token_ids[len(detok.token_ids):])
             if kind == RequestOutputKind.DELTA:
                 if parent.finished_sent[i]:
