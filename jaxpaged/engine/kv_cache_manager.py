@@ -87,8 +87,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None or end > len(blocks) * self.block_size:
             return False
-        idx = request.num_computed_tokens // self.block_size
-        if idx < len(blocks) and blocks[idx].ref_cnt > 1:
+        if self._needs_copy_on_write(request, blocks):
             return False
         if self.enable_caching and end // self.block_size > self.num_cached_blocks.get(request.request_id, 0):
             self._cache_full_blocks(request, blocks, end)

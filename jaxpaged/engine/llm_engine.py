@@ -302,7 +302,7 @@ class LLMEngine:
 
         Per request and token this is the hottest host loop (1000+ running requests): what can be
         decided once per request (does anyone read its text or outputs before it finishes?) was, at
-        arrival (Request.streams / .deferred_text, set by OutputProcessor.add), and the stats calls are skipped when they record nothing.
+        arrival (Request.streams / .deferred_text, from its sampling params), and the stats calls are skipped when they record nothing.
         """
         now = time.time()
         touched = []

@@ -36,14 +36,8 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, prompt_token_ids, params, children, detoks,
                          [0] * n, [0] * n, [0] * n, [False] * n)
         self.parents[request_id] = parent
-        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         for i, c in enumerate(children):
             self.child_to_parent[c.request_id] = (parent, i)
-            # Decided once per request, read by the engine's per-token loop: FINAL_ONLY requests produce
-            # nothing until they finish, and without stop strings nobody reads their text before the end,
-            # so it is decoded once then (a join over the byte table), not token by token.
-            c.streams = not final_only
-            c.deferred_text = final_only and not params.stop
 
     def children_of(self, request_id: str) -> list[Request]:
         parent = self.parents.get(request_id)
@@ -86,9 +80,7 @@ class OutputProcessor:
         for req in touched:
             if req.request_id in self.child_to_parent:
                 parent, _ = self.child_to_parent[req.request_id]
-                if parent.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.is_finished:
-                    continue      # nothing to say until a sample finishes
-                seen[parent.request_id] = parent
+                seen[parent.request_id] = parent      # (FINAL_ONLY requests come only once finished)
         outputs = []
         for parent in seen.values():
             out = self._output(parent)

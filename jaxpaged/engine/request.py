@@ -5,7 +5,7 @@ import enum
 import time
 
 from jaxpaged.engine.block_pool import BlockHash, hash_block_tokens
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,10 +40,11 @@ class Request:
         self.priority = priority
         self._status = RequestStatus.WAITING
         self.is_finished = False                          # status.finished, kept as a plain attribute
-        # set by the engine at arrival from the output kind: are outputs read before the request finishes
-        # (streaming / cumulative), and is its text decoded only once, at the end
-        self.streams = True
-        self.deferred_text = False
+        # Read by the engine's per-token loop: FINAL_ONLY requests produce nothing until they finish, and
+        # without stop strings nobody reads their text before the end, so it is decoded once then (a join
+        # over the byte table), not token by token.
+        self.streams = sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
+        self.deferred_text = not self.streams and not sampling_params.stop
         self.stop_reason: int | str | None = None
         self.all_token_ids = list(prompt_token_ids)      # prompt + output
         self.output_token_ids: list[int] = []

@@ -50,12 +50,12 @@ class EngineStats:
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
 
+    # on_first_token / on_token: the engine calls them only when record_latencies is on
     def on_first_token(self, req, now: float) -> None:
-        if self.record_latencies:
-            self.ttft.append(now - req.arrival_time)
+        self.ttft.append(now - req.arrival_time)
 
     def on_token(self, req, now: float) -> None:
-        if self.record_latencies and req.last_token_time is not None:
+        if req.last_token_time is not None:
             self.itl.append(now - req.last_token_time)
 
     def on_finish(self, req) -> None:
