@@ -83,23 +83,22 @@ class Scheduler:
         out = SchedulerOutput([], {}, 0, [], [], [], [], self.finished_ids)
         self.finished_ids = set()
         budget = self._schedule_running(out, budget)
-        num_committed = len(out.scheduled)        # the running requests: their tokens are committed
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
-        num_scheduled = out.num_scheduled_tokens
-        out.total_num_scheduled_tokens = sum(num_scheduled.values())
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.blocks_to_copy = self.kv.blocks_to_copy
         self.kv.blocks_to_copy = []
-        for req in out.scheduled[num_committed:]:
-            self._commit(req, num_scheduled[req.request_id], out.sampling_ids)
         return out
 
     @staticmethod
-    def _commit(req: Request, num_new: int, sampling_ids: set[str]) -> None:
+    def _add_scheduled(out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """Put req in this step with num_new tokens and commit them (_schedule_running inlines this)."""
+        out.scheduled.append(req)
+        out.num_scheduled_tokens[req.request_id] = num_new
         req.num_computed_tokens += num_new
         # A chunk that reaches the end of the known tokens samples the next one.
         if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
-            sampling_ids.add(req.request_id)
+            out.sampling_ids.add(req.request_id)
             req.num_output_placeholders += 1
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -134,34 +133,31 @@ class Scheduler:
                 i += 1
                 continue
             # The common decode case first: the tokens fit in blocks the request already owns (no COW).
-            if append_in_place(req, computed + num_new):
-                scheduled.append(req)
-                num_scheduled[req.request_id] = num_new
-                budget -= num_new
-                # _commit, inlined
-                req.num_computed_tokens = computed = computed + num_new
-                if computed >= req.num_tokens + pending:
-                    sampling_ids.add(req.request_id)
-                    req.num_output_placeholders = pending + 1
-                i += 1
-                continue
-            preempted_any = False
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = self._pick_victim()
-                self._preempt(victim, out)
-                preempted_any = True
-                if victim is req:
-                    break
-            else:
-                scheduled.append(req)
-                num_scheduled[req.request_id] = num_new
-                budget -= num_new
-                self._commit(req, num_new, sampling_ids)
-                # a priority victim may have sat before req; without preemption, req is still at i
-                i = running.index(req) + 1 if preempted_any else i + 1
-                continue
-            # req itself was preempted: it left self.running, so index i now holds the next one
+            if not append_in_place(req, computed + num_new):
+                num_running = len(running)
+                if not self._allocate_or_preempt(req, num_new, out):
+                    continue      # req itself was preempted: it left running, so index i holds the next one
+                if len(running) < num_running:     # a priority victim may have sat before req
+                    i = running.index(req)
+            scheduled.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            # _add_scheduled's commit, inlined
+            req.num_computed_tokens = computed = computed + num_new
+            if computed >= req.num_tokens + pending:
+                sampling_ids.add(req.request_id)
+                req.num_output_placeholders = pending + 1
+            i += 1
         return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Slots for req's num_new tokens, preempting until they fit; False when req itself was preempted."""
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -219,8 +215,7 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(req)
-            out.num_scheduled_tokens[req.request_id] = num_new
+            self._add_scheduled(out, req, num_new)
             budget -= num_new
 
     def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
@@ -233,8 +228,7 @@ class Scheduler:
         self.running.append(req)
         num_new = self._num_new_tokens(req, budget)
         if num_new and self.kv.allocate_slots(req, num_new) is not None:
-            out.scheduled.append(req)
-            out.num_scheduled_tokens[req.request_id] = num_new
+            self._add_scheduled(out, req, num_new)
         return True
 
     # ---- results ------------------------------------------------------------------------------
