@@ -38,16 +38,16 @@ class LLM:
         params = [sp if sp.output_kind == RequestOutputKind.FINAL_ONLY
                   else sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         # Tokenize and validate every prompt before queueing any, so one bad prompt leaves the engine
-        # untouched; the engine then receives the token ids and does not tokenize again.
+        # untouched; the engine then receives the checked token ids and neither tokenizes nor checks again.
         tokenized = []
         for p, sp in zip(prompts, params):
             text, token_ids = self.llm_engine.tokenize_prompt(p)
             self.llm_engine.validate_prompt(token_ids, sp)
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+            tokenized.append((text, token_ids))
         ids = []
-        for i, (p, sp) in enumerate(zip(tokenized, params)):
+        for i, ((text, token_ids), sp) in enumerate(zip(tokenized, params)):
             rid = str(next(self._counter))
-            self.llm_engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+            self.llm_engine.add_validated_request(rid, text, token_ids, sp, priority=priority[i] if priority else 0)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

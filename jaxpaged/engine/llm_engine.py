@@ -194,6 +194,12 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids, params)
+        return self.add_validated_request(request_id, text, token_ids, params, arrival_time, priority)
+
+    def add_validated_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                              arrival_time: float | None = None, priority: int = 0) -> list[str]:
+        """add_request for a prompt that tokenize_prompt and validate_prompt have already seen (LLM.generate
+        checks a whole batch before it queues any), so it is not checked twice."""
         if request_id in self.output_processor.parents or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = []
