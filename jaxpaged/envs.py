@@ -13,8 +13,10 @@ JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
 # Launch each step's JAX computation from a second thread while the engine processes the previous step.
 JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
 # Keep each bucket's compiled step on disk and load it at start-up, skipping tracing (runner/exec_cache.py).
-# Off by default until measured on a GPU; XLA:CPU cannot run some deserialized bf16 programs (they fall back).
-JAXPAGED_EXEC_CACHE = os.environ.get("JAXPAGED_EXEC_CACHE", "0") == "1"
+# "1" / "0"; unset: on for GPUs (warm start-up of qwen2-0.5b on an H100: 17.3 s against 30.7 s without it),
+# off on the CPU, where XLA:CPU cannot run some deserialized bf16 programs (they would fall back anyway).
+_exec_cache = os.environ.get("JAXPAGED_EXEC_CACHE")
+JAXPAGED_EXEC_CACHE: bool | None = None if _exec_cache in (None, "") else _exec_cache == "1"
 # Persistent XLA compilation cache (set to "0" to disable).
 JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
 # KV budget on the CPU backend, which reports no device memory (MiB).

@@ -103,6 +103,8 @@ class LLMEngine:
 
     def _build_cache_and_scheduler(self, loaded, backend: str) -> None:
         """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""
+        import jax
+
         from jaxpaged.runner import layerwise
         from jaxpaged.runner.buckets import BucketPolicy
         from jaxpaged.runner.model_runner import ModelRunner
@@ -116,8 +118,10 @@ class LLMEngine:
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH or (
             "per_layer" if layerwise.layer_bytes(loaded.params) >= layerwise.PER_LAYER_MIN_BYTES else "scan")
+        exec_cache = (envs.JAXPAGED_EXEC_CACHE if envs.JAXPAGED_EXEC_CACHE is not None
+                      else jax.default_backend() == "gpu")
         exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")
-                     if envs.JAXPAGED_EXEC_CACHE and envs.JAXPAGED_COMPILE_CACHE else None)
+                     if exec_cache and envs.JAXPAGED_COMPILE_CACHE else None)
         self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
                                   backend, num_cpu_blocks, self.layer_dispatch, exec_root)
         self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,

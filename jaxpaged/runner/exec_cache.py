@@ -7,8 +7,8 @@ executable is serialized (jax.experimental.serialize_executable) under a fingerp
 was built from: JAX and jaxlib versions, the device, XLA_FLAGS, the jaxpaged sources, the model config,
 dtype, attention backend and pool shape. A later start-up with the same fingerprint loads the executable
 and calls it directly. Anything that fails to load, or to run in warm-up, falls back to tracing with a
-warning (XLA:CPU cannot run some deserialized bf16 programs). Opt-in (JAXPAGED_EXEC_CACHE=1) until its
-start-up gain is measured on a GPU.
+warning (XLA:CPU cannot run some deserialized bf16 programs). On by default for GPUs, off on the CPU
+(JAXPAGED_EXEC_CACHE=1/0 overrides): on an H100 it took qwen2-0.5b's warm start-up from 30.7 s to 17.3 s.
 """
 from __future__ import annotations
 
