@@ -299,6 +299,45 @@ def test_async_abort_frees_blocks(llm):
         alm.shutdown()
 
 
+def test_async_slow_consumer_gets_coalesced_deltas(llm):
+    """A DELTA consumer that falls behind receives the backlog as one output (as vLLM's collector does);
+    the concatenated deltas (text, tokens, logprobs) equal the whole request's output, n = 2."""
+    from jaxpaged.engine.async_llm import AsyncLLM
+    from jaxpaged.sampling_params import RequestOutputKind
+    eng = llm.llm_engine
+    kw = dict(temperature=0.8, seed=7, n=2, max_tokens=24, ignore_eos=True, logprobs=2)
+    whole = llm.generate([PROMPTS[1]], SamplingParams(**kw), use_tqdm=False)[0]
+    alm = AsyncLLM(eng)
+
+    async def go():
+        got = {0: [[], "", []], 1: [[], "", []]}
+        chunks, last = 0, None
+        async for out in alm.generate(PROMPTS[1], SamplingParams(**kw, output_kind=RequestOutputKind.DELTA), "d1"):
+            chunks += 1
+            for c in out.outputs:
+                got[c.index][0] += c.token_ids
+                got[c.index][1] += c.text
+                got[c.index][2] += c.logprobs
+            last = out
+            await asyncio.sleep(0.05)       # slower than the engine's steps: outputs queue up
+        return got, chunks, last
+
+    try:
+        got, chunks, last = asyncio.run(go())
+    finally:
+        alm.shutdown()
+    assert last.finished and chunks < 24
+    for c in whole.outputs:
+        toks, text, lps = got[c.index]
+        assert toks == c.token_ids and text == c.text
+        assert len(lps) == len(c.logprobs)
+        for mine, ref in zip(lps, c.logprobs):     # same tokens; values to float noise (another batch shape)
+            assert mine.keys() == ref.keys()
+            np.testing.assert_allclose([v.logprob for v in mine.values()], [v.logprob for v in ref.values()],
+                                       atol=1e-4)
+    assert {c.index: c.finish_reason for c in last.outputs} == {0: "length", 1: "length"}
+
+
 def reference_beam_search(hf, prompt, width, max_tokens, length_penalty, eos=(2,)):
     """vLLM's algorithm over full HF forwards (no KV cache at all)."""
     beams, done = [(list(prompt), 0.0)], []

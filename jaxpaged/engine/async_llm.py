@@ -1,7 +1,10 @@
 """AsyncLLM: the engine loop on its own thread; callers on an asyncio loop stream outputs per request.
 
-The loop never waits on a client: outputs are pushed into per-request asyncio queues with
-`call_soon_threadsafe`, so a slow or vanished client cannot stall the batch. `abort` frees a request's
+The loop never waits on a client: each step's outputs are handed to the asyncio loop in one
+`call_soon_threadsafe` call (one wake-up per step, not one per request), which puts them into
+per-request queues, so a slow or vanished client cannot stall the batch. A consumer that falls behind
+takes what has queued up as one output (deltas concatenated, or the latest cumulative one), as vLLM's
+output collector does, so its per-chunk cost does not grow with the backlog. `abort` frees a request's
 blocks on the engine thread's next turn (before its next step).
 """
 from __future__ import annotations
@@ -15,8 +18,8 @@ from collections.abc import AsyncIterator
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
-from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.async_llm")
 
@@ -75,15 +78,25 @@ class AsyncLLM:
         self._commands.put(("add", request_id, prompt_in, sampling_params, priority))
         self._wakeup.set()
         finished = False
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        error: BaseException | None = None
         try:
-            while True:
+            while error is None:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                while not item.finished and not q.empty():      # behind: take the backlog as one output
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        error = nxt                             # raised after what came before it
+                        break
+                    item = merge_delta(item, nxt) if delta else nxt
                 finished = item.finished
                 yield item
                 if finished:
                     break
+            if error is not None:
+                raise error
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -113,8 +126,8 @@ class AsyncLLM:
                     continue
                 outputs = engine.step()
                 self.last_progress = time.time()
-                for out in outputs:
-                    self._push(out.request_id, out)
+                if outputs:
+                    self._push_all([(out.request_id, out) for out in outputs])
         except BaseException as e:  # the loop is dead: fail every waiting stream, /health turns 503
             logger.exception("engine loop died")
             self.dead_error = e
@@ -143,12 +156,44 @@ class AsyncLLM:
                 self.engine.abort_request(cmd[1])
 
     def _push(self, request_id: str, item) -> None:
+        self._push_all([(request_id, item)])
+
+    def _push_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand (request id, output or error) pairs to their callers' event loops: one call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, q = target
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:
-            pass          # the caller's loop is closed
+            streams = self._streams
+            for rid, item in items:
+                target = streams.get(rid)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:
+                pass          # the caller's loop is closed
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
+
+
+def merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive DELTA outputs of one request as one: each sample's new text, tokens and logprobs
+    concatenated; b's finish state, cumulative logprob and metrics."""
+    mine = {c.index: c for c in a.outputs}
+    outputs = []
+    for c in b.outputs:
+        p = mine.pop(c.index, None)
+        if p is None:
+            outputs.append(c)
+            continue
+        logprobs = None if p.logprobs is None or c.logprobs is None else p.logprobs + c.logprobs
+        outputs.append(CompletionOutput(c.index, p.text + c.text, p.token_ids + c.token_ids,
+                                        c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason))
+    outputs.extend(mine.values())                 # samples with nothing new in b keep a's delta
+    outputs.sort(key=lambda c: c.index)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids,
+                         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                         outputs, b.finished, b.num_cached_tokens, b.metrics)
