@@ -11,6 +11,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
+  host   step_probe on qwen2-0.5b (scan; scan in CUDA graphs; per-layer): launch vs pipelined step time,
+         then the serve step
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
 
@@ -45,6 +47,8 @@ sys.path.append(str(REPO))
 from bench.common import RESULTS_DIR, stamp  # noqa: E402
 
 PY = sys.executable
+# XLA's command buffers (CUDA graphs) for everything a step launches, the layer loop included.
+CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 BENCH = REPO / "bench"
 PORT = 8011
 
@@ -56,6 +60,7 @@ class Step:
     argv: list[str] = field(default_factory=list)    # a bench script and its arguments
     kind: str = "script"                               # script | serve
     server_args: list[str] = field(default_factory=list)   # serve: extra jaxpaged.server flags
+    env: dict[str, str] = field(default_factory=dict)      # extra environment (XLA_FLAGS, JAXPAGED_*)
 
 
 def parts(smoke: bool) -> dict[str, list[Step]]:
@@ -72,6 +77,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     profile_qwen = Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
                                                              "8" if smoke else "64", "--result-name",
                                                              f"throughput-{q}-sharegpt-profile"] + small)
+    probe = [str(BENCH / "step_probe.py"), "--model", q, "--batches", "1,4" if smoke else "1,16,64,256"] + (
+        ["--num-blocks", "256"] if smoke else [])
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
                                                             if smoke else []), kind="serve")
     return {
@@ -98,6 +105,14 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             tput_qwen,
             dataclasses.replace(serve_qwen, server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
             profile_qwen,
+        ],
+        # Where a small decode step's host time goes: the launch (how long the call holds the host) against
+        # the pipelined step, for the layer scan, the scan inside CUDA graphs, and per-layer dispatch.
+        "host": [
+            Step("probe-scan", 100, probe + ["--label", "scan"]),
+            Step("probe-cmdbuf", 100, probe + ["--label", "cmdbuf"], env={"XLA_FLAGS": CMDBUF_FLAGS}),
+            Step("probe-per-layer", 100, probe + ["--label", "per_layer", "--layer-dispatch", "per_layer"]),
+            serve_qwen,
         ],
         "serve": [
             serve_qwen,
@@ -243,13 +258,13 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
             argv = [PY] + step.argv
             if step.name == "kernels":
                 argv += ["--out", str(RESULTS_DIR), "--budget-s", str(max(30, int(budget - 30)))]
-            rc, secs = run_logged(argv, log, budget, work, env)
+            rc, secs = run_logged(argv, log, budget, work, {**env, **step.env})
         status = "ok" if rc == 0 else ("timeout" if rc == 124 else f"failed rc={rc}")
         print(f"[{part}] {step.name}: {status} in {secs:.0f} s")
         for line in tail(log, 200).splitlines():
-            if line.startswith(("Throughput:", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ",
+            if line.startswith(("Throughput:", "PROBE", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ",
                                 "trace:", "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback",
-                                "Error", "RuntimeError", "ValueError")) and len(line) < 300:
+                                "Error", "RuntimeError", "ValueError")) and (len(line) < 300 or line.startswith("PROBE")):
                 print(f"    {line}")
         done.append({"step": step.name, "status": status, "seconds": secs, "log_tail": tail(log, 30)})
     bundle_path = RESULTS_DIR / f"suite-{part}.json"

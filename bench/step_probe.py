@@ -56,12 +56,16 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
             jax.block_until_ready(step())
             lat.append(time.perf_counter() - t0)
         n = 50
+        launch = []        # how long the call itself holds the host: near the step time = launch is synchronous
         t0 = time.perf_counter()
         for _ in range(n):
+            t1 = time.perf_counter()
             r = step()
+            launch.append(time.perf_counter() - t1)
         jax.block_until_ready(r)
         res[R] = {"blocking_us": round(float(np.median(lat)) * 1e6),
-                  "pipelined_us": round((time.perf_counter() - t0) / n * 1e6), "compile_s": round(compile_s, 1)}
+                  "pipelined_us": round((time.perf_counter() - t0) / n * 1e6),
+                  "launch_us": round(float(np.median(launch)) * 1e6), "compile_s": round(compile_s, 1)}
         if trace_dir is not None:      # 10 pipelined steps under the profiler: the kernels by total time
             from bench import trace_analysis
             d = f"{trace_dir}/R{R}"

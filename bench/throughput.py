@@ -129,18 +129,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "engine_startup_s": startup_s, "engine_kwargs": {k: str(v) for k, v in kw.items()},
         "workload": summarize(requests), **request_latencies(outputs)}
     delta = stats_delta(before, engine_stats(llm))
-    if args.profile:
+    if delta is not None:     # the engine's own timers cost nothing: print the split on every run
         split = step_split(delta, elapsed)
         print(format_split(split))
         metrics["step_split"] = split
+        metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
+    if args.profile:
         dev = trace_analysis.analyze(str(trace_dir))
         metrics["trace"] = dev or {"note": "no device events in the trace (CPU backend?)", "dir": str(trace_dir)}
         if dev:
             print(f"trace: device busy {dev['device_busy_ms']:.1f} ms of {dev['span_ms']:.1f} ms "
                   f"({100 * dev['device_busy_fraction']:.1f}%), idle {dev['device_idle_ms']:.1f} ms")
         print(f"trace written to {trace_dir}")
-    elif delta is not None:
-        metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
     meta = stamp(sys.argv if argv is None else ["bench/throughput.py"] + list(argv))
     path = write_result(name, metrics, meta=meta, title=f"offline throughput: {short}, {args.dataset}")
     print(f"results: {path}")
