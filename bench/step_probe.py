@@ -77,6 +77,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
             if events:
                 res[R]["busy"] = trace_analysis.analyze_events(events)
                 res[R]["top_kernels_per_10_steps"] = trace_analysis.top_kernels(events, 25)
+                res[R]["top_host_events_per_10_steps"] = trace_analysis.top_host_events(events, 30)
     return res
 
 
