@@ -428,19 +428,26 @@ class ModelRunner:
         return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
 
 
+_F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
+
+
 def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
     """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
     instead of one per array. `layout` (static, hashable) says how to cut them apart again."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
-    for leaf in leaves:
-        a = np.asarray(leaf)
-        if a.dtype == np.float32:
+    for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
+        a = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
+        dt = a.dtype
+        if dt == _F32:
             floats.append(a.ravel())
             spec.append(("f", a.shape, "float32"))
-        else:    # int32, and uint32 seeds reinterpreted bit for bit
-            ints.append(a.astype(np.int32, copy=False).ravel() if a.dtype != np.uint32 else a.view(np.int32).ravel())
-            spec.append(("i", a.shape, str(a.dtype)))
+        elif dt == _U32:     # uint32 seeds, reinterpreted bit for bit
+            ints.append(a.view(np.int32).ravel())
+            spec.append(("i", a.shape, "uint32"))
+        else:
+            ints.append(a.astype(np.int32, copy=False).ravel())
+            spec.append(("i", a.shape, "int32"))
     cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)
     return cat(ints, np.int32), cat(floats, np.float32), (treedef, tuple(spec))
 
