@@ -7,8 +7,8 @@ S block size, M max blocks per request, NS splits of the context, P blocks loade
 Grid (R, K, NS): one program owns one request, one kv head and one contiguous range of the request's
 blocks. The ranges are cut from each request's own context (its length, or its sliding window), not
 from the block table's width: a 512-token request in a table sized for 8k tokens still spreads over
-all NS programs. (Cut from the width, as at first, such a request sat in one split: on llama3-8b at
-64 x 512 the kernel read 1.0 TB/s where 64 x 1024 in a table of its own width reached 2.0.)
+all NS programs instead of sitting in the first. (At 64 x 512 on llama3-8b's layout, where 1024
+programs already fill the H100, both ways read 2.0 TB/s; the split count matters at few requests.)
 All G query heads of the kv head are one [Gp, D] tile, so each K/V block is read from memory
 exactly once per step (GQA without re-reads). Each program writes its normalised partial output and its
 log-sum-exp; a small jnp epilogue merges the NS splits. Splits left empty (a context shorter than NS tiles)
