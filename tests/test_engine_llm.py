@@ -354,6 +354,20 @@ def reference_beam_search(hf, prompt, width, max_tokens, length_penalty, eos=(2,
     return sorted(done, key=score, reverse=True)[:width]
 
 
+def test_beam_search_more_beams_than_max_num_seqs(llm, model_dir):
+    """3 prompts x width 3 = 9 beams against max_num_seqs 8: the prompts go in waves, results as the
+    reference; a width above max_num_seqs is a clear error."""
+    hf = model_dir[1]
+    prompts = [PROMPTS[0][:12], PROMPTS[3][:9], PROMPTS[5][:15]]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=4))
+    for p, out in zip(prompts, outs):
+        ref = reference_beam_search(hf, p, 3, 4, 1.0)
+        assert [s.tokens for s in out.sequences] == [r[0] for r in ref]
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="beam_width 9 exceeds max_num_seqs 8"):
+        llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=9, max_tokens=2))
+
+
 def test_beam_search_matches_reference_and_shares_blocks(llm, model_dir, monkeypatch):
     hf = model_dir[1]
     eng = llm.llm_engine

@@ -47,17 +47,31 @@ class _Instance:
 
 def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
     engine = llm.llm_engine
-    sched = engine.scheduler
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search needs an idle engine: finish or abort the running requests first")
     prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
     width = params.beam_width
+    if width > engine.max_num_seqs:
+        raise ValueError(f"beam_width {width} exceeds max_num_seqs {engine.max_num_seqs}: every beam is a "
+                         "running sequence")
+    token_ids = []
+    for p in prompts:                 # all validated before any is searched
+        _, tok = engine.tokenize_prompt(p)
+        engine.validate_prompt(tok, SamplingParams(max_tokens=params.max_tokens))
+        token_ids.append(tok)
+    # Forked beams join the running set directly, so the prompts go in waves whose beams all fit in
+    # max_num_seqs (the step's row buffers are sized for it).
+    wave, ids = engine.max_num_seqs // width, itertools.count()
+    return [out for i in range(0, len(token_ids), wave)
+            for out in _search(engine, token_ids[i:i + wave], params, ids)]
+
+
+def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) -> list[BeamSearchOutput]:
+    sched = engine.scheduler
+    width = params.beam_width
     beam_params = SamplingParams(temperature=0.0, logprobs=2 * width, max_tokens=None, ignore_eos=True)
-    ids = itertools.count()
     instances: list[_Instance] = []
-    for p in prompts:
-        _, token_ids = engine.tokenize_prompt(p)
-        engine.validate_prompt(token_ids, SamplingParams(max_tokens=params.max_tokens))
+    for token_ids in prompt_ids:
         inst = _Instance(token_ids)
         req = Request(f"beam-{next(ids)}", token_ids, beam_params, (), block_size=engine.block_size)
         inst.beams = [BeamSearchSequence(list(token_ids), [], 0.0, request=req)]
