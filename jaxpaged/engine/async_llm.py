@@ -68,14 +68,13 @@ class AsyncLLM:
         # Validation is read-only, so it runs here, and a bad request never reaches the engine thread.
         text, token_ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate_prompt(token_ids, sampling_params)
-        prompt_in = {"prompt": text, "prompt_token_ids": token_ids}
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt_in, sampling_params, priority))
+        self._commands.put(("add", request_id, (text, token_ids), sampling_params, priority))
         self._wakeup.set()
         finished = False
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -143,13 +142,13 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, priority = cmd
+                _, rid, (text, token_ids), params, priority = cmd
                 with self._lock:
                     alive = rid in self._streams
                 if not alive:
                     continue          # cancelled before it reached the engine
-                try:
-                    self.engine.add_request(rid, prompt, params, priority=priority)
+                try:         # validated in generate(), on the caller's loop: not checked twice
+                    self.engine.add_validated_request(rid, text, token_ids, params, priority=priority)
                 except ValueError as e:
                     self._push(rid, e)
             elif cmd[0] == "abort":
