@@ -13,6 +13,7 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
   host   step_probe on qwen2-0.5b (scan; scan in CUDA graphs; per-layer): launch vs pipelined step time,
          then the serve step
+  gil    the serve step at concurrency 10 only, with Python's GIL switch interval and with 0.5 ms
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
 
@@ -61,6 +62,7 @@ class Step:
     kind: str = "script"                               # script | serve
     server_args: list[str] = field(default_factory=list)   # serve: extra jaxpaged.server flags
     env: dict[str, str] = field(default_factory=dict)      # extra environment (XLA_FLAGS, JAXPAGED_*)
+    concurrency: tuple[int, ...] = (1, 10)                 # serve: the openqa client's max concurrency
 
 
 def parts(smoke: bool) -> dict[str, list[Step]]:
@@ -113,6 +115,13 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             Step("probe-cmdbuf", 100, probe + ["--label", "cmdbuf"], env={"XLA_FLAGS": CMDBUF_FLAGS}),
             Step("probe-per-layer", 100, probe + ["--label", "per_layer", "--layer-dispatch", "per_layer"]),
             serve_qwen,
+        ],
+        # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
+        # switch interval (5 ms) and 0.5 ms.
+        "gil": [
+            dataclasses.replace(serve_qwen, name="serve-openqa", budget_s=200, concurrency=(10,)),
+            dataclasses.replace(serve_qwen, name="serve-openqa-gil05", budget_s=140, concurrency=(10,),
+                                env={"JAXPAGED_GIL_SWITCH_INTERVAL_MS": "0.5"}),
         ],
         "serve": [
             serve_qwen,
@@ -180,18 +189,19 @@ def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, 
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(server)}\n".encode())
         f.flush()
-        srv = subprocess.Popen(server, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        srv = subprocess.Popen(server, cwd=cwd, env={**env, **step.env}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if not wait_health(f"http://127.0.0.1:{PORT}/health", srv, min(180.0, budget_s - 60)):
             print(f"  server did not become healthy (see {log})")
             return 1
         print(f"  server healthy after {time.perf_counter() - t0:.0f} s")
         rc = 0
-        for conc in (1, 10):
+        for conc in step.concurrency:
             left = budget_s - (time.perf_counter() - t0)
             client = [PY, str(BENCH / "serve.py"), "--base-url", f"http://127.0.0.1:{PORT}", "--model", model,
                       "--dataset", "openqa", "--max-concurrency", str(conc), "--disable-tqdm",
-                      "--result-name", f"serve-openqa-c{conc}", "--time-limit-s", f"{max(5.0, 0.6 * left):.0f}"] + extra
+                      "--result-name", f"serve-openqa-c{conc}{step.name.removeprefix('serve-openqa')}",
+                      "--time-limit-s", f"{max(5.0, 0.6 * left):.0f}"] + extra
             r, _ = run_logged(client, log, left - 5, cwd, env)
             rc = rc or r
         return rc

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxpaged import envs
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import CompletionOutput, RequestOutput
@@ -30,6 +32,8 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
+        if envs.JAXPAGED_GIL_SWITCH_INTERVAL_MS is not None:
+            sys.setswitchinterval(envs.JAXPAGED_GIL_SWITCH_INTERVAL_MS / 1000)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
