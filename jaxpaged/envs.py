@@ -18,8 +18,9 @@ JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
 _exec_cache = os.environ.get("JAXPAGED_EXEC_CACHE")
 JAXPAGED_EXEC_CACHE: bool | None = None if _exec_cache in (None, "") else _exec_cache == "1"
 # The server's engine thread shares the GIL with the HTTP event loop: how long (ms) a thread may hold it
-# while another waits (Python's default is 5 ms, longer than a small model's whole step). Unset: Python's.
-_switch = os.environ.get("JAXPAGED_GIL_SWITCH_INTERVAL_MS")
+# while another waits. Python's 5 ms is longer than a small model's whole step: on an H100, qwen2-0.5b
+# openqa at concurrency 10 gave 3,031 output tok/s with it and 3,574 with 0.5 ms. Empty: Python's.
+_switch = os.environ.get("JAXPAGED_GIL_SWITCH_INTERVAL_MS", "0.5")
 JAXPAGED_GIL_SWITCH_INTERVAL_MS: float | None = float(_switch) if _switch else None
 # Persistent XLA compilation cache (set to "0" to disable).
 JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
