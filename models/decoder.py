@@ -136,8 +136,7 @@ class DecoderModel(nn.Module):
         c = self.cfg
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         h = embed(token_ids)
-        freqs = meta.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(c))[None, :]
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)                   # f32[T, D/2]
+        cos, sin = rope_cos_sin(c, meta.positions)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers,
                          unroll=min(self.options.scan_unroll, c.num_layers))
@@ -151,10 +150,14 @@ class DecoderModel(nn.Module):
         logits = head(norm(h[logits_indices])).astype(jnp.float32)
         if prompt_head is None:
             return logits, kv_cache, ()
-        return logits, kv_cache, self._prompt_head(norm(h), prompt_targets, prompt_head)
+        w = head_weight(c, self.variables["params"])
+        return logits, kv_cache, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head)
 
-    def _prompt_head(self, h, targets, prompt_head):
-        return prompt_head_in_chunks(h, head_weight(self.cfg, self.variables["params"]), targets, prompt_head)
+
+def rope_cos_sin(cfg: DecoderConfig, positions):
+    """Rotary angles of each token's position -> (cos, sin) f32[T, D/2]."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
 
 
 def head_weight(cfg: DecoderConfig, params) -> jax.Array:
@@ -199,8 +202,7 @@ def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, positions):
     """-> (h [T, H], cos, sin f32[T, D/2])."""
     h = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype).apply(
         {"params": params["embed_tokens"]}, token_ids)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
-    return h, jnp.cos(freqs), jnp.sin(freqs)
+    return (h, *rope_cos_sin(cfg, positions))
 
 
 def layer_phase(cfg: DecoderConfig, dtype, options: RuntimeOptions, layer_params, h, kv_cache, layer_idx,
