@@ -82,24 +82,21 @@ class AsyncLLM:
         self._wakeup.set()
         finished = False
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
-        error: BaseException | None = None
         try:
-            while error is None:
+            while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
                 while not item.finished and not q.empty():      # behind: take the backlog as one output
                     nxt = q.get_nowait()
                     if isinstance(nxt, BaseException):
-                        error = nxt                             # raised after what came before it
+                        q.put_nowait(nxt)       # an error ends the stream: raised after what came before it
                         break
                     item = merge_delta(item, nxt) if delta else nxt
                 finished = item.finished
                 yield item
                 if finished:
                     break
-            if error is not None:
-                raise error
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
