@@ -85,8 +85,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._inflight = None            # the dispatched step whose results are not processed yet
         # Opt-in (JAXPAGED_LAUNCH_THREAD=1): the JAX launch of step N runs on a second thread while this one
-        # processes step N-1; it pays where the launch is long host work outside the GIL (on a GPU,
-        # XLA enqueuing a few hundred kernels). Not measured on a GPU yet, so off by default.
+        # processes step N-1. Off by default: on an H100 it gave no consistent gain on qwen2-0.5b ShareGPT
+        # (bench/results/h100/NOTES.md, third session).
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-launch")
                           if envs.JAXPAGED_LAUNCH_THREAD else None)
         self._rng = np.random.default_rng(args.seed)
@@ -312,7 +312,8 @@ class LLMEngine:
 
         Per request and token this is the hottest host loop (1000+ running requests): what can be
         decided once per request (does anyone read its text or outputs before it finishes?) was, at
-        arrival (Request.streams / .deferred_text, from its sampling params), and the stats calls are skipped when they record nothing.
+        arrival (Request.streams / .deferred_text, from its sampling params), and the stats calls are
+        skipped when they record nothing.
         """
         now = time.time()
         touched = []

@@ -7,8 +7,10 @@ removes the copies but compiles ~20x longer. Here each layer's weights are their
 layer executable runs L times with the layer index as an argument (the kernels index the pool's layer
 themselves), so nothing is sliced and compile time stays that of one layer.
 
-The price is L + 2 dispatches per step instead of one (~20-30 us of host time each), worth it where a
-layer's weights are large (the default picks it from 64 MiB per layer: llama3-8b yes, qwen2-0.5b no).
+The price is L + 2 dispatches per step instead of one: ~210 us of host time each on the H100 host,
+about half of it XLA launching the layer's CUDA graph (NOTES.md, third session), so ~7 ms a step on
+llama3-8b, which the device covers at batch >= 64. Worth it where a layer's weights are large (the
+default picks it from 64 MiB per layer: llama3-8b yes; on qwen2-0.5b it measured slower than the scan).
 Same inputs and outputs as model_runner._packed_step; a test checks both give the same tokens.
 """
 from __future__ import annotations
