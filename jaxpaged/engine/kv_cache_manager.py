@@ -274,7 +274,7 @@ class BlockTableView:
         row = kv.table_rows.get(request_id)
         if row is None:
             return []
-        return kv.block_table[row, :len(kv.req_to_blocks[request_id])].tolist()
+        return kv.block_table[row, :kv.row_lens[row]].tolist()
 
     def gather(self, request_ids, num_rows: int, width: int) -> np.ndarray:
         return self._kv.gather_block_tables(request_ids, num_rows, width)
