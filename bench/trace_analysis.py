@@ -64,31 +64,29 @@ def analyze_events(events: list[dict[str, Any]], gap_threshold_us: float = GAP_T
             "median_gap_over_threshold_us": float(sorted(big)[len(big) // 2]) if big else 0.0}
 
 
-def top_kernels(events: list[dict[str, Any]], n: int = 20) -> list[dict[str, Any]]:
-    """The device's kernels by total time: [{"name", "total_ms", "count", "mean_us"}], longest first."""
+def _top_events(events: list[dict[str, Any]], n: int, on_device: bool) -> list[dict[str, Any]]:
+    """Complete events of the device's processes (or of the host's) by total time, longest first:
+    [{"name", "total_ms", "count", "mean_us"}]."""
     device_pids = _device_pids(events)
     totals: dict[str, list[float]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device_pids:
+        if e.get("ph") == "X" and "pid" in e and (e["pid"] in device_pids) == on_device:
             t = totals.setdefault(str(e.get("name", "?"))[:90], [0.0, 0])
             t[0] += float(e.get("dur", 0.0))
             t[1] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
     return [{"name": k, "total_ms": v[0] / 1000, "count": int(v[1]), "mean_us": v[0] / v[1]} for k, v in rows]
+
+
+def top_kernels(events: list[dict[str, Any]], n: int = 20) -> list[dict[str, Any]]:
+    """The device's kernels by total time."""
+    return _top_events(events, n, on_device=True)
 
 
 def top_host_events(events: list[dict[str, Any]], n: int = 25) -> list[dict[str, Any]]:
-    """The host side's events (runtime API calls, PjRt and thunk TraceMes) by total time, as top_kernels:
-    where the launching thread spends a step, e.g. blocked in a synchronize."""
-    device_pids = _device_pids(events)
-    totals: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and "pid" in e and e["pid"] not in device_pids:
-            t = totals.setdefault(str(e.get("name", "?"))[:90], [0.0, 0])
-            t[0] += float(e.get("dur", 0.0))
-            t[1] += 1
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
-    return [{"name": k, "total_ms": v[0] / 1000, "count": int(v[1]), "mean_us": v[0] / v[1]} for k, v in rows]
+    """The host side's events (runtime API calls, PjRt and thunk TraceMes) by total time: where the
+    launching thread spends a step, e.g. blocked in a synchronize."""
+    return _top_events(events, n, on_device=False)
 
 
 def _read_events(path: str) -> list[dict[str, Any]]:
