@@ -49,26 +49,21 @@ class PagedRunner:
         self.model = DecoderModel(self.cfg, jnp.float32)
         self.num_computed = 0
 
-    def prefill_meta(self, n):
-        """Metadata of one request's first n tokens (a fresh prefill) in this runner's shuffled blocks."""
-        pos = np.arange(n)
+    def meta(self, n, start=0):
+        """Metadata of one request's tokens start..start+n-1 (start 0: a fresh prefill) in this runner's
+        shuffled blocks."""
+        pos = np.arange(start, start + n)
         slots = np.array([self.block_ids[p // self.block_size] * self.block_size + p % self.block_size
                           for p in pos])
         table = np.zeros((1, 20), np.int32)
-        used = -(-n // self.block_size)
+        used = -(-(start + n) // self.block_size)
         table[0, :used] = self.block_ids[:used]
         return AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
-                                 jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+                                 jnp.asarray([start + n], jnp.int32), jnp.asarray([0, n], jnp.int32))
 
     def step(self, token_ids):
         n = len(token_ids)
-        pos = np.arange(self.num_computed, self.num_computed + n)
-        slots = np.array([self.block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in pos])
-        table = np.zeros((1, 20), np.int32)
-        used = -(-(self.num_computed + n) // self.block_size)
-        table[0, :used] = self.block_ids[:used]
-        meta = AttentionMetadata(jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(table),
-                                 jnp.asarray([self.num_computed + n], jnp.int32), jnp.asarray([0, n], jnp.int32))
+        meta = self.meta(n, self.num_computed)
         # logits at every token, to compare the whole prefill
         logits, self.kv, _ = self.model.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
                                               meta, jnp.arange(n, dtype=jnp.int32))
@@ -110,7 +105,7 @@ def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
     token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
     targets = jnp.asarray(rng.integers(-1, 320, n), jnp.int32)
-    meta = runner.prefill_meta(n)
+    meta = runner.meta(n)
     head = lambda logits, t: (jax.nn.log_softmax(logits)[jnp.arange(t.shape[0]), jnp.maximum(t, 0)], logits)
     full, _, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, jnp.arange(n))
     monkeypatch.setattr(decoder, "PROMPT_HEAD_CHUNK", 8)
@@ -134,7 +129,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     n = 11
     rng = np.random.default_rng(4)
     token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
-    meta = runner.prefill_meta(n)
+    meta = runner.meta(n)
     idx = jnp.asarray([3, n - 1], jnp.int32)
     want, want_kv, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, idx)
 
@@ -157,7 +152,7 @@ def test_dummy_weights(tmp_path):
     a = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
     b = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
     flat = lambda p: {"/".join(str(getattr(k, "key", k)) for k in path): x
-                      for path, x in __import__("jax").tree_util.tree_flatten_with_path(p)[0]}
+                      for path, x in jax.tree_util.tree_flatten_with_path(p)[0]}
     ra, fa, fb = flat(real.params), flat(a.params), flat(b.params)
     assert ra.keys() == fa.keys()
     for name, x in fa.items():
