@@ -15,6 +15,20 @@ def model_dir(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, "tiny_llama_rt")
 
 
+# Every bucket compiled at start-up, on a pool and batch limits small enough for a few seconds of warm-up.
+COMPILED = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=64,
+                max_num_seqs=8, compile_buckets=True)
+
+
+@pytest.fixture
+def exec_cache_root(tmp_path, monkeypatch):
+    """The executable cache on, under a fresh root (nothing from earlier runs); yields that root."""
+    from jaxpaged import envs
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    monkeypatch.setattr(envs, "JAXPAGED_EXEC_CACHE", True)
+    return tmp_path
+
+
 class CompileCounter:
     """Counts XLA backend compilations through jax.monitoring's compile-duration events."""
 
@@ -34,8 +48,7 @@ def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, m
     monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)     # no executables from earlier runs
     counter = CompileCounter()
     counter.active = True
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True, layer_dispatch=layer_dispatch)
+    llm = LLM(model=model_dir, **COMPILED, layer_dispatch=layer_dispatch)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(1, 120, 20)]
     params = [SamplingParams(temperature=float(t), max_tokens=int(m), ignore_eos=True, seed=int(i))
@@ -48,14 +61,10 @@ def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, m
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
 
 
-def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, tmp_path, monkeypatch):
+def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_cache_root):
     """A second engine with the same fingerprint loads every bucket's compiled step from disk (no trace,
     no compile) and generates the same tokens; a different pool shape does not reuse them."""
-    from jaxpaged import envs
-    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
-    monkeypatch.setattr(envs, "JAXPAGED_EXEC_CACHE", True)
-    kw = dict(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True)
+    kw = dict(model=model_dir, **COMPILED)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (3, 40, 90, 7)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -75,20 +84,15 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, tmp_p
     assert other.llm_engine.runner.exec_cache.hits == 0
 
 
-def test_cached_executable_that_fails_to_run_falls_back(model_dir, tmp_path, monkeypatch):
+def test_cached_executable_that_fails_to_run_falls_back(model_dir, exec_cache_root, monkeypatch):
     """A loaded executable that fails in warm-up is dropped from disk and the step compiled as usual.
     The failing executable is a stand-in that raises XLA's runtime error, as qwen2-0.5b's deserialized
     bf16 programs do on XLA:CPU ("Function wrapped_convert not found")."""
-    import jax
-    from jaxpaged import envs
     from jaxpaged.runner.exec_cache import ExecutableCache
-    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
-    monkeypatch.setattr(envs, "JAXPAGED_EXEC_CACHE", True)
-    kw = dict(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-              max_num_batched_tokens=64, max_num_seqs=8, compile_buckets=True)
+    kw = dict(model=model_dir, **COMPILED)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = LLM(**kw).generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].outputs[0].token_ids
-    files = sorted(p.name for p in tmp_path.rglob("*.bin"))
+    files = sorted(p.name for p in exec_cache_root.rglob("*.bin"))
     real_load = ExecutableCache.load
 
     def broken(*args):
@@ -102,7 +106,7 @@ def test_cached_executable_that_fails_to_run_falls_back(model_dir, tmp_path, mon
     assert again.generate([[5, 6, 7, 8, 9]], sp, use_tqdm=False)[0].outputs[0].token_ids == want
     cache = again.llm_engine.runner.exec_cache
     assert cache.hits == 0 and cache.misses == len(files) == len(again.llm_engine.buckets.all_buckets())
-    assert not list(tmp_path.rglob("*.bin"))         # dropped from disk (and not stored again this run)
+    assert not list(exec_cache_root.rglob("*.bin"))    # dropped from disk (and not stored again this run)
 
 
 def test_deleted_llm_frees_device_memory(model_dir):
