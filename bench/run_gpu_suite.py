@@ -119,7 +119,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
         "gil": [
-            dataclasses.replace(serve_qwen, name="serve-openqa", budget_s=200, concurrency=(10,),
+            dataclasses.replace(serve_qwen, budget_s=200, concurrency=(10,),
                                 env={"JAXPAGED_GIL_SWITCH_INTERVAL_MS": ""}),
             dataclasses.replace(serve_qwen, name="serve-openqa-gil05", budget_s=140, concurrency=(10,),
                                 env={"JAXPAGED_GIL_SWITCH_INTERVAL_MS": "0.5"}),
