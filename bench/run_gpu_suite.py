@@ -295,7 +295,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | all")
+    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | all")
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)
