@@ -179,11 +179,10 @@ def reference_inputs(runner, out, block_ids):
             if r.sampling_params.prompt_logprobs is not None and count > 0:
                 targets[qsl[i]:qsl[i] + count] = r.prompt_token_ids[s + 1:s + 1 + count]
     out_idx = np.array([r.num_output_tokens + r.num_output_placeholders - 1 for r in reqs] + [0] * (R - n))
-    rows = [r.sampling_row + (r.sample_seed,) for r in reqs]
     return dict(token_ids=token_ids, positions=positions, slot_mapping=slots, block_tables=tables,
                 query_start_loc=qsl, fill_token_idx=fill_idx, fill_src_row=fill_src, prompt_target_ids=targets,
-                sample_positions=np.maximum(out_idx, 0), seeds=np.array([r[10] for r in rows] + [0] * (R - n)),
-                temperature=np.array([r[0] for r in rows] + [0.0] * (R - n), np.float32))
+                sample_positions=np.maximum(out_idx, 0), seeds=np.array([r.sample_seed for r in reqs] + [0] * (R - n)),
+                temperature=np.array([r.sampling_params.temperature for r in reqs] + [0.0] * (R - n), np.float32))
 
 
 @pytest.fixture(scope="module")
