@@ -52,6 +52,10 @@ PY = sys.executable
 CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 BENCH = REPO / "bench"
 PORT = 8011
+# A step's log lines echoed to the console (a PROBE line, step_probe's JSON, whatever its length).
+ECHOED_PREFIXES = ("Throughput:", "PROBE", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ", "trace:",
+                   "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback", "Error", "RuntimeError",
+                   "ValueError")
 
 
 @dataclass
@@ -190,7 +194,8 @@ def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, 
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(server)}\n".encode())
         f.flush()
-        srv = subprocess.Popen(server, cwd=cwd, env={**env, **step.env}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        srv = subprocess.Popen(server, cwd=cwd, env={**env, **step.env}, stdout=f, stderr=subprocess.STDOUT,
+                               start_new_session=True)
     try:
         if not wait_health(f"http://127.0.0.1:{PORT}/health", srv, min(180.0, budget_s - 60)):
             print(f"  server did not become healthy (see {log})")
@@ -273,9 +278,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
         status = "ok" if rc == 0 else ("timeout" if rc == 124 else f"failed rc={rc}")
         print(f"[{part}] {step.name}: {status} in {secs:.0f} s")
         for line in tail(log, 200).splitlines():
-            if line.startswith(("Throughput:", "PROBE", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ",
-                                "trace:", "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback",
-                                "Error", "RuntimeError", "ValueError")) and (len(line) < 300 or line.startswith("PROBE")):
+            if line.startswith(ECHOED_PREFIXES) and (len(line) < 300 or line.startswith("PROBE")):
                 print(f"    {line}")
         done.append({"step": step.name, "status": status, "seconds": secs, "log_tail": tail(log, 30)})
     bundle_path = RESULTS_DIR / f"suite-{part}.json"
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)
     table = parts(a.smoke)
-    names = [n for n in table if n != "speed"] if "all" in a.parts else a.parts   # speed repeats parts of qwen and serve
+    names = [n for n in table if n != "speed"] if "all" in a.parts else a.parts  # speed repeats qwen and serve steps
     for name in names:
         if name not in table:
             p.error(f"unknown part {name!r}; choose from {list(table)} or all")
