@@ -179,7 +179,7 @@ def wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
 
 
 def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, str], smoke: bool) -> int:
-    """Start jaxpaged.server on the model, wait for /health, run openqa at concurrency 1 and 10."""
+    """Start jaxpaged.server on the model, wait for /health, run openqa at each of step.concurrency."""
     from bench.models import resolve_model
     args = step.argv
     model = args[args.index("--model") + 1]
