@@ -57,9 +57,23 @@ def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
     return h, cos, sin, model_input, sampling
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
-def _layer(layer_params, h, kv_cache, layer_idx, meta, cos, sin, *, cfg, dtype, options: RuntimeOptions):
-    return layer_phase(cfg, dtype, options, layer_params, h, kv_cache, layer_idx, meta, cos, sin)
+def _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype, options: RuntimeOptions):
+    """The layers first_idx, first_idx + 1, ... on their own weights (a tuple of per-layer trees), unrolled."""
+    for j, lp in enumerate(group_params):
+        h, kv_cache = layer_phase(cfg, dtype, options, lp, h, kv_cache, first_idx + j, meta, cos, sin)
+    return h, kv_cache
+
+
+@functools.lru_cache(maxsize=None)
+def _layers_program(instance: int):
+    """The jitted group program, one per instance: each instance compiles (or loads from the compilation
+    cache) to its own executable, hence its own CUDA graphs. XLA updates a graph whenever its buffers
+    move, and consecutive dispatches of one executable with different weights move them every call."""
+    def run(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype, options):
+        return _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, cfg=cfg, dtype=dtype,
+                       options=options)
+    run.__name__ = run.__qualname__ = "_layers"      # one HLO module name: instances share cache entries
+    return jax.jit(run, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"))
@@ -71,16 +85,20 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
 
 
 def step(params, layer_params, layer_ids, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
-         options: RuntimeOptions, flags: SamplerFlags):
+         options: RuntimeOptions, flags: SamplerFlags, group: int = 1, instances: int = 1):
     """One engine step dispatched layer by layer -> (kv_cache, sampled_buf, results), as _packed_step.
 
     layer_ids: one device int32 scalar per layer, made once (a Python int would be copied every call).
+    group: layers per dispatch (unrolled in one program); instances: how many separately compiled copies
+    of that program take turns, dispatch by dispatch.
     """
     h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
                                               dtype=dtype)
     meta = model_input.meta
-    for lp, idx in zip(layer_params, layer_ids):
-        h, kv_cache = _layer(lp, h, kv_cache, idx, meta, cos, sin, cfg=cfg, dtype=dtype, options=options)
+    for n, first in enumerate(range(0, len(layer_params), group)):
+        run = _layers_program(n % instances)
+        h, kv_cache = run(tuple(layer_params[first:first + group]), h, kv_cache, layer_ids[first], meta, cos,
+                          sin, cfg=cfg, dtype=dtype, options=options)
     sampled_buf, result = _post(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
                                 flags=flags)
     return kv_cache, sampled_buf, result
