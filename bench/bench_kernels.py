@@ -161,8 +161,8 @@ def check(args, results):
 
 
 # --------------------------------------------------------------------------------------------- decode
-DECODE_CONFIGS = [  # (keys per iteration, num_warps, split factor); the op's default runs as well
-    (64, 4, 2), (32, 4, 1),
+DECODE_CONFIGS = [  # (keys per iteration, num_warps, split factor, num_stages); the op's default runs as well
+    (64, 4, 2, 2), (32, 4, 1, 2),
 ]
 
 
@@ -193,22 +193,23 @@ def decode_bench(args, results):
                 q = jax.random.normal(jax.random.PRNGKey(r + ctx), (r, n, d)).astype(jnp.bfloat16)
                 row = {"layout": name, "seqs": r, "ctx": ctx, "kv_bytes": kv_bytes, "rotations": nrot}
                 best = None
-                for keys, warps, sf in DECODE_CONFIGS[:2] if SMOKE else DECODE_CONFIGS:
+                for keys, warps, sf, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
                     bpi = keys // BLOCK
-                    ns = min(choose_splits(r, k, m, bpi) * sf, max(1, m // bpi))
+                    ns = max(1, min(int(choose_splits(r, k, m, bpi) * sf), max(1, m // bpi)))
 
-                    def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns):
+                    def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages):
                         return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,
                                                          scale=d ** -0.5, blocks_per_iter=bpi,
-                                                         num_warps=warps, num_splits=ns)
+                                                         num_warps=warps, num_splits=ns, num_stages=stages)
+                    cfg = f"{keys},{warps},{ns},{stages}"
                     try:
                         t, tw = time_op(ours, (q, pool, tables, lens), nrot)
                     except Exception as e:  # noqa: BLE001 - report and go on
-                        print(f"decode cfg {keys},{warps},{sf} failed: {type(e).__name__}: {str(e)[:300]}")
+                        print(f"decode cfg {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
                         continue
-                    row[f"ours_us[{keys},{warps},{ns}]"] = t * 1e6
+                    row[f"ours_us[{cfg}]"] = t * 1e6
                     if best is None or t < best[0]:
-                        best = (t, f"{keys},{warps},{ns}", tw)
+                        best = (t, cfg, tw)
                 # the default configuration (what the model gets)
                 try:
                     t, tw = time_op(lambda i, q, pool, tables, lens: pk.paged_decode_attention(
@@ -238,6 +239,10 @@ def decode_bench(args, results):
                                             for k_, v in row.items()}), flush=True)
                 rows.append(row)
     results["decode"] = rows
+
+
+def _configs(text: str) -> list[tuple]:
+    return [tuple(float(x) if i == 2 else int(x) for i, x in enumerate(c.split(","))) for c in text.split(";") if c]
 
 
 # -------------------------------------------------------------------------------------------- prefill
@@ -344,7 +349,7 @@ def write_outputs(args, results):
     lines += ["## Decode (bf16, block 16; TB/s of K+V read, ceiling 2.53)", "",
               "Times are device-throughput per op ((t(2n) - t(n)) / n, see time_op); 'wall' adds the dispatch "
               "of one jitted call of n ops, divided by n. 'best' = best of the swept configs (cfg = keys per "
-              "iteration, warps, splits); 'default' = the configuration the model gets.", "",
+              "iteration, warps, splits, stages); 'default' = the configuration the model gets.", "",
               "| layout | seqs x ctx | best µs | best TB/s | cfg | default µs | default TB/s | JAX µs | JAX TB/s "
               "| best / JAX speedup | default wall µs | JAX wall µs |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -409,6 +414,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--parts", default="check,decode,prefill,kvwrite")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
+    ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
+                    help="decode configurations to sweep besides the default: 'keys,warps,split_factor,stages' "
+                         "separated by ';' (split factor multiplies choose_splits' count)")
     args = ap.parse_args()
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
                "command": shlex.join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds")}

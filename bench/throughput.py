@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-prompts", type=int, default=0,
                    help="run this many prompts first, untimed (compilation not done at start-up)")
     p.add_argument("--profile", action="store_true", help="JAX profiler trace + per-step split")
+    p.add_argument("--step-log", default=None, metavar="CSV",
+                   help="write one row per engine step: seconds since the previous step's end, tokens, "
+                        "requests, context tokens read")
     p.add_argument("--result-name", default=None, help="results file stem (default throughput-<model>-<dataset>)")
     p.add_argument("--no-tqdm", action="store_true")
     add_engine_args(p)
@@ -87,6 +90,16 @@ def throughput_line(num_requests: int, total_tokens: int, output_tokens: int, el
             f"{output_tokens / elapsed:.2f} output tokens/s")
 
 
+def write_step_log(path: str, rows: list, t0: float) -> None:
+    """CSV of the engine's per-step rows; each step's seconds measured from the previous step's end."""
+    import numpy as np
+    a = np.array(rows, np.float64).reshape(-1, 4)
+    if len(a):
+        a[:, 0] = np.diff(a[:, 0], prepend=t0)
+    np.savetxt(path, a, fmt=["%.6f", "%d", "%d", "%d"], delimiter=",", header="seconds,tokens,requests,context_tokens")
+    print(f"step log: {len(a)} steps -> {path}")
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
     from bench import trace_analysis
     from bench.common import RESULTS_DIR, stamp, write_result
@@ -104,6 +117,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     name = args.result_name or f"throughput-{short}-{args.dataset}"
     trace_dir = RESULTS_DIR / "traces" / name
     before = engine_stats(llm)
+    if args.step_log:
+        llm.llm_engine.stats.step_log = []
     if args.profile:
         import jax
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -134,6 +149,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         print(format_split(split))
         metrics["step_split"] = split
         metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
+    if args.step_log:
+        write_step_log(args.step_log, llm.llm_engine.stats.step_log, t0)
     if args.profile:
         dev = trace_analysis.analyze(str(trace_dir))
         metrics["trace"] = dev or {"note": "no device events in the trace (CPU backend?)", "dir": str(trace_dir)}

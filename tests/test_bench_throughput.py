@@ -1,6 +1,7 @@
 """bench/throughput.py and bench/latency.py end to end through the real jaxpaged.LLM (tiny model, CPU)."""
 import json
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -17,8 +18,11 @@ def test_throughput_tiny_llama(results_dir, capsys):
     pytest.importorskip("jaxpaged.llm")
     from bench import throughput
     m = throughput.main(["--model", "tiny-llama", "--dataset", "random", "--input-len", "16", "--output-len", "4",
-                         "--num-prompts", "3", "--max-model-len", "256", "--no-tqdm", "--result-name", "t"])
+                         "--num-prompts", "3", "--max-model-len", "256", "--no-tqdm", "--result-name", "t",
+                         "--step-log", str(results_dir / "steps.csv")])
     out = capsys.readouterr().out
+    steps = np.loadtxt(results_dir / "steps.csv", delimiter=",", ndmin=2)   # seconds, tokens, requests, context
+    assert steps.shape[1] == 4 and (steps[:, 0] > 0).all() and steps[:, 1].sum() == 48 + 12 - 3
     assert "Throughput: " in out and " requests/s, " in out and " output tokens/s" in out
     assert m["total_prompt_tokens"] == 48 and m["total_output_tokens"] == 12 and m["num_wrong_output_len"] == 0
     data = json.loads((results_dir / "t.json").read_text())

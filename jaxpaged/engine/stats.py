@@ -46,6 +46,9 @@ class EngineStats:
     # summed over steps, so kv_cache_waste_avg is the allocated-slot-weighted average of the run
     waste_slots_allocated: int = 0
     waste_slots_unused: int = 0
+    # one row per step when not None (bench/throughput.py --step-log): (perf_counter at the step's end,
+    # tokens scheduled, requests, tokens of context the step's attention reads)
+    step_log: list | None = None
 
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
@@ -85,6 +88,8 @@ class EngineStats:
             prompt = np.fromiter(map(_PROMPT, reqs), np.int64, m)
             n = np.fromiter(map(sched.num_scheduled_tokens.__getitem__, map(_ID, reqs)), np.int64, m)
             self.prompt_tokens += int(np.maximum(0, np.minimum(computed, prompt) - (computed - n)).sum())
+            if self.step_log is not None:
+                self.step_log.append((time.perf_counter(), int(n.sum()), m, int(computed.sum())))
         self.schedule_s += schedule_s
         self.execute_s += execute_s
         self.process_s += process_s
