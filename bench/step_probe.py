@@ -78,6 +78,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
                 res[R]["busy"] = trace_analysis.analyze_events(events)
                 res[R]["top_kernels_per_10_steps"] = trace_analysis.top_kernels(events, 25)
                 res[R]["top_host_events_per_10_steps"] = trace_analysis.top_host_events(events, 30)
+                res[R]["gaps_by_neighbours"] = trace_analysis.gaps_by_neighbours(events)
     return res
 
 

@@ -16,6 +16,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -90,14 +91,44 @@ def throughput_line(num_requests: int, total_tokens: int, output_tokens: int, el
             f"{output_tokens / elapsed:.2f} output tokens/s")
 
 
-def write_step_log(path: str, rows: list, t0: float) -> None:
-    """CSV of the engine's per-step rows; each step's seconds measured from the previous step's end."""
+class _GcPauses(list):
+    callback: Any = None
+
+
+def _time_gc() -> _GcPauses:
+    """Record (start, end) of every garbage collection from now on (perf_counter seconds)."""
+    pauses = _GcPauses()
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((started[0], time.perf_counter(), info.get("generation", -1)))
+    pauses.callback = callback
+    gc.callbacks.append(callback)
+    return pauses
+
+
+def write_step_log(path: str, rows: list, t0: float, gc_pauses: list) -> None:
+    """CSV of the engine's per-step rows; each step's seconds measured from the previous step's end, and
+    the seconds of garbage collection (of generation 2 separately) that ended inside that interval."""
     import numpy as np
     a = np.array(rows, np.float64).reshape(-1, 4)
+    ends = a[:, 0].copy()
+    gc_s, gc2_s = np.zeros(len(a)), np.zeros(len(a))
+    for start, end, gen in gc_pauses:
+        i = min(int(np.searchsorted(ends, end)), len(a) - 1)
+        gc_s[i] += end - start
+        if gen == 2:
+            gc2_s[i] += end - start
     if len(a):
-        a[:, 0] = np.diff(a[:, 0], prepend=t0)
-    np.savetxt(path, a, fmt=["%.6f", "%d", "%d", "%d"], delimiter=",", header="seconds,tokens,requests,context_tokens")
-    print(f"step log: {len(a)} steps -> {path}")
+        a[:, 0] = np.diff(ends, prepend=t0)
+    a = np.column_stack([a, gc_s, gc2_s])
+    np.savetxt(path, a, fmt=["%.6f", "%d", "%d", "%d", "%.6f", "%.6f"], delimiter=",",
+               header="seconds,tokens,requests,context_tokens,gc_seconds,gc_gen2_seconds")
+    print(f"step log: {len(a)} steps -> {path}; garbage collection {gc_s.sum():.3f} s "
+          f"({len(gc_pauses)} collections, generation 2: {gc2_s.sum():.3f} s)")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,8 +148,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     name = args.result_name or f"throughput-{short}-{args.dataset}"
     trace_dir = RESULTS_DIR / "traces" / name
     before = engine_stats(llm)
+    gc_pauses: list = []
     if args.step_log:
         llm.llm_engine.stats.step_log = []
+        gc_pauses = _time_gc()
     if args.profile:
         import jax
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +183,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         metrics["step_split"] = split
         metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
     if args.step_log:
-        write_step_log(args.step_log, llm.llm_engine.stats.step_log, t0)
+        gc.callbacks.remove(gc_pauses.callback)
+        write_step_log(args.step_log, llm.llm_engine.stats.step_log, t0, gc_pauses)
     if args.profile:
         dev = trace_analysis.analyze(str(trace_dir))
         metrics["trace"] = dev or {"note": "no device events in the trace (CPU backend?)", "dir": str(trace_dir)}

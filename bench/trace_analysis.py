@@ -64,6 +64,27 @@ def analyze_events(events: list[dict[str, Any]], gap_threshold_us: float = GAP_T
             "median_gap_over_threshold_us": float(sorted(big)[len(big) // 2]) if big else 0.0}
 
 
+def gaps_by_neighbours(events: list[dict[str, Any]], n: int = 12,
+                       gap_threshold_us: float = GAP_THRESHOLD_US) -> list[dict[str, Any]]:
+    """Device idle gaps over the threshold, grouped by the kernel that ran last before the gap and the one
+    that starts it: [{"before", "after", "count", "total_ms", "mean_us"}], the largest totals first."""
+    device_pids = _device_pids(events)
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "?"))[:60])
+                     for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "ts" in e)
+    totals: dict[tuple[str, str], list[float]] = {}
+    end, last = None, ""
+    for start, stop, name in kernels:
+        if end is not None and start - end > gap_threshold_us:
+            t = totals.setdefault((last, name), [0.0, 0])
+            t[0] += start - end
+            t[1] += 1
+        if end is None or stop >= end:
+            end, last = stop, name
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"before": b, "after": a, "count": int(v[1]), "total_ms": v[0] / 1000, "mean_us": v[0] / v[1]}
+            for (b, a), v in rows]
+
+
 def _top_events(events: list[dict[str, Any]], n: int, on_device: bool) -> list[dict[str, Any]]:
     """Complete events of the device's processes (or of the host's) by total time, longest first:
     [{"name", "total_ms", "count", "mean_us"}]."""

@@ -42,16 +42,18 @@ def test_engine_stats_reads_the_engines_dataclass():
 def test_trace_device_busy_and_gaps():
     events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
-              {"ph": "X", "pid": 1, "ts": 0, "dur": 100},      # [0, 100)
-              {"ph": "X", "pid": 1, "ts": 50, "dur": 100},     # overlaps -> [0, 150)
-              {"ph": "X", "pid": 1, "ts": 160, "dur": 40},     # 10 us gap (below threshold)
-              {"ph": "X", "pid": 1, "ts": 300, "dur": 100},    # 100 us gap
+              {"ph": "X", "pid": 1, "ts": 0, "dur": 100, "name": "a"},      # [0, 100)
+              {"ph": "X", "pid": 1, "ts": 50, "dur": 100, "name": "b"},     # overlaps -> [0, 150)
+              {"ph": "X", "pid": 1, "ts": 160, "dur": 40, "name": "c"},     # 10 us gap (below threshold)
+              {"ph": "X", "pid": 1, "ts": 300, "dur": 100, "name": "d"},    # 100 us gap
               {"ph": "X", "pid": 2, "ts": 0, "dur": 1000}]     # host: ignored
     r = trace_analysis.analyze_events(events)
     assert r["span_ms"] == pytest.approx(0.4) and r["device_busy_ms"] == pytest.approx(0.29)
     assert r["device_idle_ms"] == pytest.approx(0.11)
     assert r["num_gaps_over_20us"] == 1 and r["gaps_over_threshold_ms"] == pytest.approx(0.1)
     assert trace_analysis.analyze_events(events[1:2] + events[-1:]) is None
+    assert trace_analysis.gaps_by_neighbours(events) == [
+        {"before": "c", "after": "d", "count": 1, "total_ms": pytest.approx(0.1), "mean_us": pytest.approx(100)}]
 
 
 def test_bandwidth_floor_llama3_8b():
