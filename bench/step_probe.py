@@ -94,9 +94,9 @@ def main() -> None:
     ap.add_argument("--layer-dispatch", choices=["scan", "per_layer"], default=None,
                     help="default: the engine's choice (per_layer for layers >= 64 MiB)")
     ap.add_argument("--trace", default=None, help="folder: trace 10 steps per batch, list the top kernels")
-    ap.add_argument("--variants", default=None,
-                    help="per-layer dispatch only: comma-separated gGiN (G layers per dispatch, N compiled "
-                         "copies taking turns), each probed in turn on one engine, e.g. g1i1,g1i2,g4i1")
+    ap.add_argument("--groups", default=None,
+                    help="per-layer dispatch only: comma-separated layers per dispatch, each probed in turn on "
+                         "one engine, e.g. 1,4,8")
     args = ap.parse_args()
     from bench.models import ensure_model_dir
     from jaxpaged import LLM
@@ -106,17 +106,16 @@ def main() -> None:
     res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend,
            "layer_dispatch": llm.llm_engine.layer_dispatch}
     batches = [int(b) for b in args.batches.split(",")]
-    if not args.variants:
+    if not args.groups:
         res.update(time_decode_steps(llm, batches, args.ctx, args.unroll, args.trace))
         print("PROBE", json.dumps(res))
         return
     runner = llm.llm_engine.runner
-    for v in args.variants.split(","):
-        group, instances = (int(x) for x in v[1:].split("i"))
-        runner.layer_group, runner.layer_instances = group, instances
-        trace = f"{args.trace}/{v}" if args.trace else None
-        print("PROBE", json.dumps({**res, "variant": v, **time_decode_steps(llm, batches, args.ctx, args.unroll,
-                                                                              trace)}), flush=True)
+    for group in (int(g) for g in args.groups.split(",")):
+        runner.layer_group = group
+        trace = f"{args.trace}/g{group}" if args.trace else None
+        print("PROBE", json.dumps({**res, "layers_per_dispatch": group,
+                                   **time_decode_steps(llm, batches, args.ctx, args.unroll, trace)}), flush=True)
 
 
 if __name__ == "__main__":

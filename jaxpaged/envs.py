@@ -10,9 +10,8 @@ JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib
 JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
 # How a step runs the layers: scan (one executable) | per_layer (default: by the size of a layer's weights).
 JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
-# Per-layer dispatch: layers per dispatched program, and how many compiled copies of it take turns.
-JAXPAGED_LAYER_GROUP = int(os.environ.get("JAXPAGED_LAYER_GROUP", "1"))
-JAXPAGED_LAYER_INSTANCES = int(os.environ.get("JAXPAGED_LAYER_INSTANCES", "1"))
+# Per-layer dispatch: layers per dispatched program (default: runner/layerwise.py LAYERS_PER_DISPATCH).
+JAXPAGED_LAYER_GROUP = int(os.environ.get("JAXPAGED_LAYER_GROUP") or 0) or None
 # Launch each step's JAX computation from a second thread while the engine processes the previous step.
 JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
 # Keep each bucket's compiled step on disk and load it at start-up, skipping tracing (runner/exec_cache.py).

@@ -101,6 +101,21 @@ def test_per_layer_dispatch_equals_the_layer_scan(model_dir, llm):
     np.testing.assert_allclose(plp(a[0]), plp(b[0]), rtol=1e-5, atol=1e-5)
 
 
+def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory, monkeypatch):
+    """Per-layer dispatch runs the layers in groups (LAYERS_PER_DISPATCH); with 5 layers in groups of 2
+    the last group has one layer and compiles its own program. Greedy tokens equal the layer scan's."""
+    from jaxpaged import envs
+    d = tmp_path_factory.mktemp("tiny_llama_5")
+    save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
+                    num_key_value_heads=1, initializer_range=0.2)
+    scan = make_llm((str(d),), layer_dispatch="scan")
+    monkeypatch.setattr(envs, "JAXPAGED_LAYER_GROUP", 2)
+    grouped = make_llm((str(d),), layer_dispatch="per_layer")
+    assert grouped.llm_engine.runner.layer_group == 2
+    want = [o.outputs[0].token_ids for o in scan.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in grouped.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+
+
 def test_launch_thread_gives_the_same_outputs(model_dir, reference, monkeypatch):
     """JAXPAGED_LAUNCH_THREAD: step N launched from a second thread while N-1 is processed; same tokens,
     greedy (with chunked prefill beside decodes) and seeded sampling, and every block back."""

@@ -1,16 +1,19 @@
-"""Per-layer dispatch of one engine step: embed -> one compiled layer program run L times -> head + sampling.
+"""Per-layer dispatch of one engine step: embed -> one compiled program of a few layers, run L / 4 times ->
+head + sampling.
 
 Why: under the layer scan each layer's weights are dynamic slices of the stacked [L, ...] weights, and XLA
 copies every slice that feeds a cuBLAS matmul. On llama3-8b that is four copies per layer, 0.44 GB per
 layer and 9.4 ms of a 24.9 ms decode step at batch 256 (bench/results/h100/NOTES.md). Unrolling the layers
-removes the copies but compiles ~20x longer. Here each layer's weights are their own arrays and the same
-layer executable runs L times with the layer index as an argument (the kernels index the pool's layer
-themselves), so nothing is sliced and compile time stays that of one layer.
+removes the copies but compiles ~20x longer. Here each layer's weights are their own arrays and one
+program of LAYERS_PER_DISPATCH layers, unrolled, runs L / LAYERS_PER_DISPATCH times with its first layer's
+index as an argument (the kernels index the pool's layer themselves), so nothing is sliced and compile
+time stays that of a few layers.
 
-The price is L + 2 dispatches per step instead of one: ~210 us of host time each on the H100 host,
-about half of it XLA launching the layer's CUDA graph (NOTES.md, third session), so ~7 ms a step on
-llama3-8b, which the device covers at batch >= 64. Worth it where a layer's weights are large (the
-default picks it from 64 MiB per layer: llama3-8b yes; on qwen2-0.5b it measured slower than the scan).
+The price is a few dispatches per step instead of one, ~210 us of host time each on the H100 host, about
+half of it XLA launching the program's CUDA graph (NOTES.md, third session). One layer per dispatch
+(~7 ms of host a step on llama3-8b) left the device idle most of a small-batch step; four keep it busy.
+Worth it where a layer's weights are large (the default picks it from 64 MiB per layer: llama3-8b yes;
+on qwen2-0.5b, one layer per dispatch measured slower than the scan).
 Same inputs and outputs as model_runner._packed_step; a test checks both give the same tokens.
 """
 from __future__ import annotations
@@ -25,6 +28,11 @@ from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, lay
 from jaxpaged.runner.sampler import SamplerFlags
 
 PER_LAYER_MIN_BYTES = 64 << 20      # auto: per-layer dispatch when one layer's weights are at least this
+# Layers per dispatch. On the H100, llama3-8b decode at batch 1 (bench/results/h100/NOTES.md, fourth
+# session): 1 layer per dispatch 7.29 ms a step with the device busy 42% of the traced span, 4 layers
+# 5.82 ms at 95%; unchanged at batch 64 and 256 (8.5 / 15.3 ms, device-bound). A 4-layer group compiled
+# in ~1 s per bucket there.
+LAYERS_PER_DISPATCH = 4
 
 
 def layer_bytes(params) -> int:
@@ -64,16 +72,7 @@ def _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype,
     return h, kv_cache
 
 
-@functools.lru_cache(maxsize=None)
-def _layers_program(instance: int):
-    """The jitted group program, one per instance: each instance compiles (or loads from the compilation
-    cache) to its own executable, hence its own CUDA graphs. XLA updates a graph whenever its buffers
-    move, and consecutive dispatches of one executable with different weights move them every call."""
-    def run(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype, options):
-        return _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, cfg=cfg, dtype=dtype,
-                       options=options)
-    run.__name__ = run.__qualname__ = "_layers"      # one HLO module name: instances share cache entries
-    return jax.jit(run, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
+_layers_jit = jax.jit(_layers, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"))
@@ -85,20 +84,18 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
 
 
 def step(params, layer_params, layer_ids, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
-         options: RuntimeOptions, flags: SamplerFlags, group: int = 1, instances: int = 1):
+         options: RuntimeOptions, flags: SamplerFlags, group: int = LAYERS_PER_DISPATCH):
     """One engine step dispatched layer by layer -> (kv_cache, sampled_buf, results), as _packed_step.
 
     layer_ids: one device int32 scalar per layer, made once (a Python int would be copied every call).
-    group: layers per dispatch (unrolled in one program); instances: how many separately compiled copies
-    of that program take turns, dispatch by dispatch.
+    group: layers per dispatch, unrolled in one program (a last, smaller group compiles its own).
     """
     h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
                                               dtype=dtype)
     meta = model_input.meta
-    for n, first in enumerate(range(0, len(layer_params), group)):
-        run = _layers_program(n % instances)
-        h, kv_cache = run(tuple(layer_params[first:first + group]), h, kv_cache, layer_ids[first], meta, cos,
-                          sin, cfg=cfg, dtype=dtype, options=options)
+    for first in range(0, len(layer_params), group):
+        h, kv_cache = _layers_jit(tuple(layer_params[first:first + group]), h, kv_cache, layer_ids[first], meta,
+                                  cos, sin, cfg=cfg, dtype=dtype, options=options)
     sampled_buf, result = _post(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
                                 flags=flags)
     return kv_cache, sampled_buf, result

@@ -101,7 +101,7 @@ class ModelRunner:
             # allocated; model.params["layers"] is deleted on the way.
             self.params, self.layer_params = layerwise.split_params(model.params)
             self.layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(self.layer_params))]
-            self.layer_group, self.layer_instances = envs.JAXPAGED_LAYER_GROUP, envs.JAXPAGED_LAYER_INSTANCES
+            self.layer_group = envs.JAXPAGED_LAYER_GROUP or layerwise.LAYERS_PER_DISPATCH
         else:
             self.params, self.layer_params, self.layer_ids = model.params, None, None
         self.block_size = block_size
@@ -142,7 +142,7 @@ class ModelRunner:
         if self.layer_params is not None:
             return layerwise.step(params, self.layer_params, self.layer_ids, kv_cache, prev_sampled, ints, floats,
                                   layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags,
-                                  group=self.layer_group, instances=self.layer_instances)
+                                  group=self.layer_group)
         compiled = self._compiled.get((layout, options, flags)) if self._compiled else None
         if compiled is not None:
             return compiled(params, kv_cache, prev_sampled, ints, floats)
