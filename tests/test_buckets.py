@@ -27,10 +27,13 @@ def test_every_step_lands_in_a_precompiled_bucket(max_tokens, max_seqs):
 
 
 def test_h100_defaults_keep_start_up_small():
-    # vLLM's H100 defaults for the LLM class: 16384 tokens, 1024 sequences -> 11 decode + 20 mixed shapes
+    # vLLM's H100 defaults for the LLM class: 16384 tokens, 1024 sequences -> 15 decode + 20 mixed shapes
     assert batch_defaults("gpu", 80 * 2**30, "NVIDIA H100 80GB HBM3", "llm_class") == (16384, 1024)
     assert batch_defaults("gpu", 80 * 2**30, "NVIDIA H100 80GB HBM3", "openai_api_server") == (8192, 1024)
     assert batch_defaults("gpu", 80 * 2**30, "NVIDIA A100-SXM4-80GB", "llm_class") == (8192, 256)
     assert batch_defaults("gpu", 24 * 2**30, "NVIDIA L4", "openai_api_server") == (2048, 256)
     assert batch_defaults("cpu", 0, "cpu", "llm_class") == (2048, 256)
-    assert len(BucketPolicy(16384, 1024).all_buckets()) == 31
+    policy = BucketPolicy(16384, 1024)
+    assert len(policy.all_buckets()) == 35
+    decode = [b.padded_num_reqs for b in policy.all_buckets() if b.decode_only]
+    assert decode == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]

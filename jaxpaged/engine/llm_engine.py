@@ -3,6 +3,7 @@ on its own thread)."""
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import time
 
@@ -11,7 +12,7 @@ import numpy as np
 from jaxpaged import envs
 from jaxpaged.config import EngineArgs, batch_defaults
 from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer, prepare as prepare_detokenizer
 from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.request import Request, RequestStatus
@@ -82,6 +83,7 @@ class LLMEngine:
         backend = args.attention_backend or envs.JAXPAGED_ATTENTION_BACKEND or pallas_kernels.default_backend()
         self._build_cache_and_scheduler(loaded, backend)
         self.output_processor = OutputProcessor(self.tokenizer)
+        prepare_detokenizer(self.tokenizer)
         self.stats = EngineStats()
         self._inflight = None            # the dispatched step whose results are not processed yet
         # Opt-in (JAXPAGED_LAUNCH_THREAD=1): the JAX launch of step N runs on a second thread while this one
@@ -99,6 +101,12 @@ class LLMEngine:
             cache = self.runner.exec_cache
             logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
                         f" ({cache.hits} loaded from {cache.dir})" if cache is not None and cache.hits else "")
+        # As vLLM after start-up: what exists now (weights' host objects, the tokenizer and its byte table,
+        # JAX's caches) lives as long as the engine, so it leaves the collector's generations. A full
+        # collection then walks only the requests' objects: admitting 1000 ShareGPT prompts took 0.29 s
+        # on the CI machine, 0.05 s after the freeze.
+        gc.collect()
+        gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
 
     def _build_cache_and_scheduler(self, loaded, backend: str) -> None:
