@@ -92,6 +92,7 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
         sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=int(o), ignore_eos=True) for o in out]
         from bench.llm_args import engine_stats, stats_delta
         stats = llm.llm_engine.stats
+        stats.max_waste_seen = 0.0                     # the largest waste of this run, not of the engine's life
         before = engine_stats(llm)
         t2 = time.perf_counter()
         llm.generate(reqs, sps, use_tqdm=False)
@@ -103,9 +104,11 @@ def qwen_dummy(model_dir: str, throughput: bool, backend: str | None) -> dict:
             "output_tokens": int(out.sum()), "steps": d["num_steps"],
             **{k: d[k] for k in ("schedule_s", "execute_s", "process_s", "wait_s", "prepare_inputs_s",
                                  "launch_s", "detokenize_s")},
-            "max_waste": stats.max_waste_seen, "avg_waste": stats.kv_cache_waste_avg,
+            "max_waste": stats.max_waste_seen,
+            "avg_waste": (stats.waste_slots_unused - before["waste_slots_unused"])
+            / max(1, stats.waste_slots_allocated - before["waste_slots_allocated"]),
             "compiled_keys": len(llm.llm_engine.runner.compiled_keys),
-            "preemptions": stats.num_preemptions}
+            "preemptions": d["num_preemptions"]}
         from bench.step_probe import time_decode_steps
         res["decode_step_us"] = time_decode_steps(llm)
     return res
