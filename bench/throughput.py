@@ -129,6 +129,31 @@ def write_step_log(path: str, rows: list, t0: float, gc_pauses: list) -> None:
                header="seconds,tokens,requests,context_tokens,gc_seconds,gc_gen2_seconds")
     print(f"step log: {len(a)} steps -> {path}; garbage collection {gc_s.sum():.3f} s "
           f"({len(gc_pauses)} collections, generation 2: {gc2_s.sum():.3f} s)")
+    plot_step_log(a, str(Path(path).with_suffix(".png")))
+
+
+def plot_step_log(a, png: str) -> None:
+    """Each step's time against its request count, decode-only steps and steps with prompt tokens apart."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    seconds, tokens, requests = a[:, 0], a[:, 1], a[:, 2]
+    decode = tokens == requests
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.scatter(requests[decode], 1e3 * seconds[decode], s=4, label="decode-only steps")
+    ax.scatter(requests[~decode], 1e3 * seconds[~decode], s=12, marker="x", label="steps with prompt tokens")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("requests in the step")
+    ax.set_ylabel("ms since the previous step")
+    ax.set_title(f"{len(a)} steps, {seconds.sum():.2f} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ def test_throughput_tiny_llama(results_dir, capsys):
     out = capsys.readouterr().out
     steps = np.loadtxt(results_dir / "steps.csv", delimiter=",", ndmin=2)   # seconds, tokens, requests, context
     assert steps.shape[1] == 6 and (steps[:, 0] > 0).all() and steps[:, 1].sum() == 48 + 12 - 3
+    assert (results_dir / "steps.png").stat().st_size > 0
     assert "Throughput: " in out and " requests/s, " in out and " output tokens/s" in out
     assert m["total_prompt_tokens"] == 48 and m["total_output_tokens"] == 12 and m["num_wrong_output_len"] == 0
     data = json.loads((results_dir / "t.json").read_text())
