@@ -91,13 +91,10 @@ def throughput_line(num_requests: int, total_tokens: int, output_tokens: int, el
             f"{output_tokens / elapsed:.2f} output tokens/s")
 
 
-class _GcPauses(list):
-    callback: Any = None
-
-
-def _time_gc() -> _GcPauses:
-    """Record (start, end) of every garbage collection from now on (perf_counter seconds)."""
-    pauses = _GcPauses()
+def _time_gc() -> tuple[list, Any]:
+    """Record (start, end, generation) of every garbage collection from now on (perf_counter seconds).
+    Returns the list and the gc callback, which the caller removes from gc.callbacks when done."""
+    pauses: list = []
     started = [0.0]
 
     def callback(phase: str, info: dict) -> None:
@@ -105,9 +102,8 @@ def _time_gc() -> _GcPauses:
             started[0] = time.perf_counter()
         else:
             pauses.append((started[0], time.perf_counter(), info.get("generation", -1)))
-    pauses.callback = callback
     gc.callbacks.append(callback)
-    return pauses
+    return pauses, callback
 
 
 def write_step_log(path: str, rows: list, t0: float, gc_pauses: list) -> None:
@@ -173,10 +169,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     name = args.result_name or f"throughput-{short}-{args.dataset}"
     trace_dir = RESULTS_DIR / "traces" / name
     before = engine_stats(llm)
-    gc_pauses: list = []
+    gc_pauses, gc_callback = [], None
     if args.step_log:
         llm.llm_engine.stats.step_log = []
-        gc_pauses = _time_gc()
+        gc_pauses, gc_callback = _time_gc()
     if args.profile:
         import jax
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +204,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         metrics["step_split"] = split
         metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
     if args.step_log:
-        gc.callbacks.remove(gc_pauses.callback)
+        gc.callbacks.remove(gc_callback)
         write_step_log(args.step_log, llm.llm_engine.stats.step_log, t0, gc_pauses)
     if args.profile:
         dev = trace_analysis.analyze(str(trace_dir))
