@@ -113,7 +113,7 @@ def write_step_log(path: str, rows: list, t0: float, gc_pauses: list) -> None:
     a = np.array(rows, np.float64).reshape(-1, 4)
     ends = a[:, 0].copy()
     gc_s, gc2_s = np.zeros(len(a)), np.zeros(len(a))
-    for start, end, gen in gc_pauses:
+    for start, end, gen in gc_pauses if len(a) else ():      # a collection after the last step: counted there
         i = min(int(np.searchsorted(ends, end)), len(a) - 1)
         gc_s[i] += end - start
         if gen == 2:
@@ -130,6 +130,8 @@ def write_step_log(path: str, rows: list, t0: float, gc_pauses: list) -> None:
 
 def plot_step_log(a, png: str) -> None:
     """Each step's time against its request count, decode-only steps and steps with prompt tokens apart."""
+    if not len(a):
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")

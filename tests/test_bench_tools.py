@@ -6,6 +6,7 @@ imports; these tests cover the arithmetic with exact values.
 """
 import json
 
+import numpy as np
 import pytest
 
 from bench import summarize, trace_analysis
@@ -54,6 +55,17 @@ def test_trace_device_busy_and_gaps():
     assert trace_analysis.analyze_events(events[1:2] + events[-1:]) is None
     assert trace_analysis.gaps_by_neighbours(events) == [
         {"before": "c", "after": "d", "count": 1, "total_ms": pytest.approx(0.1), "mean_us": pytest.approx(100)}]
+
+
+def test_step_log_rows_and_gc_attribution(tmp_path):
+    from bench.throughput import write_step_log
+    rows = [(10.5, 64, 4, 300), (10.75, 4, 4, 304)]      # perf_counter at each step's end, tokens, reqs, ctx
+    write_step_log(str(tmp_path / "s.csv"), rows, 10.0, [(10.6, 10.7, 2), (10.8, 10.9, 0)])
+    a = np.loadtxt(tmp_path / "s.csv", delimiter=",", ndmin=2)
+    np.testing.assert_allclose(a[:, 0], [0.5, 0.25])
+    np.testing.assert_allclose(a[:, 4:], [[0.0, 0.0], [0.2, 0.1]])    # the second step holds both pauses
+    write_step_log(str(tmp_path / "e.csv"), [], 10.0, [(10.6, 10.7, 2)])   # no steps: an empty log
+    assert np.loadtxt(tmp_path / "e.csv", delimiter=",", ndmin=2).size == 0
 
 
 def test_bandwidth_floor_llama3_8b():
