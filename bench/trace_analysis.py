@@ -43,11 +43,15 @@ def _device_pids(events: list[dict[str, Any]]) -> set:
             and "host" not in str(e.get("args", {}).get("name", "")).lower()}
 
 
+def _device_kernels(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The complete ("X") events of the processes named like a device ("/device:GPU:0")."""
+    device_pids = _device_pids(events)
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "ts" in e]
+
+
 def device_intervals(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """(start_us, end_us) of every complete event in a process named like a device ("/device:GPU:0")."""
-    device_pids = _device_pids(events)
-    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("pid") in device_pids and "ts" in e]
+    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in _device_kernels(events)]
 
 
 def analyze_events(events: list[dict[str, Any]], gap_threshold_us: float = GAP_THRESHOLD_US) -> dict[str, Any] | None:
@@ -68,9 +72,8 @@ def gaps_by_neighbours(events: list[dict[str, Any]], n: int = 12,
                        gap_threshold_us: float = GAP_THRESHOLD_US) -> list[dict[str, Any]]:
     """Device idle gaps over the threshold, grouped by the kernel that ran last before the gap and the one
     that starts it: [{"before", "after", "count", "total_ms", "mean_us"}], the largest totals first."""
-    device_pids = _device_pids(events)
     kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "?"))[:60])
-                     for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "ts" in e)
+                     for e in _device_kernels(events))
     totals: dict[tuple[str, str], list[float]] = {}
     end, last = None, ""
     for start, stop, name in kernels:
