@@ -16,6 +16,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -171,21 +172,21 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     name = args.result_name or f"throughput-{short}-{args.dataset}"
     trace_dir = RESULTS_DIR / "traces" / name
     before = engine_stats(llm)
-    gc_pauses, gc_callback = [], None
-    if args.step_log:
-        llm.llm_engine.stats.step_log = []
-        gc_pauses, gc_callback = _time_gc()
+    profiling = contextlib.nullcontext()
     if args.profile:
         import jax
         trace_dir.mkdir(parents=True, exist_ok=True)
-        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-            t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
-            elapsed = time.perf_counter() - t0
-    else:
+        profiling = jax.profiler.trace(str(trace_dir), create_perfetto_trace=True)
+    gc_pauses, gc_callback = [], None
+    with profiling:
+        if args.step_log:      # collections timed over the generate call only (not the profiler's start/stop)
+            llm.llm_engine.stats.step_log = []
+            gc_pauses, gc_callback = _time_gc()
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
         elapsed = time.perf_counter() - t0
+        if gc_callback is not None:
+            gc.callbacks.remove(gc_callback)
     counts = count_tokens(requests, outputs)
     total = counts["total_prompt_tokens"] + counts["total_output_tokens"]
     print(throughput_line(len(requests), total, counts["total_output_tokens"], elapsed))
@@ -206,7 +207,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         metrics["step_split"] = split
         metrics["engine_stats"] = {k: v for k, v in delta.items() if not isinstance(v, list)}
     if args.step_log:
-        gc.callbacks.remove(gc_callback)
         write_step_log(args.step_log, llm.llm_engine.stats.step_log, t0, gc_pauses)
     if args.profile:
         dev = trace_analysis.analyze(str(trace_dir))
