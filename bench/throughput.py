@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="JAX profiler trace + per-step split")
     p.add_argument("--step-log", default=None, metavar="CSV",
                    help="write one row per engine step: seconds since the previous step's end, tokens, "
-                        "requests, context tokens read")
+                        "requests, context tokens read, garbage-collection seconds (all, generation 2); "
+                        "and a plot beside it (.png)")
     p.add_argument("--result-name", default=None, help="results file stem (default throughput-<model>-<dataset>)")
     p.add_argument("--no-tqdm", action="store_true")
     add_engine_args(p)
