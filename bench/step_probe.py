@@ -111,6 +111,8 @@ def main() -> None:
         print("PROBE", json.dumps(res))
         return
     runner = llm.llm_engine.runner
+    if runner.layer_params is None:      # the layer scan has no groups: each probe would time the same thing
+        ap.error("--groups needs per-layer dispatch (this engine runs the layer scan; --layer-dispatch per_layer)")
     for group in (int(g) for g in args.groups.split(",")):
         runner.layer_group = group
         trace = f"{args.trace}/g{group}" if args.trace else None
