@@ -1,13 +1,14 @@
-"""Per-layer dispatch of one engine step: embed -> one compiled program of a few layers, run L / 4 times ->
-head + sampling.
+"""Per-layer dispatch of one engine step: embed -> one compiled program of a few layers (4 by default), run
+once per group of layers -> head + sampling.
 
 Why: under the layer scan each layer's weights are dynamic slices of the stacked [L, ...] weights, and XLA
 copies every slice that feeds a cuBLAS matmul. On llama3-8b that is four copies per layer, 0.44 GB per
 layer and 9.4 ms of a 24.9 ms decode step at batch 256 (bench/results/h100/NOTES.md). Unrolling the layers
 removes the copies but compiles ~20x longer. Here each layer's weights are their own arrays and one
-program of LAYERS_PER_DISPATCH layers, unrolled, runs L / LAYERS_PER_DISPATCH times with its first layer's
-index as an argument (the kernels index the pool's layer themselves), so nothing is sliced and compile
-time stays that of a few layers.
+program of LAYERS_PER_DISPATCH layers (JAXPAGED_LAYER_GROUP overrides), unrolled, runs once per group of
+that many layers with its first layer's index as an argument (the kernels index the pool's layer
+themselves), so nothing is sliced and compile time stays that of a few layers. Where the group size does
+not divide L, the last, smaller group is a second program.
 
 The price is a few dispatches per step instead of one, ~210 us of host time each on the H100 host, about
 half of it XLA launching the program's CUDA graph (NOTES.md, third session). One layer per dispatch
