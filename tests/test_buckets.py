@@ -37,3 +37,15 @@ def test_h100_defaults_keep_start_up_small():
     assert len(policy.all_buckets()) == 35
     decode = [b.padded_num_reqs for b in policy.all_buckets() if b.decode_only]
     assert decode == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+
+
+@pytest.mark.parametrize("max_seqs", [100, 257, 300, 600, 1000])
+def test_every_decode_batch_size_lands_in_a_decode_bucket(max_seqs):
+    """max_num_seqs not a power of two nor a multiple of 128: the last decode rung is it rounded up to the
+    ladder (600 -> 640), within the rows the runner allocates (max_rows)."""
+    policy = BucketPolicy(16384, max_seqs)
+    decode = {b for b in policy.all_buckets() if b.decode_only}
+    for n in range(1, max_seqs + 1):
+        b = policy.pick(n, n, decode_only=True)
+        assert b in decode and n <= b.padded_num_reqs <= policy.max_rows, (n, b)
+    assert max(b.padded_num_reqs for b in decode) == {100: 128, 257: 384, 300: 384, 600: 640, 1000: 1024}[max_seqs]
