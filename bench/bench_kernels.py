@@ -244,7 +244,11 @@ def decode_bench(args, results):
 
 
 def _configs(text: str) -> list[tuple]:
-    return [tuple(float(x) if i == 2 else int(x) for i, x in enumerate(c.split(","))) for c in text.split(";") if c]
+    """--decode-configs: 'keys,warps,split_factor,stages;...' -> [(int, int, float, int)]."""
+    configs = [c.split(",") for c in text.split(";") if c]
+    if any(len(c) != 4 for c in configs):      # caught here, not after the device has started
+        raise argparse.ArgumentTypeError(f"each decode config is keys,warps,split_factor,stages: {text!r}")
+    return [(int(k), int(w), float(sf), int(st)) for k, w, sf, st in configs]
 
 
 # -------------------------------------------------------------------------------------------- prefill
