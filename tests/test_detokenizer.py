@@ -18,6 +18,8 @@ def make(request, tok, monkeypatch):
     """Both paths: the byte table (byte-level BPE) and the generic decode-window fallback."""
     if request.param == "decode":
         monkeypatch.setattr(detok_mod, "_byte_table", lambda *a: None)
+    else:      # the byte-level decoder is recognised, so this path really is the table's
+        assert IncrementalDetokenizer(tok, [])._table is not None
     return lambda prompt=(), **kw: IncrementalDetokenizer(tok, list(prompt), **kw)
 
 
