@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run this many prompts first, untimed (compilation not done at start-up)")
     p.add_argument("--profile", action="store_true", help="JAX profiler trace + per-step split")
     p.add_argument("--step-log", default=None, metavar="CSV",
-                   help="write one row per engine step: seconds since the previous step's end, tokens, "
-                        "requests, context tokens read, garbage-collection seconds (all, generation 2); "
+                   help="write one row per engine step: seconds from the previous step's results to its own, "
+                        "tokens, requests, context tokens read, garbage-collection seconds (all, generation 2); "
                         "and a plot beside it (.png)")
     p.add_argument("--result-name", default=None, help="results file stem (default throughput-<model>-<dataset>)")
     p.add_argument("--no-tqdm", action="store_true")
@@ -109,8 +109,8 @@ def _time_gc() -> tuple[list, Any]:
 
 
 def write_step_log(path: str, rows: list, t0: float, gc_pauses: list) -> None:
-    """CSV of the engine's per-step rows; each step's seconds measured from the previous step's end, and
-    the seconds of garbage collection (of generation 2 separately) that ended inside that interval."""
+    """CSV of the engine's per-step rows; each step's seconds measured from the previous step's results to its
+    own, and the seconds of garbage collection (of generation 2 separately) that ended inside that interval."""
     import numpy as np
     a = np.array(rows, np.float64).reshape(-1, 4)
     ends = a[:, 0].copy()

@@ -68,6 +68,28 @@ def test_step_log_rows_and_gc_attribution(tmp_path):
     assert np.loadtxt(tmp_path / "e.csv", delimiter=",", ndmin=2).size == 0
 
 
+def test_step_log_row_closes_when_the_steps_results_are_in(monkeypatch):
+    """The engine keeps one step in flight: the on_step call that dispatches step N processes N-1's results,
+    so N-1's row takes that call's time (a prefill's device time belongs to the prefill row, not to the
+    decode row after it), and the call that dispatches nothing closes the last step."""
+    from types import SimpleNamespace as NS
+    stats_mod = pytest.importorskip("jaxpaged.engine.stats")
+    stats = stats_mod.EngineStats(step_log=[])
+    now = [0.0]
+    monkeypatch.setattr(stats_mod.time, "perf_counter", lambda: now[0])
+    req = NS(request_id="a", num_computed_tokens=0, num_prompt_tokens=40)
+    scheduler = NS(num_running=1, num_waiting=0, running=[req], num_preemptions=0)
+    kv = NS(pool=NS(usage=0.1, num_queries=0, num_hits=0), slot_usage=lambda reqs: (48, 41))
+    # each call at its time: dispatch the prefill (1.0 s), a decode (3.0: the prefill's results are in),
+    # another (3.5), then nothing (4.0: the last decode's results)
+    for t, tokens in ((1.0, 40), (3.0, 1), (3.5, 1), (4.0, 0)):
+        now[0] = t
+        req.num_computed_tokens += tokens
+        sched = NS(scheduled=[req] if tokens else [], num_scheduled_tokens={"a": tokens})
+        stats.on_step(sched, scheduler, kv, schedule_s=0.0, execute_s=0.0, process_s=0.0)
+    assert stats.step_log == [(3.0, 40, 1, 40), (3.5, 1, 1, 41), (4.0, 1, 1, 42)]
+
+
 def test_bandwidth_floor_llama3_8b():
     f = bandwidth_floor_s(LLAMA3_8B_CONFIG, batch_size=1, context_len=0)
     assert f["params"] == 8_030_261_248                      # Llama-3-8B's published 8.03B

@@ -46,9 +46,10 @@ class EngineStats:
     # summed over steps, so kv_cache_waste_avg is the allocated-slot-weighted average of the run
     waste_slots_allocated: int = 0
     waste_slots_unused: int = 0
-    # one row per step when not None (bench/throughput.py --step-log): (perf_counter at the step's end,
-    # tokens scheduled, requests, tokens of context the step's attention reads)
+    # one row per step when not None (bench/throughput.py --step-log): (perf_counter when the step's results
+    # were processed, tokens scheduled, requests, tokens of context the step's attention reads)
     step_log: list | None = None
+    _step_pending = None        # (not a field) the dispatched step's row, waiting for its results
 
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
@@ -88,8 +89,12 @@ class EngineStats:
             prompt = np.fromiter(map(_PROMPT, reqs), np.int64, m)
             n = np.fromiter(map(sched.num_scheduled_tokens.__getitem__, map(_ID, reqs)), np.int64, m)
             self.prompt_tokens += int(np.maximum(0, np.minimum(computed, prompt) - (computed - n)).sum())
-            if self.step_log is not None:
-                self.step_log.append((time.perf_counter(), int(n.sum()), m, int(computed.sum())))
+        if self.step_log is not None:
+            # The engine keeps one step in flight: this call dispatched step N (sched) and processed N-1's
+            # results, so the time now closes N-1, the step the device ran since the previous call.
+            if self._step_pending is not None:
+                self.step_log.append((time.perf_counter(), *self._step_pending))
+            self._step_pending = (int(n.sum()), m, int(computed.sum())) if reqs else None
         self.schedule_s += schedule_s
         self.execute_s += execute_s
         self.process_s += process_s
