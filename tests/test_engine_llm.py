@@ -114,6 +114,9 @@ def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory, monkeypatc
     assert grouped.llm_engine.runner.layer_group == 2
     want = [o.outputs[0].token_ids for o in scan.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in grouped.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    monkeypatch.setattr(envs, "JAXPAGED_LAYER_GROUP", -1)      # would run no layer: refused
+    with pytest.raises(ValueError, match="JAXPAGED_LAYER_GROUP"):
+        make_llm((str(d),), layer_dispatch="per_layer")
 
 
 def test_launch_thread_gives_the_same_outputs(model_dir, reference, monkeypatch):

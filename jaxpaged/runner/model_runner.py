@@ -102,6 +102,8 @@ class ModelRunner:
             self.params, self.layer_params = layerwise.split_params(model.params)
             self.layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(self.layer_params))]
             self.layer_group = envs.JAXPAGED_LAYER_GROUP or layerwise.LAYERS_PER_DISPATCH
+            if self.layer_group < 1:     # range(0, L, -1) would run no layer at all
+                raise ValueError(f"JAXPAGED_LAYER_GROUP must be at least 1, got {self.layer_group}")
         else:
             self.params, self.layer_params, self.layer_ids = model.params, None, None
         self.block_size = block_size
