@@ -4,8 +4,8 @@ GPUs, so the bucket count is start-up time: the ladders are coarse where a step 
 Decode-only steps (T == R): R padded to a power of two up to 256, then to a multiple of 128; the last
 rung is max_num_seqs rounded up so (600 -> 640). Padded rows cost no attention (the kernel exits at once
 on a zero-length row), but every matmul computes them, and past a few hundred rows a decode step is
-compute-bound: on llama3-8b (H100, ShareGPT) 116 steps of 512-1023 requests took 4.4 s padded to 1024
-rows and 3.5 s padded to the next multiple of 128 (two runs, two machines).
+compute-bound: on llama3-8b (H100, ShareGPT) 116 steps of 512-1023 requests took 4.05 s padded to 1024
+rows and 3.18 s padded to the next multiple of 128 (two runs, two machines).
 
 Mixed steps (prefill chunks beside decodes): T padded to a power of two from 16 up to
 max_num_batched_tokens; R (which only sizes the block tables and the rows sampled) to one of two rungs,
