@@ -76,6 +76,15 @@ def _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype,
 _layers_jit = jax.jit(_layers, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
 
 
+def group_layers(layer_params: list, layer_ids: list, group: int) -> list[tuple]:
+    """[(a group's per-layer trees as a tuple, its first layer's device index)], `group` layers each (the
+    last may be smaller); built once, so a step only walks the list."""
+    if group < 1:        # range(0, L, -1) would run no layer at all
+        raise ValueError(f"layers per dispatch (JAXPAGED_LAYER_GROUP) must be at least 1, got {group}")
+    return [(tuple(layer_params[first:first + group]), layer_ids[first])
+            for first in range(0, len(layer_params), group)]
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"))
 def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags):
     from jaxpaged.runner.model_runner import prompt_head, sample_and_keep
@@ -84,19 +93,19 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
     return sample_and_keep(logits, prompt, sampling, flags, prev_sampled)
 
 
-def step(params, layer_params, layer_ids, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
-         options: RuntimeOptions, flags: SamplerFlags, group: int = LAYERS_PER_DISPATCH):
-    """One engine step dispatched layer by layer -> (kv_cache, sampled_buf, results), as _packed_step.
+def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
+         options: RuntimeOptions, flags: SamplerFlags):
+    """One engine step dispatched group by group -> (kv_cache, sampled_buf, results), as _packed_step.
 
-    layer_ids: one device int32 scalar per layer, made once (a Python int would be copied every call).
-    group: layers per dispatch, unrolled in one program (a last, smaller group compiles its own).
+    layer_groups: from group_layers; each group's layers run unrolled in one program (a last, smaller
+    group compiles its own), its first index a device scalar made once (a Python int is copied every call).
     """
     h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
                                               dtype=dtype)
     meta = model_input.meta
-    for first in range(0, len(layer_params), group):
-        h, kv_cache = _layers_jit(tuple(layer_params[first:first + group]), h, kv_cache, layer_ids[first], meta,
-                                  cos, sin, cfg=cfg, dtype=dtype, options=options)
+    for group_params, first_idx in layer_groups:
+        h, kv_cache = _layers_jit(group_params, h, kv_cache, first_idx, meta, cos, sin, cfg=cfg, dtype=dtype,
+                                  options=options)
     sampled_buf, result = _post(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
                                 flags=flags)
     return kv_cache, sampled_buf, result

@@ -102,8 +102,6 @@ class ModelRunner:
             self.params, self.layer_params = layerwise.split_params(model.params)
             self.layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(self.layer_params))]
             self.layer_group = envs.JAXPAGED_LAYER_GROUP or layerwise.LAYERS_PER_DISPATCH
-            if self.layer_group < 1:     # range(0, L, -1) would run no layer at all
-                raise ValueError(f"JAXPAGED_LAYER_GROUP must be at least 1, got {self.layer_group}")
         else:
             self.params, self.layer_params, self.layer_ids = model.params, None, None
         self.block_size = block_size
@@ -137,14 +135,23 @@ class ModelRunner:
                 self.cfg, str(jnp.dtype(self.dtype)), attn_backend, self.kv_cache.shape,
                 self.max_blocks_per_req, self.max_rows, shapes))
 
+    @property
+    def layer_group(self) -> int:
+        """Layers per dispatch (per-layer dispatch only); setting it regroups the layers once."""
+        return self._layer_group
+
+    @layer_group.setter
+    def layer_group(self, group: int) -> None:
+        self._layer_groups = layerwise.group_layers(self.layer_params, self.layer_ids, group)
+        self._layer_group = group
+
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
         ints, floats, layout = _pack((model_input, sampling))
         if self.layer_params is not None:
-            return layerwise.step(params, self.layer_params, self.layer_ids, kv_cache, prev_sampled, ints, floats,
-                                  layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags,
-                                  group=self.layer_group)
+            return layerwise.step(params, self._layer_groups, kv_cache, prev_sampled, ints, floats, layout=layout,
+                                  cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
         compiled = self._compiled.get((layout, options, flags)) if self._compiled else None
         if compiled is not None:
             return compiled(params, kv_cache, prev_sampled, ints, floats)
