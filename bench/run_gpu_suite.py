@@ -11,8 +11,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
-  host   step_probe on qwen2-0.5b (scan; scan in CUDA graphs; per-layer): launch vs pipelined step time,
-         then the serve step
+  host   step_probe on qwen2-0.5b: launch vs pipelined step time for the layer scan, XLA's command-buffer
+         variants (loop unrolled into one graph, graphs never updated) and per-layer dispatch by 4-24 layers
   gil    the serve step at concurrency 10 only, with Python's GIL switch interval and with 0.5 ms
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
@@ -50,6 +50,10 @@ from bench.common import RESULTS_DIR, stamp  # noqa: E402
 PY = sys.executable
 # XLA's command buffers (CUDA graphs) for everything a step launches, the layer loop included.
 CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+# The layer loop unrolled into the step's command buffer (one CUDA graph instead of one per layer).
+UNROLL_LOOPS_FLAG = "--xla_gpu_command_buffer_unroll_loops=true"
+# Command buffers recorded once and never updated with new buffer addresses (XLA remaps them instead).
+NEVER_UPDATE_FLAG = "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE"
 BENCH = REPO / "bench"
 PORT = 8011
 # A step's log lines echoed to the console (a PROBE line, step_probe's JSON, whatever its length).
@@ -114,11 +118,22 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         ],
         # Where a small decode step's host time goes: the launch (how long the call holds the host) against
         # the pipelined step, for the layer scan, the scan inside CUDA graphs, and per-layer dispatch.
+        # Variants: the loop unrolled into one command buffer (XLA's unroll_loops), command buffers that are
+        # never updated between runs (update_mode NEVER_UPDATE, XLA's VA-remapping strategy), and per-layer
+        # dispatch of 1-24 layers per program (24 = the whole layer stack in one program, weights unstacked).
         "host": [
-            Step("probe-scan", 100, probe + ["--label", "scan"]),
-            Step("probe-cmdbuf", 100, probe + ["--label", "cmdbuf"], env={"XLA_FLAGS": CMDBUF_FLAGS}),
-            Step("probe-per-layer", 100, probe + ["--label", "per_layer", "--layer-dispatch", "per_layer"]),
-            serve_qwen,
+            Step("probe-scan", 80, probe + ["--label", "scan"]),
+            Step("probe-cmdbuf-unroll", 80, probe + ["--label", "cmdbuf_unroll"],
+                 env={"XLA_FLAGS": f"{CMDBUF_FLAGS} {UNROLL_LOOPS_FLAG}"}),
+            Step("probe-never-update", 80, probe + ["--label", "never_update"],
+                 env={"XLA_FLAGS": NEVER_UPDATE_FLAG}),
+            Step("probe-cmdbuf-unroll-never", 80, probe + ["--label", "cmdbuf_unroll_never_update"],
+                 env={"XLA_FLAGS": f"{CMDBUF_FLAGS} {UNROLL_LOOPS_FLAG} {NEVER_UPDATE_FLAG}"}),
+            Step("probe-groups", 200, probe + ["--label", "per_layer", "--layer-dispatch", "per_layer",
+                                                "--groups", "1,4" if smoke else "4,8,12,24"]),
+            Step("probe-groups-never", 120, probe + ["--label", "per_layer_never_update", "--layer-dispatch",
+                                                      "per_layer", "--groups", "4" if smoke else "24"],
+                 env={"XLA_FLAGS": NEVER_UPDATE_FLAG}),
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
