@@ -161,10 +161,9 @@ def check(args, results):
 
 
 # --------------------------------------------------------------------------------------------- decode
-DECODE_CONFIGS = [  # (keys per iteration, num_warps, split factor, num_stages); the op's default runs as well
-    # 2 warps: best on qwen2-0.5b heads at 256 sequences in the fourth session's sweep (one run; not the
-    # default until a second run agrees)
-    (64, 4, 2, 2), (32, 4, 1, 2), (64, 2, 1, 2),
+DECODE_CONFIGS = [  # (keys per iteration, num_warps, programs per SM, num_stages); the op's default runs too
+    # 4 programs per SM with 4 warps: the op's default before the fifth session
+    (64, 4, 4, 2), (64, 2, 4, 2), (64, 4, 16, 2), (64, 2, 16, 2), (64, 4, 32, 2), (64, 2, 32, 2),
 ]
 
 
@@ -195,9 +194,9 @@ def decode_bench(args, results):
                 q = jax.random.normal(jax.random.PRNGKey(r + ctx), (r, n, d)).astype(jnp.bfloat16)
                 row = {"layout": name, "seqs": r, "ctx": ctx, "kv_bytes": kv_bytes, "rotations": nrot}
                 best = None
-                for keys, warps, sf, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
+                for keys, warps, per_sm, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
                     bpi = keys // BLOCK
-                    ns = max(1, min(int(choose_splits(r, k, m, bpi) * sf), max(1, m // bpi)))
+                    ns = choose_splits(r, k, m, bpi, per_sm)
 
                     def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages):
                         return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,
@@ -244,11 +243,11 @@ def decode_bench(args, results):
 
 
 def _configs(text: str) -> list[tuple]:
-    """--decode-configs: 'keys,warps,split_factor,stages;...' -> [(int, int, float, int)]."""
+    """--decode-configs: 'keys,warps,programs_per_sm,stages;...' -> [(int, int, int, int)]."""
     configs = [c.split(",") for c in text.split(";") if c]
     if any(len(c) != 4 for c in configs):      # caught here, not after the device has started
-        raise argparse.ArgumentTypeError(f"each decode config is keys,warps,split_factor,stages: {text!r}")
-    return [(int(k), int(w), float(sf), int(st)) for k, w, sf, st in configs]
+        raise argparse.ArgumentTypeError(f"each decode config is keys,warps,programs_per_sm,stages: {text!r}")
+    return [(int(k), int(w), int(ps), int(st)) for k, w, ps, st in configs]
 
 
 # -------------------------------------------------------------------------------------------- prefill
@@ -357,14 +356,16 @@ def write_outputs(args, results):
               "of one jitted call of n ops, divided by n. 'best' = best of the swept configs (cfg = keys per "
               "iteration, warps, splits, stages); 'default' = the configuration the model gets.", "",
               "| layout | seqs x ctx | best µs | best TB/s | cfg | default µs | default TB/s | JAX µs | JAX TB/s "
-              "| best / JAX speedup | default wall µs | JAX wall µs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| best / JAX speedup | default / JAX speedup | default wall µs | JAX wall µs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results.get("decode", []):
         lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | {r.get('ours_us', float('nan')):.1f} | "
                      f"{r.get('ours_tbps', float('nan')):.2f} | {r.get('ours_cfg', '')} | "
                      f"{r.get('default_us', float('nan')):.1f} | {r.get('default_tbps', float('nan')):.2f} | "
                      f"{r.get('jax_us', float('nan')):.1f} | {r.get('jax_tbps', float('nan')):.2f} | "
-                     f"{r.get('speedup', float('nan')):.2f} | {r.get('default_wall_us', float('nan')):.1f} | "
+                     f"{r.get('speedup', float('nan')):.2f} | "
+                     f"{r.get('jax_us', float('nan')) / r.get('default_us', float('nan')):.2f} | "
+                     f"{r.get('default_wall_us', float('nan')):.1f} | "
                      f"{r.get('jax_wall_us', float('nan')):.1f} |")
     lines += ["", "## Prefill (causal, TFLOP/s counting the causal half)", "",
               "| layout | seqs x len | ours µs | ours TFLOP/s | cfg | cuDNN TFLOP/s | ours / cuDNN |",
@@ -421,8 +422,8 @@ def main():
     ap.add_argument("--parts", default="check,decode,prefill,kvwrite")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
-                    help="decode configurations to sweep besides the default: 'keys,warps,split_factor,stages' "
-                         "separated by ';' (split factor multiplies choose_splits' count)")
+                    help="decode configurations to sweep besides the default: 'keys,warps,programs_per_sm,stages' "
+                         "separated by ';' (choose_splits aims at programs_per_sm programs per SM)")
     args = ap.parse_args()
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
                "command": shlex.join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -28,6 +28,10 @@ from jax.experimental.pallas import triton as plgpu
 from ._checks import validate_q_and_cache
 
 NUM_SMS = 132            # H100 SXM; only steers how many splits are made
+# Programs per SM the split count aims for. The fourth session's H100 sweep (one run, noisy): 16 beat 4 at
+# 16 sequences (llama3-8b 16 x 8k: 265 vs 352 us; 16 x 4k: 142 vs 163 us) and on qwen2-0.5b at
+# 256 x 8k with 4 warps (497 vs 706 us): short programs keep more loads in flight and even out the tail.
+PROGRAMS_PER_SM = 16
 _NEG = -1e30             # finite "minus infinity": empty splits merge to zeros, never NaN
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -108,10 +112,11 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         lse_refs[0][r, h, split, :] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, _NEG)
 
 
-def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int) -> int:
-    """Enough (request, head, split) programs to fill the GPU ~4 times over, never under a tile each."""
+def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int,
+                  programs_per_sm: int | None = None) -> int:
+    """Enough (request, head, split) programs for ~programs_per_sm per SM, never under a tile each."""
     max_splits = max(1, -(-max_blocks // blocks_per_iter))
-    want = -(-4 * NUM_SMS // (num_reqs * num_kv_heads))
+    want = -(-(programs_per_sm or PROGRAMS_PER_SM) * NUM_SMS // (num_reqs * num_kv_heads))
     return int(min(max(want, 1), max_splits))
 
 
@@ -173,7 +178,9 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     if num_splits is None:
         num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter)
     if num_warps is None:
-        num_warps = 4
+        # Same sweep: 2 warps beat 4 for D 64 (qwen2-0.5b) at >= 4k tokens of context (256 x 4k: 237 vs
+        # 350 us; 64 x 8k: 138 vs 167 us); for D 128 (llama3-8b) 4 warps were best or within noise.
+        num_warps = 2 if head_dim <= 64 else 4
     q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
     res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
