@@ -14,16 +14,25 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
+INPUTS = ("numpy", "device", "stable")
+
+
 def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1,
-                      trace_dir: str | None = None) -> dict:
-    """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time."""
+                      trace_dir: str | None = None, inputs: str = "numpy") -> dict:
+    """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time.
+
+    inputs: "numpy" packs host arrays and copies them to the device every step, as the engine does;
+    "device" packs and copies them once and passes the same device arrays every step (the previous
+    step's sampled-token buffer still changes); "stable" also passes one fixed sampled-token buffer, so
+    that no input buffer changes between steps. Tells whether new input buffers make XLA update its
+    CUDA graphs on every launch."""
     import jax
     import numpy as np
 
     from jaxpaged.models import AttentionMetadata
     from jaxpaged.models.decoder import RuntimeOptions
     from jaxpaged.runner.buckets import Bucket
-    from jaxpaged.runner.model_runner import ModelInput
+    from jaxpaged.runner.model_runner import ModelInput, _pack
     from jaxpaged.runner.sampler import SamplerFlags
     runner = llm.llm_engine.runner
     rng = np.random.default_rng(0)
@@ -42,9 +51,17 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         si.temperature = np.ones(R, np.float32)
         opts = RuntimeOptions(runner.attn_backend, True, unroll)
 
+        ints, floats, layout = _pack((mi, si))
+        if inputs != "numpy":
+            ints, floats = jax.device_put(ints), jax.device_put(floats)
+        fixed_prev = runner.prev_sampled
+
         def step():
-            runner.kv_cache, runner.prev_sampled, r = runner._step(
-                runner.params, runner.kv_cache, runner.prev_sampled, mi, si, options=opts, flags=SamplerFlags())
+            runner.kv_cache, prev, r = runner.run_packed(
+                runner.params, runner.kv_cache, runner.prev_sampled,
+                ints if inputs != "numpy" else np.array(ints), floats if inputs != "numpy" else np.array(floats),
+                layout=layout, options=opts, flags=SamplerFlags())
+            runner.prev_sampled = fixed_prev if inputs == "stable" else prev
             return r
 
         t0 = time.perf_counter()
@@ -90,6 +107,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--label", default="")
+    ap.add_argument("--inputs", default="numpy",
+                    help=f"comma-separated, each probed in turn: {', '.join(INPUTS)} (see time_decode_steps)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
     ap.add_argument("--layer-dispatch", choices=["scan", "per_layer"], default=None,
                     help="default: the engine's choice (per_layer for layers >= 64 MiB)")
@@ -106,18 +125,22 @@ def main() -> None:
     res = {"label": args.label, "unroll": args.unroll, "backend": llm.llm_engine.runner.attn_backend,
            "layer_dispatch": llm.llm_engine.layer_dispatch}
     batches = [int(b) for b in args.batches.split(",")]
-    if not args.groups:
-        res.update(time_decode_steps(llm, batches, args.ctx, args.unroll, args.trace))
-        print("PROBE", json.dumps(res))
-        return
+    inputs = args.inputs.split(",")
+    if bad := [i for i in inputs if i not in INPUTS]:
+        ap.error(f"--inputs: unknown {bad}; choose from {INPUTS}")
     runner = llm.llm_engine.runner
-    if runner.layer_params is None:      # the layer scan has no groups: each probe would time the same thing
+    if args.groups and runner.layer_params is None:   # the layer scan has no groups: each probe would time the same
         ap.error("--groups needs per-layer dispatch (this engine runs the layer scan; --layer-dispatch per_layer)")
-    for group in (int(g) for g in args.groups.split(",")):
-        runner.layer_group = group
-        trace = f"{args.trace}/g{group}" if args.trace else None
-        print("PROBE", json.dumps({**res, "layers_per_dispatch": group,
-                                   **time_decode_steps(llm, batches, args.ctx, args.unroll, trace)}), flush=True)
+    for group in [int(g) for g in args.groups.split(",")] if args.groups else [None]:
+        extra = {}
+        if group is not None:
+            runner.layer_group = group
+            extra["layers_per_dispatch"] = group
+        for kind in inputs:
+            trace = args.trace and f"{args.trace}/{'g%d' % group if group else 'scan'}_{kind}"
+            print("PROBE", json.dumps({**res, **extra, "inputs": kind,
+                                       **time_decode_steps(llm, batches, args.ctx, args.unroll, trace, kind)}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,12 @@ class ModelRunner:
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
         ints, floats, layout = _pack((model_input, sampling))
+        return self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
+                               flags=flags)
+
+    def run_packed(self, params, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
+                   flags: SamplerFlags):
+        """The step on already packed inputs (host or device arrays, see _pack)."""
         if self.layer_params is not None:
             return layerwise.step(params, self._layer_groups, kv_cache, prev_sampled, ints, floats, layout=layout,
                                   cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
