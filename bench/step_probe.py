@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
-INPUTS = ("numpy", "device", "stable")
+INPUTS = ("numpy", "put", "put_alias", "pinned", "device", "stable")
 
 
 def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1,
@@ -22,10 +22,12 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
     """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time.
 
     inputs: "numpy" packs host arrays and copies them to the device every step, as the engine does;
-    "device" packs and copies them once and passes the same device arrays every step (the previous
-    step's sampled-token buffer still changes); "stable" also passes one fixed sampled-token buffer, so
-    that no input buffer changes between steps. Tells whether new input buffers make XLA update its
-    CUDA graphs on every launch."""
+    "put" / "put_alias" copy fresh host arrays with jax.device_put (may_alias=True for the second) before
+    the call; "pinned" puts them into pinned host memory first, then onto the device; "device" packs and
+    copies them once and passes the same device arrays every step (the previous step's sampled-token
+    buffer still changes); "stable" also passes one fixed sampled-token buffer, so that no input buffer
+    changes between steps. Tells how much of a launch is the inputs' copy, and whether new input buffers
+    make XLA update its CUDA graphs on every launch."""
     import jax
     import numpy as np
 
@@ -52,14 +54,20 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         opts = RuntimeOptions(runner.attn_backend, True, unroll)
 
         ints, floats, layout = _pack((mi, si))
-        if inputs != "numpy":
-            ints, floats = jax.device_put(ints), jax.device_put(floats)
+        dev = jax.devices()[0]
+        pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        if inputs in ("device", "stable"):
+            ints, floats = jax.device_put(ints, dev), jax.device_put(floats, dev)
+        put = {"numpy": lambda x: np.array(x), "put": lambda x: jax.device_put(np.array(x), dev),
+               "put_alias": lambda x: jax.device_put(np.array(x), dev, may_alias=True),
+               "pinned": lambda x: jax.device_put(jax.device_put(np.array(x), pinned), on_device),
+               "device": lambda x: x, "stable": lambda x: x}[inputs]
         fixed_prev = runner.prev_sampled
 
         def step():
             runner.kv_cache, prev, r = runner.run_packed(
-                runner.params, runner.kv_cache, runner.prev_sampled,
-                ints if inputs != "numpy" else np.array(ints), floats if inputs != "numpy" else np.array(floats),
+                runner.params, runner.kv_cache, runner.prev_sampled, put(ints), put(floats),
                 layout=layout, options=opts, flags=SamplerFlags())
             runner.prev_sampled = fixed_prev if inputs == "stable" else prev
             return r

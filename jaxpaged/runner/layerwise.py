@@ -93,13 +93,32 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
     return sample_and_keep(logits, prompt, sampling, flags, prev_sampled)
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
+                   donate_argnames=("kv_cache",))
+def _whole(params, layer_params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
+           options: RuntimeOptions, flags: SamplerFlags):
+    """The whole step as one program, every layer unrolled on its own weights (all layers in one group)."""
+    h, cos, sin, model_input, sampling = _pre.__wrapped__(params, prev_sampled, ints, floats, layout=layout,
+                                                          cfg=cfg, dtype=dtype)
+    h, kv_cache = _layers(layer_params, h, kv_cache, 0, model_input.meta, cos, sin, cfg=cfg, dtype=dtype,
+                          options=options)
+    sampled_buf, result = _post.__wrapped__(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
+                                            flags=flags)
+    return kv_cache, sampled_buf, result
+
+
 def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
          options: RuntimeOptions, flags: SamplerFlags):
     """One engine step dispatched group by group -> (kv_cache, sampled_buf, results), as _packed_step.
 
     layer_groups: from group_layers; each group's layers run unrolled in one program (a last, smaller
     group compiles its own), its first index a device scalar made once (a Python int is copied every call).
+    A single group (layers per dispatch >= L) makes the whole step one program (_whole): one launch,
+    and no buffer handed from program to program, so XLA's CUDA graphs see the same addresses every step.
     """
+    if len(layer_groups) == 1:
+        return _whole(params, layer_groups[0][0], kv_cache, prev_sampled, ints, floats, layout=layout, cfg=cfg,
+                      dtype=dtype, options=options, flags=flags)
     h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
                                               dtype=dtype)
     meta = model_input.meta
