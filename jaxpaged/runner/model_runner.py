@@ -471,6 +471,9 @@ def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
 
 
 def _unpack(ints, floats, layout):
+    # The packed inputs may come in pinned host memory (no device buffer to allocate before the launch,
+    # see ModelRunner.launch): moved to the device here, on the step's own stream. A no-op for device arrays.
+    ints, floats = (jax.device_put(x, jax.memory.Space.Device) for x in (ints, floats))
     treedef, spec = layout
     leaves, offsets = [], {"i": 0, "f": 0}
     for kind, shape, dtype in spec:
