@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
-INPUTS = ("numpy", "put", "put_alias", "pinned", "pinned_arg", "device", "stable")
+INPUTS = ("numpy", "put", "put_alias", "pinned", "device", "stable")
 
 
 def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1,
@@ -23,8 +23,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
 
     inputs: "numpy" packs host arrays and copies them to the device every step, as the engine does;
     "put" / "put_alias" copy fresh host arrays with jax.device_put (may_alias=True for the second) before
-    the call; "pinned" puts them into pinned host memory first, then onto the device; "pinned_arg" passes
-    them to the step in pinned host memory (the step moves them to the device itself); "device" packs and
+    the call; "pinned" puts them into pinned host memory first, then onto the device; "device" packs and
     copies them once and passes the same device arrays every step (the previous step's sampled-token
     buffer still changes); "stable" also passes one fixed sampled-token buffer, so that no input buffer
     changes between steps. Tells how much of a launch is the inputs' copy, and whether new input buffers
@@ -63,7 +62,6 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         put = {"numpy": lambda x: np.array(x), "put": lambda x: jax.device_put(np.array(x), dev),
                "put_alias": lambda x: jax.device_put(np.array(x), dev, may_alias=True),
                "pinned": lambda x: jax.device_put(jax.device_put(np.array(x), pinned), on_device),
-               "pinned_arg": lambda x: jax.device_put(np.array(x), pinned),
                "device": lambda x: x, "stable": lambda x: x}[inputs]
         fixed_prev = runner.prev_sampled
 

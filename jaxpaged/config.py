@@ -5,6 +5,9 @@ import dataclasses
 
 
 USAGE_CONTEXTS = ("llm_class", "openai_api_server")
+# How a step runs the decoder layers (runner/layerwise.py): one scan over stacked weights, a few layers per
+# dispatched program, or every layer unrolled into one program on per-layer weights.
+LAYER_DISPATCHES = ("scan", "per_layer", "unrolled")
 
 
 def batch_defaults(platform: str, device_memory_bytes: int, device_kind: str,
@@ -46,7 +49,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
     attention_backend: str | None = None      # reference | xla | pallas; default by platform
-    layer_dispatch: str | None = None         # scan | per_layer; default per_layer for layers >= 64 MiB
+    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by backend and layer size
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: picks the batch defaults
@@ -65,8 +68,9 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
-        if self.layer_dispatch not in (None, "scan", "per_layer"):
-            raise ValueError(f"layer_dispatch must be 'scan' or 'per_layer', got {self.layer_dispatch!r}")
+        if self.layer_dispatch not in (None, *LAYER_DISPATCHES):
+            raise ValueError(f"layer_dispatch must be one of {', '.join(LAYER_DISPATCHES)}, "
+                             f"got {self.layer_dispatch!r}")
         if self.usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

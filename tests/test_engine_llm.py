@@ -67,7 +67,9 @@ def test_greedy_matches_hf(model_dir, reference):
     dict(num_gpu_blocks_override=12, preemption_mode="recompute"),
     dict(num_gpu_blocks_override=12, preemption_mode="swap", swap_space=0.01),
     dict(layer_dispatch="per_layer", max_num_batched_tokens=32),
-], ids=["chunked", "no-chunking-no-caching", "no-caching", "preempt-recompute", "preempt-swap", "per-layer"])
+    dict(layer_dispatch="unrolled", max_num_batched_tokens=32),
+], ids=["chunked", "no-chunking-no-caching", "no-caching", "preempt-recompute", "preempt-swap", "per-layer",
+        "unrolled"])
 def test_greedy_identical_across_scheduling(model_dir, reference, kw):
     llm = make_llm(model_dir, **kw)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -42,10 +42,12 @@ class CompileCounter:
             self.count += 1
 
 
-@pytest.mark.parametrize("layer_dispatch", ["scan", "per_layer"])
-def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layer_dispatch", ["scan", "per_layer", "unrolled"])
+def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, tmp_path_factory, monkeypatch):
     from jaxpaged import envs
     monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)     # no executables from earlier runs
+    if layer_dispatch == "unrolled":     # 2 layers per_layer is one group, the same program: JAX's jit cache
+        model_dir = tiny_llama_dir(tmp_path_factory, "tiny_llama_rt3", num_hidden_layers=3)   # would hold it
     counter = CompileCounter()
     counter.active = True
     llm = LLM(model=model_dir, **COMPILED, layer_dispatch=layer_dispatch)
@@ -61,10 +63,12 @@ def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, m
     assert counter.count == 0, f"{counter.count} compilations after warm-up"
 
 
-def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_cache_root):
+@pytest.mark.parametrize("layer_dispatch", ["scan", "unrolled"])
+def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_cache_root, layer_dispatch):
     """A second engine with the same fingerprint loads every bucket's compiled step from disk (no trace,
-    no compile) and generates the same tokens; a different pool shape does not reuse them."""
-    kw = dict(model=model_dir, **COMPILED)
+    no compile) and generates the same tokens; a different pool shape does not reuse them. Both
+    single-program steps: the layer scan and the unrolled layers."""
+    kw = dict(model=model_dir, **COMPILED, layer_dispatch=layer_dispatch)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (3, 40, 90, 7)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

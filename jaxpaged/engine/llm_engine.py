@@ -124,8 +124,8 @@ class LLMEngine:
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
-        self.layer_dispatch = args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH or (
-            "per_layer" if layerwise.layer_bytes(loaded.params) >= layerwise.PER_LAYER_MIN_BYTES else "scan")
+        self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
+                               or layerwise.default_dispatch(loaded.params, jax.default_backend()))
         exec_cache = (envs.JAXPAGED_EXEC_CACHE if envs.JAXPAGED_EXEC_CACHE is not None
                       else jax.default_backend() == "gpu")
         exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")

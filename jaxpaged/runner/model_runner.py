@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged import envs
+from jaxpaged.config import LAYER_DISPATCHES
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.models import AttentionMetadata, DecoderModel, LoadedModel, RuntimeOptions, kv_cache_shape
 from jaxpaged.runner.buckets import Bucket, BucketPolicy
@@ -96,12 +97,17 @@ class ModelRunner:
                  layer_dispatch: str = "scan", exec_cache_root: str | None = None):
         self.cfg = model.config
         self.dtype = model.dtype
-        if layer_dispatch == "per_layer":
+        if layer_dispatch not in LAYER_DISPATCHES:
+            raise ValueError(f"layer dispatch must be one of {', '.join(LAYER_DISPATCHES)}, got {layer_dispatch!r}")
+        self.layer_dispatch = layer_dispatch
+        if layer_dispatch in ("per_layer", "unrolled"):
             # Each layer's weights as their own arrays (runner/layerwise.py), before the KV pool is
-            # allocated; model.params["layers"] is deleted on the way.
+            # allocated; model.params["layers"] is deleted on the way. Unrolled: all layers in one group,
+            # which layerwise.step runs as one program with embedding, head and sampler.
             self.params, self.layer_params = layerwise.split_params(model.params)
             self.layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(self.layer_params))]
-            self.layer_group = envs.JAXPAGED_LAYER_GROUP or layerwise.LAYERS_PER_DISPATCH
+            self.layer_group = (len(self.layer_params) if layer_dispatch == "unrolled"
+                                else envs.JAXPAGED_LAYER_GROUP or layerwise.LAYERS_PER_DISPATCH)
         else:
             self.params, self.layer_params, self.layer_ids = model.params, None, None
         self.block_size = block_size
@@ -126,14 +132,20 @@ class ModelRunner:
         self._free_sampling_slots: list[int] = list(range(63, -1, -1))
         self._batch_cache: tuple = (None, None, None)   # (SchedulerOutput, request ids, static sampler rows)
         # Compiled steps by (layout, options, flags), filled at warm-up; read from disk when a start-up
-        # with the same fingerprint made them before (exec_cache.py). The layer scan only.
+        # with the same fingerprint made them before (exec_cache.py). Single-program steps only (the
+        # layer scan, unrolled layers): per-layer dispatch runs several programs a step.
         self._compiled: dict = {}
         self.exec_cache = None
-        if exec_cache_root is not None and self.layer_params is None:
-            shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
+        if exec_cache_root is not None and self._single_program:
+            shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_params))
             self.exec_cache = ExecutableCache(exec_cache_root, fingerprint(
-                self.cfg, str(jnp.dtype(self.dtype)), attn_backend, self.kv_cache.shape,
+                self.cfg, str(jnp.dtype(self.dtype)), attn_backend, layer_dispatch, self.kv_cache.shape,
                 self.max_blocks_per_req, self.max_rows, shapes))
+
+    @property
+    def _single_program(self) -> bool:
+        """Whether a step is one compiled program (the scan, or every layer in one group)."""
+        return self.layer_params is None or len(self._layer_groups) == 1
 
     @property
     def layer_group(self) -> int:
@@ -144,6 +156,8 @@ class ModelRunner:
     def layer_group(self, group: int) -> None:
         self._layer_groups = layerwise.group_layers(self.layer_params, self.layer_ids, group)
         self._layer_group = group
+        if getattr(self, "_compiled", None):      # executables of the previous grouping no longer apply
+            self._compiled.clear()
 
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
@@ -155,10 +169,12 @@ class ModelRunner:
     def run_packed(self, params, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
                    flags: SamplerFlags):
         """The step on already packed inputs (host or device arrays, see _pack)."""
+        compiled = self._compiled.get((layout, options, flags)) if self._compiled else None
         if self.layer_params is not None:
+            if compiled is not None:         # unrolled, loaded from the executable cache
+                return compiled(params, self._layer_groups[0][0], kv_cache, prev_sampled, ints, floats)
             return layerwise.step(params, self._layer_groups, kv_cache, prev_sampled, ints, floats, layout=layout,
                                   cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
-        compiled = self._compiled.get((layout, options, flags)) if self._compiled else None
         if compiled is not None:
             return compiled(params, kv_cache, prev_sampled, ints, floats)
         return _packed_step(params, kv_cache, prev_sampled, ints, floats, layout=layout, cfg=self.cfg,
@@ -427,9 +443,13 @@ class ModelRunner:
         compiled = self.exec_cache.load(key)
         from_disk = compiled is not None
         if not from_disk:
-            compiled = _packed_step.trace(self.params, self.kv_cache, self.prev_sampled, ints, floats,
-                                          layout=layout, cfg=self.cfg, dtype=self.dtype, options=options,
-                                          flags=flags).lower().compile()
+            kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
+            if self.layer_params is None:
+                traced = _packed_step.trace(self.params, self.kv_cache, self.prev_sampled, ints, floats, **kw)
+            else:
+                traced = layerwise.whole_step.trace(self.params, self._layer_groups[0][0], self.kv_cache,
+                                                    self.prev_sampled, ints, floats, **kw)
+            compiled = traced.lower().compile()
             self.exec_cache.store(key, compiled)
         self._compiled[key] = compiled
         return key if from_disk else None
@@ -471,9 +491,6 @@ def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
 
 
 def _unpack(ints, floats, layout):
-    # The packed inputs may come in pinned host memory (no device buffer to allocate before the launch,
-    # see ModelRunner.launch): moved to the device here, on the step's own stream. A no-op for device arrays.
-    ints, floats = (jax.device_put(x, jax.memory.Space.Device) for x in (ints, floats))
     treedef, spec = layout
     leaves, offsets = [], {"i": 0, "f": 0}
     for kind, shape, dtype in spec:
