@@ -210,11 +210,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     if args.step_log:
         write_step_log(args.step_log, llm.llm_engine.stats.step_log, t0, gc_pauses)
     if args.profile:
-        dev = trace_analysis.analyze(str(trace_dir))
+        dev = trace_analysis.analyze(str(trace_dir), detail=True)
         metrics["trace"] = dev or {"note": "no device events in the trace (CPU backend?)", "dir": str(trace_dir)}
         if dev:
             print(f"trace: device busy {dev['device_busy_ms']:.1f} ms of {dev['span_ms']:.1f} ms "
                   f"({100 * dev['device_busy_fraction']:.1f}%), idle {dev['device_idle_ms']:.1f} ms")
+            steps = max(1, (delta or {}).get("num_steps", 1))
+            print("trace, per engine step: host events (us)  " + "; ".join(
+                f"{e['name'][:48]} {1000 * e['total_ms'] / steps:.0f} ({e['count'] / steps:.1f}x)"
+                for e in dev["top_host_events"][:20]))
+            print("trace, idle gaps by neighbours  " + "; ".join(
+                f"{g['before'][:30]} -> {g['after'][:30]}: {g['count']} x {g['mean_us']:.0f} us"
+                for g in dev["gaps_by_neighbours"][:8]))
         print(f"trace written to {trace_dir}")
     meta = stamp(sys.argv if argv is None else ["bench/throughput.py"] + list(argv))
     path = write_result(name, metrics, meta=meta, title=f"offline throughput: {short}, {args.dataset}")

@@ -124,11 +124,18 @@ def load_events(trace_dir: str) -> list[dict[str, Any]] | None:
     return None if path is None else _read_events(path)
 
 
-def analyze(trace_dir: str) -> dict[str, Any] | None:
+def analyze(trace_dir: str, detail: bool = False) -> dict[str, Any] | None:
+    """Device busy/idle over the trace; with detail, also where the time goes: the host's events and the
+    device's kernels by total time, and the idle gaps grouped by the kernels around them."""
     path = find_trace(trace_dir)
     if path is None:
         return None
-    out = analyze_events(_read_events(path))
+    events = _read_events(path)
+    out = analyze_events(events)
     if out is not None:
         out["trace_file"] = path
+        if detail:
+            out["top_host_events"] = top_host_events(events, 30)
+            out["top_kernels"] = top_kernels(events, 20)
+            out["gaps_by_neighbours"] = gaps_by_neighbours(events)
     return out
