@@ -26,7 +26,7 @@ PROMPTS = [
 ]
 
 
-def smollm2_check(backends: list[str], max_tokens: int = 32) -> dict:
+def smollm2_check(backends: list[str], max_tokens: int = 32, layer_dispatch: str | None = None) -> dict:
     import jax
     import torch
     from transformers import AutoModelForCausalLM
@@ -38,11 +38,12 @@ def smollm2_check(backends: list[str], max_tokens: int = 32) -> dict:
         for backend in backends:
             t0 = time.perf_counter()
             llm = LLM(dtype="float32", max_model_len=512, attention_backend=backend, gpu_memory_utilization=0.3,
-                      compile_buckets=False)
+                      compile_buckets=False, layer_dispatch=layer_dispatch)
             start = time.perf_counter() - t0
             t1 = time.perf_counter()
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-            res[backend] = {"startup_s": start, "generate_s": time.perf_counter() - t1,
+            res[backend] = {"layer_dispatch": llm.llm_engine.layer_dispatch,
+                            "startup_s": start, "generate_s": time.perf_counter() - t1,
                             "token_ids": [o.outputs[0].token_ids for o in outs],
                             "texts": [o.outputs[0].text for o in outs]}
             path, tok, eos = llm.llm_engine.model_path, llm.get_tokenizer(), set(llm.llm_engine.eos_token_ids)
@@ -121,6 +122,9 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--backends", default="xla,pallas")
     ap.add_argument("--qwen-backend", default=None)
+    ap.add_argument("--skip-qwen", action="store_true")
+    ap.add_argument("--layer-dispatch", default=None, help="SmolLM2 check: scan | per_layer | unrolled "
+                    "(default: the engine's choice)")
     args = ap.parse_args()
     import jax
     from bench.models import ensure_model_dir
@@ -129,16 +133,17 @@ def main() -> None:
               "git_rev": os.environ.get("JAXPAGED_GIT_REV", "unknown")}
     if not args.skip_smollm2:
         try:
-            result["smollm2_greedy"] = smollm2_check(args.backends.split(","))
+            result["smollm2_greedy"] = smollm2_check(args.backends.split(","), layer_dispatch=args.layer_dispatch)
         except Exception:  # report and go on to the next check
             import traceback
             result["smollm2_greedy"] = {"error": traceback.format_exc()}
-    try:
-        result["qwen2_0.5b_dummy"] = qwen_dummy(ensure_model_dir("qwen2-0.5b"), not args.skip_throughput,
-                                                args.qwen_backend)
-    except Exception:
-        import traceback
-        result["qwen2_0.5b_dummy"] = {"error": traceback.format_exc()}
+    if not args.skip_qwen:
+        try:
+            result["qwen2_0.5b_dummy"] = qwen_dummy(ensure_model_dir("qwen2-0.5b"), not args.skip_throughput,
+                                                    args.qwen_backend)
+        except Exception:
+            import traceback
+            result["qwen2_0.5b_dummy"] = {"error": traceback.format_exc()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gpu_e2e.json").write_text(json.dumps(result, indent=1, default=str))
     short = json.loads(json.dumps(result, default=str))
