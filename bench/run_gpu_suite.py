@@ -11,8 +11,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
-  host   step_probe on qwen2-0.5b: launch vs pipelined step time for the layer scan, XLA's command-buffer
-         variants (loop unrolled into one graph, graphs never updated) and per-layer dispatch by 4-24 layers
+  host   qwen2-0.5b's layer dispatch, scan against unrolled: step_probe (host vs device inputs), then the
+         server with each and openqa at concurrency 1 and 10
   gil    the serve step at concurrency 10 only, with Python's GIL switch interval and with 0.5 ms
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
@@ -48,12 +48,6 @@ sys.path.append(str(REPO))
 from bench.common import RESULTS_DIR, stamp  # noqa: E402
 
 PY = sys.executable
-# XLA's command buffers (CUDA graphs) for everything a step launches, the layer loop included.
-CMDBUF_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-# The layer loop unrolled into the step's command buffer (one CUDA graph instead of one per layer).
-UNROLL_LOOPS_FLAG = "--xla_gpu_command_buffer_unroll_loops=true"
-# Command buffers recorded once and never updated with new buffer addresses (XLA remaps them instead).
-NEVER_UPDATE_FLAG = "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE"
 BENCH = REPO / "bench"
 PORT = 8011
 # A step's log lines echoed to the console (a PROBE line, step_probe's JSON, whatever its length).
@@ -116,24 +110,20 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(serve_qwen, server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
             profile_qwen,
         ],
-        # Where a small decode step's host time goes: the launch (how long the call holds the host) against
-        # the pipelined step, for the layer scan, the scan inside CUDA graphs, and per-layer dispatch.
-        # Variants: the loop unrolled into one command buffer (XLA's unroll_loops), command buffers that are
-        # never updated between runs (update_mode NEVER_UPDATE, XLA's VA-remapping strategy), and per-layer
-        # dispatch of 1-24 layers per program (24 = the whole layer stack in one program, weights unstacked).
+        # The layer dispatch of a small model (qwen2-0.5b): the layer scan against every layer unrolled into
+        # one program (the GPU default for layers < 64 MiB). The decode step with fresh host inputs and with
+        # inputs kept on the device (how long a launch holds the host), then the server with each, openqa
+        # at concurrency 1 and 10 (the unrolled step launches one large CUDA graph: latency at concurrency 1).
         "host": [
-            Step("probe-scan", 80, probe + ["--label", "scan"]),
-            Step("probe-cmdbuf-unroll", 80, probe + ["--label", "cmdbuf_unroll"],
-                 env={"XLA_FLAGS": f"{CMDBUF_FLAGS} {UNROLL_LOOPS_FLAG}"}),
-            Step("probe-never-update", 80, probe + ["--label", "never_update"],
-                 env={"XLA_FLAGS": NEVER_UPDATE_FLAG}),
-            Step("probe-cmdbuf-unroll-never", 80, probe + ["--label", "cmdbuf_unroll_never_update"],
-                 env={"XLA_FLAGS": f"{CMDBUF_FLAGS} {UNROLL_LOOPS_FLAG} {NEVER_UPDATE_FLAG}"}),
-            Step("probe-groups", 200, probe + ["--label", "per_layer", "--layer-dispatch", "per_layer",
-                                                "--groups", "1,4" if smoke else "4,8,12,24"]),
-            Step("probe-groups-never", 120, probe + ["--label", "per_layer_never_update", "--layer-dispatch",
-                                                      "per_layer", "--groups", "4" if smoke else "24"],
-                 env={"XLA_FLAGS": NEVER_UPDATE_FLAG}),
+            Step("probe-dispatch", 150, probe + ["--label", "scan", "--inputs", "numpy,device"] + (
+                [] if smoke else ["--num-blocks", "20000"])),
+            Step("probe-unrolled", 150, probe + ["--label", "unrolled", "--inputs", "numpy,device",
+                                                  "--layer-dispatch", "unrolled"] + (
+                [] if smoke else ["--num-blocks", "20000"])),
+            dataclasses.replace(serve_qwen, name="serve-openqa-unrolled", budget_s=300,
+                                env={"JAXPAGED_LAYER_DISPATCH": "unrolled"}),
+            dataclasses.replace(serve_qwen, name="serve-openqa-scan", budget_s=220,
+                                env={"JAXPAGED_LAYER_DISPATCH": "scan"}),
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
@@ -212,7 +202,7 @@ def run_serve(step: Step, log: Path, budget_s: float, cwd: Path, env: dict[str, 
         srv = subprocess.Popen(server, cwd=cwd, env={**env, **step.env}, stdout=f, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
-        if not wait_health(f"http://127.0.0.1:{PORT}/health", srv, min(180.0, budget_s - 60)):
+        if not wait_health(f"http://127.0.0.1:{PORT}/health", srv, budget_s - 60):
             print(f"  server did not become healthy (see {log})")
             return 1
         print(f"  server healthy after {time.perf_counter() - t0:.0f} s")

@@ -118,8 +118,8 @@ def main() -> None:
     ap.add_argument("--inputs", default="numpy",
                     help=f"comma-separated, each probed in turn: {', '.join(INPUTS)} (see time_decode_steps)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
-    ap.add_argument("--layer-dispatch", choices=["scan", "per_layer"], default=None,
-                    help="default: the engine's choice (per_layer for layers >= 64 MiB)")
+    ap.add_argument("--layer-dispatch", choices=["scan", "per_layer", "unrolled"], default=None,
+                    help="default: the engine's choice (runner/layerwise.default_dispatch)")
     ap.add_argument("--trace", default=None, help="folder: trace 10 steps per batch, list the top kernels")
     ap.add_argument("--groups", default=None,
                     help="per-layer dispatch only: comma-separated layers per dispatch, each probed in turn on "
