@@ -110,12 +110,13 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(serve_qwen, server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
             profile_qwen,
         ],
-        # The layer dispatch of a small model (qwen2-0.5b): the layer scan against every layer unrolled into
-        # one program (the GPU default for layers < 64 MiB). The decode step with fresh host inputs and with
+        # The layer dispatch of a small model (qwen2-0.5b): the layer scan (the default for layers < 64 MiB)
+        # against every layer unrolled into one program (opt-in). The decode step with fresh host inputs and with
         # inputs kept on the device (how long a launch holds the host), then the server with each, openqa
         # at concurrency 1 and 10 (the unrolled step launches one large CUDA graph: latency at concurrency 1).
         "host": [
-            Step("probe-dispatch", 150, probe + ["--label", "scan", "--inputs", "numpy,device"] + (
+            Step("probe-dispatch", 150, probe + ["--label", "scan", "--inputs", "numpy,device",
+                                                  "--layer-dispatch", "scan"] + (
                 [] if smoke else ["--num-blocks", "20000"])),
             Step("probe-unrolled", 150, probe + ["--label", "unrolled", "--inputs", "numpy,device",
                                                   "--layer-dispatch", "unrolled"] + (

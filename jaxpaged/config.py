@@ -49,7 +49,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
     attention_backend: str | None = None      # reference | xla | pallas; default by platform
-    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by backend and layer size
+    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: picks the batch defaults

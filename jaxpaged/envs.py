@@ -8,7 +8,7 @@ import pathlib
 JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib.Path.home() / ".cache" / "jaxpaged"))
 # Override the attention implementation: reference | xla | pallas (default: by backend).
 JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
-# How a step runs the layers: scan | per_layer | unrolled (default: by backend and a layer's size).
+# How a step runs the layers: scan | per_layer | unrolled (default: by a layer's size).
 JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
 # Per-layer dispatch: layers per dispatched program (default: runner/layerwise.py LAYERS_PER_DISPATCH).
 JAXPAGED_LAYER_GROUP = int(os.environ.get("JAXPAGED_LAYER_GROUP") or 0) or None

@@ -125,7 +125,7 @@ class LLMEngine:
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
-                               or layerwise.default_dispatch(loaded.params, jax.default_backend()))
+                               or layerwise.default_dispatch(loaded.params))
         exec_cache = (envs.JAXPAGED_EXEC_CACHE if envs.JAXPAGED_EXEC_CACHE is not None
                       else jax.default_backend() == "gpu")
         exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")

@@ -36,15 +36,17 @@ PER_LAYER_MIN_BYTES = 64 << 20      # auto: per-layer dispatch when one layer's 
 LAYERS_PER_DISPATCH = 4
 
 
-def default_dispatch(params, platform: str) -> str:
-    """per_layer where a layer's weights are large (>= PER_LAYER_MIN_BYTES); otherwise, on GPUs, unrolled:
-    one program for the whole step, which reads each layer's weights in place (the scan copies the ones
-    feeding cuBLAS) and launches once. qwen2-0.5b decode on an H100 (NOTES.md, sixth session): device time
-    per step at 16/64/256 requests 1.22/1.51/2.60 ms unrolled against 1.90/2.26/3.35 ms under the scan, at
-    ~3.5 s of compile per bucket instead of ~1.5 s. On the CPU the scan compiles fastest and loses nothing."""
-    if layer_bytes(params) >= PER_LAYER_MIN_BYTES:
-        return "per_layer"
-    return "unrolled" if platform == "gpu" else "scan"
+def default_dispatch(params) -> str:
+    """per_layer where a layer's weights are large (>= PER_LAYER_MIN_BYTES), else the layer scan.
+
+    "unrolled" (the whole step one program, each layer on its own weights) is opt-in. On qwen2-0.5b on an
+    H100 (NOTES.md, sixth session) it takes 25-35% less device time per decode step at 16-256 requests
+    (1.15/1.52/2.61 ms against the scan's 1.90/2.26/3.35: no weight-slice copies) and ShareGPT 1000 gained
+    4.4% (34,981 against 33,502 output tok/s, one machine), but its one CUDA graph of ~500 kernels costs
+    1.7-2.1 ms of host to launch, so small batches are host-bound: openqa over HTTP at concurrency 1 had a
+    median TPOT of 3.50 ms against the scan's 1.95 ms, and 2,336 against 2,889 output tok/s at concurrency
+    10. Its cold compile is also ~2x the scan's."""
+    return "per_layer" if layer_bytes(params) >= PER_LAYER_MIN_BYTES else "scan"
 
 
 def layer_bytes(params) -> int:
