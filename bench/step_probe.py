@@ -21,7 +21,8 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
                       trace_dir: str | None = None, inputs: str = "numpy") -> dict:
     """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time.
 
-    inputs: "numpy" packs host arrays and copies them to the device every step, as the engine does;
+    inputs: "numpy" passes a fresh copy of the packed host arrays every step, which the call copies to
+    the device, as the engine's are;
     "put" / "put_alias" copy fresh host arrays with jax.device_put (may_alias=True for the second) before
     the call; "pinned" puts them into pinned host memory first, then onto the device; "device" packs and
     copies them once and passes the same device arrays every step (the previous step's sampled-token
@@ -145,7 +146,8 @@ def main() -> None:
             runner.layer_group = group
             extra["layers_per_dispatch"] = group
         for kind in inputs:
-            trace = args.trace and f"{args.trace}/{'g%d' % group if group else 'scan'}_{kind}"
+            where = f"g{group}" if group else res["layer_dispatch"]
+            trace = args.trace and f"{args.trace}/{where}_{kind}"
             print("PROBE", json.dumps({**res, **extra, "inputs": kind,
                                        **time_decode_steps(llm, batches, args.ctx, args.unroll, trace, kind)}),
                   flush=True)

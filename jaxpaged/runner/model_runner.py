@@ -99,7 +99,6 @@ class ModelRunner:
         self.dtype = model.dtype
         if layer_dispatch not in LAYER_DISPATCHES:
             raise ValueError(f"layer dispatch must be one of {', '.join(LAYER_DISPATCHES)}, got {layer_dispatch!r}")
-        self.layer_dispatch = layer_dispatch
         if layer_dispatch in ("per_layer", "unrolled"):
             # Each layer's weights as their own arrays (runner/layerwise.py), before the KV pool is
             # allocated; model.params["layers"] is deleted on the way. Unrolled: all layers in one group,
