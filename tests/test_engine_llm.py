@@ -105,7 +105,8 @@ def test_per_layer_dispatch_equals_the_layer_scan(model_dir, llm):
 
 def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory, monkeypatch):
     """Per-layer dispatch runs the layers in groups (LAYERS_PER_DISPATCH); with 5 layers in groups of 2
-    the last group has one layer and compiles its own program. Greedy tokens equal the layer scan's."""
+    the last group has one layer and compiles its own program. Greedy tokens equal the layer scan's, and
+    so do those of all 5 layers unrolled into one program. An unknown dispatch is refused."""
     from jaxpaged import envs
     d = tmp_path_factory.mktemp("tiny_llama_5")
     save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
@@ -116,6 +117,15 @@ def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory, monkeypatc
     assert grouped.llm_engine.runner.layer_group == 2
     want = [o.outputs[0].token_ids for o in scan.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in grouped.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    unrolled = make_llm((str(d),), layer_dispatch="unrolled")
+    assert unrolled.llm_engine.runner.layer_group == 5
+    assert [o.outputs[0].token_ids for o in unrolled.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    with pytest.raises(ValueError, match="layer_dispatch must be one of scan, per_layer, unrolled"):
+        make_llm((str(d),), layer_dispatch="layerwise")
+    monkeypatch.setattr(envs, "JAXPAGED_LAYER_DISPATCH", "layerwise")    # the environment's value too
+    with pytest.raises(ValueError, match="layer dispatch must be one of"):
+        make_llm((str(d),))
+    monkeypatch.setattr(envs, "JAXPAGED_LAYER_DISPATCH", None)
     monkeypatch.setattr(envs, "JAXPAGED_LAYER_GROUP", -1)      # would run no layer: refused
     with pytest.raises(ValueError, match="JAXPAGED_LAYER_GROUP"):
         make_llm((str(d),), layer_dispatch="per_layer")
