@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
-INPUTS = ("numpy", "put", "put_alias", "pinned", "device", "stable")
+INPUTS = ("numpy", "staged", "put", "put_alias", "pinned", "device")
 
 
 def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1,
@@ -22,20 +22,21 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
     """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time.
 
     inputs: "numpy" passes a fresh copy of the packed host arrays every step, which the call copies to
-    the device, as the engine's are;
+    the device (the engine's way with JAXPAGED_STAGE_INPUTS=0);
+    "staged" copies fresh host arrays into the runner's persistent device buffers first (InputStage, the
+    engine's default), so the step reads the same addresses every launch;
     "put" / "put_alias" copy fresh host arrays with jax.device_put (may_alias=True for the second) before
     the call; "pinned" puts them into pinned host memory first, then onto the device; "device" packs and
-    copies them once and passes the same device arrays every step (the previous step's sampled-token
-    buffer still changes); "stable" also passes one fixed sampled-token buffer, so that no input buffer
-    changes between steps. Tells how much of a launch is the inputs' copy, and whether new input buffers
-    make XLA update its CUDA graphs on every launch."""
+    copies them once and passes the same device arrays every step. The sampled-token buffer is donated
+    to the step and comes back in place in every mode. Tells how much of a launch is the inputs' copy, and
+    whether new input buffers make XLA update its CUDA graphs on every launch."""
     import jax
     import numpy as np
 
     from jaxpaged.models import AttentionMetadata
     from jaxpaged.models.decoder import RuntimeOptions
     from jaxpaged.runner.buckets import Bucket
-    from jaxpaged.runner.model_runner import ModelInput, _pack
+    from jaxpaged.runner.model_runner import InputStage, ModelInput, _pack
     from jaxpaged.runner.sampler import SamplerFlags
     runner = llm.llm_engine.runner
     rng = np.random.default_rng(0)
@@ -58,19 +59,22 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         dev = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-        if inputs in ("device", "stable"):
+        if inputs == "device":
             ints, floats = jax.device_put(ints, dev), jax.device_put(floats, dev)
-        put = {"numpy": lambda x: np.array(x), "put": lambda x: jax.device_put(np.array(x), dev),
+        put = {"numpy": lambda x: np.array(x), "staged": lambda x: np.array(x),
+               "put": lambda x: jax.device_put(np.array(x), dev),
                "put_alias": lambda x: jax.device_put(np.array(x), dev, may_alias=True),
                "pinned": lambda x: jax.device_put(jax.device_put(np.array(x), pinned), on_device),
-               "device": lambda x: x, "stable": lambda x: x}[inputs]
-        fixed_prev = runner.prev_sampled
+               "device": lambda x: x}[inputs]
+        stage = (runner.input_stage or InputStage()) if inputs == "staged" else None
 
         def step():
-            runner.kv_cache, prev, r = runner.run_packed(
-                runner.params, runner.kv_cache, runner.prev_sampled, put(ints), put(floats),
+            i, f = put(ints), put(floats)
+            if stage is not None:
+                i, f = stage.put(i, f)
+            runner.kv_cache, runner.prev_sampled, r = runner.run_packed(
+                runner.params, runner.kv_cache, runner.prev_sampled, i, f,
                 layout=layout, options=opts, flags=SamplerFlags())
-            runner.prev_sampled = fixed_prev if inputs == "stable" else prev
             return r
 
         t0 = time.perf_counter()

@@ -240,3 +240,34 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     assert not kv.table_rows and not kv.block_table.any()
     # every finished request's sampler slot came back (or is reclaimable: its request is finished)
     assert all(r.is_finished for r in runner._sampling_slots)
+
+
+def test_step_reads_its_inputs_from_buffers_that_keep_their_addresses(model_dir):
+    """InputStage: every step of one packed size reads the same two device buffers, and the sampled-token
+    buffer is donated and returned in place, so the step's CUDA graphs never need re-pointing (on the GPU;
+    here the CPU backend shows the same aliasing). The tokens equal those of fresh host inputs."""
+    from jaxpaged import LLM
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=8,
+              num_gpu_blocks_override=64, compile_buckets=False)
+    runner = llm.llm_engine.runner
+    assert runner.input_stage is not None                      # on by default
+    real_launch = runner.launch
+    seen = {}                                                  # packed sizes -> buffer addresses seen
+
+    def launch(prepared):
+        inflight = real_launch(prepared)
+        for key, bufs in runner.input_stage._bufs.items():
+            seen.setdefault(key, set()).add(tuple(b.unsafe_buffer_pointer() for b in bufs))
+        seen.setdefault("prev_sampled", set()).add(runner.prev_sampled.unsafe_buffer_pointer())
+        return inflight
+
+    runner.launch = launch
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (5, 19, 33)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    staged = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert len(seen) >= 3                                      # prefill and decode sizes, and prev_sampled
+    assert all(len(addrs) == 1 for addrs in seen.values()), seen
+    runner.launch = real_launch
+    runner.input_stage = None                                  # fresh host arrays straight into the step
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == staged

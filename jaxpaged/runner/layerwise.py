@@ -98,7 +98,7 @@ def group_layers(layer_params: list, layer_ids: list, group: int) -> list[tuple]
             for first in range(0, len(layer_params), group)]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"))
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"), donate_argnames=("prev_sampled",))
 def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags):
     from jaxpaged.runner.model_runner import prompt_head, sample_and_keep
     logits, prompt = head_phase(cfg, dtype, params, h, model_input.logits_indices,
@@ -107,7 +107,7 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
-                   donate_argnames=("kv_cache",))
+                   donate_argnames=("kv_cache", "prev_sampled"))
 def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
                options: RuntimeOptions, flags: SamplerFlags):
     """The whole step as one program, every layer unrolled on its own weights (all layers in one group)."""

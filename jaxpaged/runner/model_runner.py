@@ -120,7 +120,8 @@ class ModelRunner:
                                    jnp.dtype(self.dtype)) if num_cpu_blocks else None)
         self.compiled_keys: set = set()
         self.max_rows = buckets.max_rows
-        self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
+        self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)   # donated to each step, which returns it
+        self.input_stage = InputStage() if envs.JAXPAGED_STAGE_INPUTS else None
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         # Each request's static sampler row (SAMPLING_COLUMNS), written once into a persistent table
         # and gathered by slot every step. Slots are keyed by the Request object (a reused request id
@@ -162,6 +163,8 @@ class ModelRunner:
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
         ints, floats, layout = _pack((model_input, sampling))
+        if self.input_stage is not None:
+            ints, floats = self.input_stage.put(ints, floats)
         return self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
                                flags=flags)
 
@@ -465,12 +468,48 @@ class ModelRunner:
         return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
 
 
+class InputStage:
+    """Persistent device buffers that each step's packed inputs are copied into before the step runs.
+
+    XLA runs a step as CUDA graphs whose nodes hold the addresses of the buffers they read. A step handed
+    fresh host arrays gets new input buffers every launch, so XLA re-points the graphs' nodes first, and on
+    the H100 that update held the launch about as long as the previous step's device time (qwen2-0.5b,
+    NOTES.md, sixth session: 0.9-3.3 ms a launch against 0.2-0.7 ms with the same device buffers every
+    step). Here the host arrays go to the device as before, then a one-copy program writes them into a
+    buffer of the same size that is donated back to it (input_output_aliases), so the step always reads
+    the same two addresses. Buffers are kept per packed size; _pack rounds the sizes up to powers of two,
+    so a handful of sizes (and of the copy program's compiles) cover every bucket.
+
+    The step reads the buffers without donating them; the next put() donates them to the copy, which runs
+    after the step on the same stream, so a step never sees the next step's inputs."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
+
+    def put(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        key = (ints.shape[0], floats.shape[0])
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            bufs = (jnp.zeros(key[0], jnp.int32), jnp.zeros(key[1], jnp.float32))
+        bufs = self._bufs[key] = _copy_into(*bufs, ints, floats)
+        return bufs
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_into(dst_ints, dst_floats, ints, floats):
+    # a full-size update of a donated buffer: XLA writes `ints` into dst's memory (a copy, no new buffer)
+    return (jax.lax.dynamic_update_slice(dst_ints, ints, (0,)),
+            jax.lax.dynamic_update_slice(dst_floats, floats, (0,)))
+
+
 _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
+_PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
 
 
 def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
     """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
-    instead of one per array. `layout` (static, hashable) says how to cut them apart again."""
+    instead of one per array. `layout` (static, hashable) says how to cut them apart again. Each buffer is
+    zero-padded to a power of two (at least _PACK_MIN), which InputStage relies on."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
@@ -485,7 +524,9 @@ def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
         else:
             ints.append(a.astype(np.int32, copy=False).ravel())
             spec.append(("i", a.shape, "int32"))
-    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)
+    def cat(xs, dt):
+        n = sum(map(len, xs))
+        return np.concatenate(xs + [np.zeros(_pow2(n, _PACK_MIN) - n, dt)])
     return cat(ints, np.int32), cat(floats, np.float32), (treedef, tuple(spec))
 
 
@@ -504,10 +545,11 @@ def _unpack(ints, floats, layout):
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
-                   donate_argnames=("kv_cache",))
+                   donate_argnames=("kv_cache", "prev_sampled"))
 def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype, options: RuntimeOptions,
                  flags: SamplerFlags):
-    """The one jitted step: model forward over the flat batch, then sampling; the pool is donated.
+    """The one jitted step: model forward over the flat batch, then sampling; the pool and the sampled-token
+    buffer are donated (updated in place: their addresses stay those the step's CUDA graphs hold).
 
     A module-level function whose static arguments are plain hashable values (no runner instance), so
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
