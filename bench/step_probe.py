@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
-INPUTS = ("numpy", "staged", "put", "put_alias", "pinned", "device")
+INPUTS = ("numpy", "host_inputs", "put", "put_alias", "pinned", "device")
 
 
 def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int = 1,
@@ -22,21 +22,20 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
     """Per decode step (model + sampler, context `ctx` each): blocking latency and back-to-back time.
 
     inputs: "numpy" passes a fresh copy of the packed host arrays every step, which the call copies to
-    the device (the engine's way with JAXPAGED_STAGE_INPUTS=0);
-    "staged" copies fresh host arrays into the runner's persistent device buffers first (InputStage, the
-    engine's default), so the step reads the same addresses every launch;
+    the device (the engine's way with JAXPAGED_PINNED_INPUTS=0);
+    "host_inputs" writes them in place into the runner's persistent pinned host buffers, which the step
+    copies to the device itself (HostInputs, the engine's default: no transfer call on the host);
     "put" / "put_alias" copy fresh host arrays with jax.device_put (may_alias=True for the second) before
     the call; "pinned" puts them into pinned host memory first, then onto the device; "device" packs and
     copies them once and passes the same device arrays every step. The sampled-token buffer is donated
-    to the step and comes back in place in every mode. Tells how much of a launch is the inputs' copy, and
-    whether new input buffers make XLA update its CUDA graphs on every launch."""
+    to the step and comes back in place in every mode. Tells how much of a launch is the inputs' copy."""
     import jax
     import numpy as np
 
     from jaxpaged.models import AttentionMetadata
     from jaxpaged.models.decoder import RuntimeOptions
     from jaxpaged.runner.buckets import Bucket
-    from jaxpaged.runner.model_runner import InputStage, ModelInput, _pack
+    from jaxpaged.runner.model_runner import HostInputs, ModelInput, _pack
     from jaxpaged.runner.sampler import SamplerFlags
     runner = llm.llm_engine.runner
     rng = np.random.default_rng(0)
@@ -61,20 +60,26 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
         if inputs == "device":
             ints, floats = jax.device_put(ints, dev), jax.device_put(floats, dev)
-        put = {"numpy": lambda x: np.array(x), "staged": lambda x: np.array(x),
+        put = {"numpy": lambda x: np.array(x), "host_inputs": None,
                "put": lambda x: jax.device_put(np.array(x), dev),
                "put_alias": lambda x: jax.device_put(np.array(x), dev, may_alias=True),
                "pinned": lambda x: jax.device_put(jax.device_put(np.array(x), pinned), on_device),
                "device": lambda x: x}[inputs]
-        stage = (runner.input_stage or InputStage()) if inputs == "staged" else None
+        # deeper than the engine's (which has at most two steps queued): the back-to-back loop below queues
+        # steps as fast as it launches them, and must not wait for a free slot inside the timed launch
+        host = HostInputs(depth=80) if inputs == "host_inputs" else None
 
         def step():
-            i, f = put(ints), put(floats)
-            if stage is not None:
-                i, f = stage.put(i, f)
+            if host is not None:
+                slot = host.write(ints, floats)
+                i, f = slot[0]
+            else:
+                i, f = put(ints), put(floats)
             runner.kv_cache, runner.prev_sampled, r = runner.run_packed(
                 runner.params, runner.kv_cache, runner.prev_sampled, i, f,
                 layout=layout, options=opts, flags=SamplerFlags())
+            if host is not None:
+                slot[2] = r
             return r
 
         t0 = time.perf_counter()

@@ -14,10 +14,10 @@ JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
 JAXPAGED_LAYER_GROUP = int(os.environ.get("JAXPAGED_LAYER_GROUP") or 0) or None
 # Launch each step's JAX computation from a second thread while the engine processes the previous step.
 JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
-# Copy each step's packed inputs into persistent device buffers (donated, so their addresses never change)
-# before the step runs, so that XLA need not re-point the step's CUDA graphs at new input buffers every
-# launch (runner/model_runner.py, InputStage). "0": hand the fresh host arrays to the step directly.
-JAXPAGED_STAGE_INPUTS = os.environ.get("JAXPAGED_STAGE_INPUTS", "1") != "0"
+# Write each step's packed inputs in place into persistent pinned host buffers that the step copies to
+# the device itself, instead of handing it new host arrays (a transfer call per array, which held the
+# host for about a device step on the H100; runner/model_runner.py, HostInputs). "0": new arrays.
+JAXPAGED_PINNED_INPUTS = os.environ.get("JAXPAGED_PINNED_INPUTS", "1") != "0"
 # Keep each bucket's compiled step on disk and load it at start-up, skipping tracing (runner/exec_cache.py).
 # "1" / "0"; unset: on for GPUs (warm start-up of qwen2-0.5b on an H100: 17.3 s against 30.7 s without it),
 # off on the CPU, where XLA:CPU cannot run some deserialized bf16 programs (they would fall back anyway).

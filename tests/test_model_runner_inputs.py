@@ -242,32 +242,64 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     assert all(r.is_finished for r in runner._sampling_slots)
 
 
-def test_step_reads_its_inputs_from_buffers_that_keep_their_addresses(model_dir):
-    """InputStage: every step of one packed size reads the same two device buffers, and the sampled-token
-    buffer is donated and returned in place, so the step's CUDA graphs never need re-pointing (on the GPU;
-    here the CPU backend shows the same aliasing). The tokens equal those of fresh host inputs."""
+def test_steps_read_their_inputs_from_persistent_pinned_buffers(model_dir):
+    """HostInputs: every step's packed inputs are written in place into pinned host buffers that JAX owns,
+    a few per packed size used in turn, and the sampled-token buffer is donated and comes back in place.
+    The tokens equal those of fresh host arrays handed to the step (the CPU backend has pinned host
+    memory too; the GPU's own check is bench/gpu_e2e.py)."""
     from jaxpaged import LLM
     llm = LLM(model=model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=8,
               num_gpu_blocks_override=64, compile_buckets=False)
     runner = llm.llm_engine.runner
-    assert runner.input_stage is not None                      # on by default
-    real_launch = runner.launch
-    seen = {}                                                  # packed sizes -> buffer addresses seen
+    assert runner.host_inputs is not None                      # on by default
+    real_run = runner.run_packed
+    seen_inputs, seen_prev = set(), set()
 
-    def launch(prepared):
-        inflight = real_launch(prepared)
-        for key, bufs in runner.input_stage._bufs.items():
-            seen.setdefault(key, set()).add(tuple(b.unsafe_buffer_pointer() for b in bufs))
-        seen.setdefault("prev_sampled", set()).add(runner.prev_sampled.unsafe_buffer_pointer())
-        return inflight
+    def run_packed(params, kv_cache, prev_sampled, ints, floats, **kw):
+        assert ints.sharding.memory_kind == floats.sharding.memory_kind == "pinned_host"
+        seen_inputs.add((ints.unsafe_buffer_pointer(), floats.unsafe_buffer_pointer()))
+        out = real_run(params, kv_cache, prev_sampled, ints, floats, **kw)
+        seen_prev.add(out[1].unsafe_buffer_pointer())
+        return out
 
-    runner.launch = launch
+    runner.run_packed = run_packed
     rng = np.random.default_rng(11)
     prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (5, 19, 33)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    staged = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert len(seen) >= 3                                      # prefill and decode sizes, and prev_sampled
-    assert all(len(addrs) == 1 for addrs in seen.values()), seen
-    runner.launch = real_launch
-    runner.input_stage = None                                  # fresh host arrays straight into the step
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == staged
+    pinned = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    slots = runner.host_inputs._slots
+    assert len(slots) >= 2                                     # a prefill size and a decode size at least
+    assert seen_inputs <= {(s[0][0].unsafe_buffer_pointer(), s[0][1].unsafe_buffer_pointer())
+                           for ring in slots.values() for s in ring}
+    assert len(seen_inputs) > len(slots)                       # a size's slots taken in turn
+    assert len(seen_prev) == 1                                 # donated, returned in place
+    runner.run_packed = real_run
+    runner.host_inputs = None                                  # fresh host arrays straight into the step
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == pinned
+
+
+def test_host_inputs_reuse_a_slot_only_after_its_step_finished():
+    """A slot's buffers are rewritten only when the step that read them is done (its fence is ready), and
+    what the step reads is what was written, at every turn of the ring."""
+    import jax
+    from jaxpaged.runner.model_runner import HostInputs
+    host = HostInputs(depth=2)
+    step = jax.jit(lambda i, f: (jax.device_put(i, jax.memory.Space.Device) * 2,
+                                 jax.device_put(f, jax.memory.Space.Device) + 1))
+    rng = np.random.default_rng(3)
+    waited = []
+    real_block = jax.block_until_ready
+    for n in range(6):
+        ints = rng.integers(-1000, 1000, 256).astype(np.int32)
+        floats = rng.standard_normal(512).astype(np.float32)
+        jax.block_until_ready = lambda x: (waited.append(n), real_block(x))[1]
+        try:
+            slot = host.write(ints, floats)
+        finally:
+            jax.block_until_ready = real_block
+        out = step(*slot[0])
+        slot[2] = out
+        np.testing.assert_array_equal(np.asarray(out[0]), ints * 2)
+        np.testing.assert_allclose(np.asarray(out[1]), floats + 1, rtol=1e-6)
+    assert waited == [2, 3, 4, 5]                              # the first two turns found empty slots
+    assert len(host._slots[(256, 512)]) == 2

@@ -72,8 +72,8 @@ def split_params(params) -> tuple[dict, list[dict]]:
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype"))
 def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
-    from jaxpaged.runner.model_runner import _unpack, fill_input_tokens   # (model_runner imports this module)
-    model_input, sampling = _unpack(ints, floats, layout)
+    from jaxpaged.runner.model_runner import _unpack, fill_input_tokens, to_device   # (model_runner imports this)
+    model_input, sampling = _unpack(*to_device(ints, floats), layout)
     h, cos, sin = embed_phase(cfg, dtype, params, fill_input_tokens(model_input, prev_sampled),
                               model_input.meta.positions)
     return h, cos, sin, model_input, sampling

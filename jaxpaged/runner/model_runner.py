@@ -121,7 +121,7 @@ class ModelRunner:
         self.compiled_keys: set = set()
         self.max_rows = buckets.max_rows
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)   # donated to each step, which returns it
-        self.input_stage = InputStage() if envs.JAXPAGED_STAGE_INPUTS else None
+        self.host_inputs = HostInputs() if envs.JAXPAGED_PINNED_INPUTS else None
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         # Each request's static sampler row (SAMPLING_COLUMNS), written once into a persistent table
         # and gathered by slot every step. Slots are keyed by the Request object (a reused request id
@@ -139,7 +139,8 @@ class ModelRunner:
         if exec_cache_root is not None and self._single_program:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_params))
             self.exec_cache = ExecutableCache(exec_cache_root, fingerprint(
-                self.cfg, str(jnp.dtype(self.dtype)), attn_backend, layer_dispatch, self.kv_cache.shape,
+                self.cfg, str(jnp.dtype(self.dtype)), attn_backend,
+                (layer_dispatch, "pinned inputs" if self.host_inputs is not None else "host arrays"), self.kv_cache.shape,
                 self.max_blocks_per_req, self.max_rows, shapes))
 
     @property
@@ -163,10 +164,15 @@ class ModelRunner:
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
         ints, floats, layout = _pack((model_input, sampling))
-        if self.input_stage is not None:
-            ints, floats = self.input_stage.put(ints, floats)
-        return self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
-                               flags=flags)
+        slot = None
+        if self.host_inputs is not None:
+            slot = self.host_inputs.write(ints, floats)
+            ints, floats = slot[0]
+        out = self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
+                              flags=flags)
+        if slot is not None:
+            slot[2] = out[2]          # the slot is free again once this step's results are
+        return out
 
     def run_packed(self, params, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
                    flags: SamplerFlags):
@@ -441,6 +447,8 @@ class ModelRunner:
         """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
         Returns its key when it came from disk (it has not run yet), else None."""
         ints, floats, layout = _pack((mi, si))
+        if self.host_inputs is not None:     # compiled for inputs in pinned host memory, as the steps pass them
+            ints, floats = self.host_inputs.write(ints, floats)[0]
         key = (layout, options, flags)
         compiled = self.exec_cache.load(key)
         from_disk = compiled is not None
@@ -468,38 +476,58 @@ class ModelRunner:
         return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
 
 
-class InputStage:
-    """Persistent device buffers that each step's packed inputs are copied into before the step runs.
+class HostInputs:
+    """Persistent pinned host buffers that each step's packed inputs are written into, in place.
 
-    XLA runs a step as CUDA graphs whose nodes hold the addresses of the buffers they read. A step handed
-    fresh host arrays gets new input buffers every launch, so XLA re-points the graphs' nodes first, and on
-    the H100 that update held the launch about as long as the previous step's device time (qwen2-0.5b,
-    NOTES.md, sixth session: 0.9-3.3 ms a launch against 0.2-0.7 ms with the same device buffers every
-    step). Here the host arrays go to the device as before, then a one-copy program writes them into a
-    buffer of the same size that is donated back to it (input_output_aliases), so the step always reads
-    the same two addresses. Buffers are kept per packed size; _pack rounds the sizes up to powers of two,
-    so a handful of sizes (and of the copy program's compiles) cover every bucket.
+    Why: handing a step new host arrays makes JAX transfer them (an H2D copy through PjRt per array), and on
+    the H100 each such transfer held the host about as long as the step already running on the device
+    (qwen2-0.5b decode, scan, NOTES.md, seventh session: a launch held the host 0.8-3.3 ms at 1-256 requests
+    with fresh host arrays, 0.3-0.8 ms with inputs already on the device). Here numpy writes the inputs
+    straight into pinned host memory that JAX already owns (through a view of the buffer's address), and
+    the step program copies them to the device as its first operation, in stream order: no transfer call
+    on the host at all, and the same addresses every step (launch 0.4-1.0 ms in the same probe).
 
-    The step reads the buffers without donating them; the next put() donates them to the copy, which runs
-    after the step on the same stream, so a step never sees the next step's inputs."""
+    The step must not read a buffer while the host rewrites it: each packed size has `depth` slots used in
+    turn, and a slot is rewritten only once the step that last read it has finished (its results are
+    ready; with at most one step in flight ahead of the host that never waits in practice). JAX arrays are
+    immutable to JAX, so nothing else may hold these: only the runner passes them, only to the step."""
 
-    def __init__(self):
-        self._bufs: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
+    DEPTH = 3
 
-    def put(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    def __init__(self, depth: int = DEPTH):
+        self.depth = depth
+        dev = jax.devices()[0]
+        self._sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        self._slots: dict[tuple[int, int], list[list]] = {}   # sizes -> [[arrays, views, fence], ...]
+        self._turn: dict[tuple[int, int], int] = {}
+
+    def write(self, ints: np.ndarray, floats: np.ndarray) -> list:
+        """Copy the packed inputs into the next free slot of their size; returns the slot, whose arrays
+        (slot[0]) go to the step and whose fence (slot[2]) the caller sets to the step's results."""
         key = (ints.shape[0], floats.shape[0])
-        bufs = self._bufs.get(key)
-        if bufs is None:
-            bufs = (jnp.zeros(key[0], jnp.int32), jnp.zeros(key[1], jnp.float32))
-        bufs = self._bufs[key] = _copy_into(*bufs, ints, floats)
-        return bufs
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = [self._new_slot(ints, floats) for _ in range(self.depth)]
+            self._turn[key] = 0
+        slot = slots[self._turn[key]]
+        self._turn[key] = (self._turn[key] + 1) % self.depth
+        if slot[2] is not None:
+            jax.block_until_ready(slot[2])
+            slot[2] = None
+        slot[1][0][...] = ints
+        slot[1][1][...] = floats
+        return slot
 
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _copy_into(dst_ints, dst_floats, ints, floats):
-    # a full-size update of a donated buffer: XLA writes `ints` into dst's memory (a copy, no new buffer)
-    return (jax.lax.dynamic_update_slice(dst_ints, ints, (0,)),
-            jax.lax.dynamic_update_slice(dst_floats, floats, (0,)))
+    def _new_slot(self, ints: np.ndarray, floats: np.ndarray) -> list:
+        import ctypes
+        arrays, views = [], []
+        for x, ctype in ((ints, ctypes.c_int32), (floats, ctypes.c_float)):
+            # a private zero array: on the CPU, device_put may alias the numpy memory it is given
+            a = jax.device_put(np.zeros(x.shape, x.dtype), self._sharding)
+            ptr = a.addressable_data(0).unsafe_buffer_pointer()
+            arrays.append(a)
+            views.append(np.ctypeslib.as_array((ctype * x.size).from_address(ptr)))
+        return [tuple(arrays), views, None]
 
 
 _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
@@ -509,7 +537,7 @@ _PACK_MIN = 256      # packed buffers are at least this long, then powers of two
 def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
     """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
     instead of one per array. `layout` (static, hashable) says how to cut them apart again. Each buffer is
-    zero-padded to a power of two (at least _PACK_MIN), which InputStage relies on."""
+    zero-padded to a power of two (at least _PACK_MIN): few distinct sizes, so few HostInputs slots."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
@@ -554,7 +582,7 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
     A module-level function whose static arguments are plain hashable values (no runner instance), so
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
     """
-    model_input, sampling = _unpack(ints, floats, layout)
+    model_input, sampling = _unpack(*to_device(ints, floats), layout)
     model = DecoderModel(cfg, dtype, options)
     logits, kv_cache, prompt = model.apply({"params": params}, fill_input_tokens(model_input, prev_sampled),
                                            kv_cache, model_input.meta, model_input.logits_indices,
@@ -563,6 +591,12 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
 
 
 # ---- pieces of the step shared with per-layer dispatch (runner/layerwise.py) --------------------------
+def to_device(*xs):
+    """The packed inputs in device memory: the step's first copy when they come in pinned host memory
+    (HostInputs), nothing when they are already on the device."""
+    return tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
+
+
 def fill_input_tokens(model_input: ModelInput, prev_sampled):
     """The step's input tokens, with those the previous step sampled (still on the device) filled in."""
     return model_input.token_ids.at[model_input.fill_token_idx].set(
