@@ -222,6 +222,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
             print("trace, idle gaps by neighbours  " + "; ".join(
                 f"{g['before'][:30]} -> {g['after'][:30]}: {g['count']} x {g['mean_us']:.0f} us"
                 for g in dev["gaps_by_neighbours"][:8]))
+            if dev.get("one_launch"):
+                print("trace, one launch (the median PjRt Execute) in detail:")
+                for e in dev["one_launch"]:
+                    print(f"  {e['at_us']:8.1f} us  {e['dur_us']:8.1f} us  {'  ' * e['depth']}{e['name']}")
         print(f"trace written to {trace_dir}")
     meta = stamp(sys.argv if argv is None else ["bench/throughput.py"] + list(argv))
     path = write_result(name, metrics, meta=meta, title=f"offline throughput: {short}, {args.dataset}")

@@ -113,6 +113,31 @@ def top_host_events(events: list[dict[str, Any]], n: int = 25) -> list[dict[str,
     return _top_events(events, n, on_device=False)
 
 
+def one_call_in_detail(events: list[dict[str, Any]], name: str = "PjRtCApiLoadedExecutable::Execute",
+                       n: int = 60) -> list[dict[str, Any]]:
+    """The host events nested inside the median-length call of `name` (same thread; the lower median), in order: where one
+    launch spends its time. [{"at_us": offset from the call's start, "dur_us", "depth", "name"}]."""
+    device_pids = _device_pids(events)
+    host = [e for e in events if e.get("ph") == "X" and "pid" in e and e["pid"] not in device_pids]
+    calls = sorted((e for e in host if name in str(e.get("name", ""))), key=lambda e: float(e.get("dur", 0)))
+    if not calls:
+        return []
+    c = calls[(len(calls) - 1) // 2]
+    t0, t1 = float(c["ts"]), float(c["ts"]) + float(c.get("dur", 0))
+    inner = sorted((e for e in host if e.get("pid") == c.get("pid") and e.get("tid") == c.get("tid")
+                    and t0 <= float(e["ts"]) and float(e["ts"]) + float(e.get("dur", 0)) <= t1 and e is not c),
+                   key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
+    out, stack = [], []
+    for e in inner:
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        while stack and start >= stack[-1]:
+            stack.pop()
+        out.append({"at_us": round(start - t0, 1), "dur_us": round(end - start, 1), "depth": len(stack) + 1,
+                    "name": str(e.get("name", "?"))[:70]})
+        stack.append(end)
+    return [{"at_us": 0.0, "dur_us": round(t1 - t0, 1), "depth": 0, "name": name}] + out[:n]
+
+
 def _read_events(path: str) -> list[dict[str, Any]]:
     with gzip.open(path, "rt") as f:
         data = json.load(f)
@@ -138,4 +163,5 @@ def analyze(trace_dir: str, detail: bool = False) -> dict[str, Any] | None:
             out["top_host_events"] = top_host_events(events, 30)
             out["top_kernels"] = top_kernels(events, 20)
             out["gaps_by_neighbours"] = gaps_by_neighbours(events)
+            out["one_launch"] = one_call_in_detail(events)
     return out

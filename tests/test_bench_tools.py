@@ -57,6 +57,23 @@ def test_trace_device_busy_and_gaps():
         {"before": "c", "after": "d", "count": 1, "total_ms": pytest.approx(0.1), "mean_us": pytest.approx(100)}]
 
 
+def test_one_launch_in_detail_nests_the_calls_thread_events():
+    ex = "PjRtCApiLoadedExecutable::Execute"
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5, "name": "kernel"},
+              {"ph": "X", "pid": 2, "tid": 1, "ts": 0, "dur": 100, "name": ex},
+              {"ph": "X", "pid": 2, "tid": 1, "ts": 10, "dur": 50, "name": "update"},
+              {"ph": "X", "pid": 2, "tid": 1, "ts": 20, "dur": 10, "name": "cuGraphExecKernelNodeSetParams"},
+              {"ph": "X", "pid": 2, "tid": 1, "ts": 70, "dur": 5, "name": "cuGraphLaunch"},
+              {"ph": "X", "pid": 2, "tid": 2, "ts": 70, "dur": 5, "name": "another thread"},
+              {"ph": "X", "pid": 2, "tid": 1, "ts": 200, "dur": 300, "name": ex}]     # the longer call
+    rows = trace_analysis.one_call_in_detail(events)
+    assert [(r["at_us"], r["dur_us"], r["depth"], r["name"]) for r in rows] == [
+        (0.0, 100.0, 0, ex), (10.0, 50.0, 1, "update"), (20.0, 10.0, 2, "cuGraphExecKernelNodeSetParams"),
+        (70.0, 5.0, 1, "cuGraphLaunch")]
+    assert trace_analysis.one_call_in_detail(events, name="absent") == []
+
+
 def test_step_log_rows_and_gc_attribution(tmp_path):
     from bench.throughput import write_step_log
     rows = [(10.5, 64, 4, 300), (10.75, 4, 4, 304)]      # perf_counter at each step's end, tokens, reqs, ctx

@@ -114,13 +114,17 @@ class ModelRunner:
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.buckets = buckets
         self.attn_backend = attn_backend
-        self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, num_blocks, block_size), self.dtype)
+        # The pool and the sampled-token buffer are made committed to the device, as the step's outputs that
+        # replace them are: else the first bucket compiled at warm-up (uncommitted arguments) would not be
+        # the program later steps look up, and would compile again.
+        self._device = jax.devices()[0]
+        self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, num_blocks, block_size), self.dtype, device=self._device)
         # Host memory for swapped-out blocks: [L, 2, num_cpu_blocks, K, S, D].
         self.cpu_cache = (np.zeros(kv_cache_shape(self.cfg, num_cpu_blocks, block_size),
                                    jnp.dtype(self.dtype)) if num_cpu_blocks else None)
         self.compiled_keys: set = set()
         self.max_rows = buckets.max_rows
-        self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)   # donated to each step, which returns it
+        self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)   # donated to each step
         self.host_inputs = HostInputs() if envs.JAXPAGED_PINNED_INPUTS else None
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         # Each request's static sampler row (SAMPLING_COLUMNS), written once into a persistent table
@@ -438,8 +442,9 @@ class ModelRunner:
                     logger.warning("A cached executable failed to run (%s); compiling it instead", e)
                     self.exec_cache.discard(loaded)
                     del self._compiled[loaded]
-                    self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, self.num_blocks, self.block_size), self.dtype)
-                    self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32)
+                    self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, self.num_blocks, self.block_size), self.dtype,
+                                              device=self._device)
+                    self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)
             self.compiled_keys.add((bucket, flags))
         return time.perf_counter() - t0
 
