@@ -48,6 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps per device program (multi-step scheduling; default 1)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-kwargs", default="{}", help="JSON dict of further LLM(...) arguments")
 
@@ -62,7 +64,8 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      ("block_size", args.block_size), ("gpu_memory_utilization", args.gpu_memory_utilization),
                      ("num_gpu_blocks_override", args.num_gpu_blocks_override),
                      ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens),
-                     ("enable_prefix_caching", args.enable_prefix_caching)):
+                     ("enable_prefix_caching", args.enable_prefix_caching),
+                     ("num_scheduler_steps", args.num_scheduler_steps)):
         if val is not None:
             kw[key] = val
     kw.update(json.loads(args.engine_kwargs))

@@ -14,6 +14,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
   host   qwen2-0.5b's layer dispatch, scan against unrolled: step_probe (host vs device inputs), then the
          server with each and openqa at concurrency 1 and 10
   gil    the serve step at concurrency 10 only, with Python's GIL switch interval and with 0.5 ms
+  multistep  qwen2-0.5b ShareGPT 1000 with 1 and 8 decode steps per program, the server with 8 (openqa
+         at concurrency 1 and 10), the profiled run with 8
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
 
@@ -125,6 +127,20 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                 env={"JAXPAGED_LAYER_DISPATCH": "unrolled"}),
             dataclasses.replace(serve_qwen, name="serve-openqa-scan", budget_s=220,
                                 env={"JAXPAGED_LAYER_DISPATCH": "scan"}),
+        ],
+        # Multi-step scheduling (--num-scheduler-steps 8) against one step per program on qwen2-0.5b, on one
+        # machine: ShareGPT 1000 with each, the server with 8 steps (openqa at concurrency 1 and 10), and the
+        # profiled run with 8 steps.
+        "multistep": [
+            tput_qwen,
+            dataclasses.replace(tput_qwen, name="throughput-qwen-ms8", budget_s=150,
+                                argv=tput_qwen.argv + ["--num-scheduler-steps", "8", "--result-name",
+                                                       f"throughput-{q}-sharegpt-ms8"]),
+            dataclasses.replace(serve_qwen, name="serve-openqa-ms8", budget_s=240, server_args=(
+                ["--num-scheduler-steps", "8"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
+            dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=[
+                a if a != f"throughput-{q}-sharegpt-profile" else f"throughput-{q}-sharegpt-profile-ms8"
+                for a in profile_qwen.argv] + ["--num-scheduler-steps", "8"]),
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
@@ -304,12 +320,13 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | all")
+    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | multistep | all")
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)
     table = parts(a.smoke)
-    names = [n for n in table if n != "speed"] if "all" in a.parts else a.parts  # speed repeats qwen and serve steps
+    # speed repeats qwen and serve steps; multistep is an A/B of one option
+    names = [n for n in table if n not in ("speed", "multistep")] if "all" in a.parts else a.parts
     for name in names:
         if name not in table:
             p.error(f"unknown part {name!r}; choose from {list(table)} or all")

@@ -51,6 +51,7 @@ class EngineArgs:
     attention_backend: str | None = None      # reference | xla | pallas; default by platform
     layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
+    num_scheduler_steps: int = 1              # decode steps per device program (vLLM's multi-step scheduling)
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: picks the batch defaults
 
@@ -75,5 +76,7 @@ class EngineArgs:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")

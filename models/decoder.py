@@ -36,6 +36,7 @@ class RuntimeOptions:
     attn_backend: str = "xla"
     decode_only: bool = False
     scan_unroll: int = 1          # layers per scan iteration (num_layers: a straight-line program)
+    num_steps: int = 1            # decode steps per program (the runner's multi-step loop; the model ignores it)
 
 
 class RMSNorm(nn.Module):

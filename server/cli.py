@@ -54,6 +54,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Token budget of one engine step. Default (vLLM's server defaults): 8192 on GPUs with "
                         ">= 70 GiB, 2048 on smaller GPUs and the CPU; at least max-model-len when chunked "
                         "prefill is off.")
+    c.add_argument("--num-scheduler-steps", type=_positive_int, default=1,
+                   help="Decode steps per device program (multi-step scheduling, as vLLM V0): when every "
+                        "running request decodes and none waits, the GPU runs this many steps before the "
+                        "host sees their tokens, which then stream in groups of up to this many. Requests "
+                        "with logprobs, penalties, logit bias or min_tokens run one step at a time. Needs "
+                        "the layer scan (JAXPAGED_LAYER_DISPATCH=scan on models with large layers).")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -117,4 +123,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
+        num_scheduler_steps=args.num_scheduler_steps,
         usage_context="openai_api_server")

@@ -97,7 +97,7 @@ class LLMEngine:
                     tree_bytes(loaded.params) / 2**30, backend, self.layer_dispatch)
         compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
         if compile_all:
-            secs = self.runner.warmup(self.buckets.all_buckets())
+            secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=args.num_scheduler_steps)
             cache = self.runner.exec_cache
             logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
                         f" ({cache.hits} loaded from {cache.dir})" if cache is not None and cache.hits else "")
@@ -126,6 +126,10 @@ class LLMEngine:
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
                                or layerwise.default_dispatch(loaded.params))
+        if args.num_scheduler_steps > 1 and self.layer_dispatch != "scan":
+            raise ValueError(f"num_scheduler_steps > 1 (multi-step decoding) runs the layers by scan; this "
+                             f"engine dispatches them by {self.layer_dispatch}: set layer_dispatch='scan' "
+                             "(JAXPAGED_LAYER_DISPATCH=scan) or num_scheduler_steps=1")
         exec_cache = (envs.JAXPAGED_EXEC_CACHE if envs.JAXPAGED_EXEC_CACHE is not None
                       else jax.default_backend() == "gpu")
         exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")
@@ -136,7 +140,8 @@ class LLMEngine:
                                          num_cpu_blocks)
         self.scheduler = Scheduler(SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill,
-                                                   args.scheduling_policy, args.preemption_mode or "recompute"),
+                                                   args.scheduling_policy, args.preemption_mode or "recompute",
+                                                   args.num_scheduler_steps),
                                    self.kv_manager)
         self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
@@ -327,6 +332,8 @@ class LLMEngine:
         touched = []
         if result.prompt is not None:
             self._record_prompt_logprobs(inflight, result)
+        if inflight.sched.num_steps > 1:
+            return self._process_steps(inflight, result, now)
         sampled = result.sampled_ids.tolist()           # one conversion, not one numpy scalar per request
         rows = inflight.rows
         stats, check_stop, detokenize = self.stats, self.scheduler.check_stop, self.output_processor.detokenize
@@ -361,6 +368,58 @@ class LLMEngine:
                 if stop is not None and status is None:
                     status = RequestStatus.FINISHED_STOPPED
                     req.stop_reason = stop
+            if status is not None:
+                finished.append((req, status))
+                touched.append(req)
+            elif req.streams:
+                touched.append(req)
+        stats.generation_tokens += num_tokens
+        stats.detokenize_s += t_detok
+        for req, status in finished:
+            self.scheduler.finish_request(req, status)
+            stats.on_finish(req)
+        return self.output_processor.make_outputs(touched)
+
+    def _process_steps(self, inflight, result, now: float) -> list:
+        """_process for a multi-step batch: each request's tokens of every step in order, until it stops
+        (EOS, stop token or string, max_tokens, max_model_len); the tokens after a stop are discarded.
+        Such batches have no logprobs, prompt logprobs or penalties (Request.multi_step_ok)."""
+        steps = inflight.sched.num_steps
+        sampled = result.sampled_ids.T.tolist()         # [R][steps]
+        rows = inflight.rows
+        stats, check_stop, detokenize = self.stats, self.scheduler.check_stop, self.output_processor.detokenize
+        record = stats.record_latencies
+        touched, finished = [], []
+        t_detok = 0.0
+        num_tokens = 0
+        for req in inflight.sched.scheduled:
+            row = rows.get(req.request_id)
+            if row is None:
+                continue
+            req.num_output_placeholders -= steps
+            if req.is_finished:
+                continue
+            status = None
+            for token in sampled[row]:
+                req.append_output_token(token)
+                num_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    if record:
+                        stats.on_first_token(req, now)
+                elif record:
+                    stats.on_token(req, now)
+                status = check_stop(req)
+                if not req.deferred_text:
+                    t0 = time.perf_counter()
+                    stop = detokenize(req)
+                    t_detok += time.perf_counter() - t0
+                    if stop is not None and status is None:
+                        status = RequestStatus.FINISHED_STOPPED
+                        req.stop_reason = stop
+                if status is not None:
+                    break
+            req.last_token_time = now
             if status is not None:
                 finished.append((req, status))
                 touched.append(req)

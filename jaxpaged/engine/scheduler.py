@@ -22,6 +22,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"                    # "fcfs" or "priority" (lower value first, as vLLM)
     preemption_mode: str = "recompute"      # or "swap"
+    num_scheduler_steps: int = 1            # decode steps one step may run on the device (multi-step)
 
 
 @dataclasses.dataclass
@@ -36,6 +37,10 @@ class SchedulerOutput:
     preempted_ids: list[str]
     finished_ids: set[str]                        # freed since the last step (the runner may drop state)
     sampling_ids: set[str] = dataclasses.field(default_factory=set)  # requests whose sample is a new token
+    # Multi-step: the device runs this many decode steps back to back, each request's sampled token feeding
+    # its next step (one token each per step). Every request then holds that many new placeholders and
+    # num_computed_tokens advanced by num_steps; tokens after a request's stop are discarded on the host.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -80,7 +85,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput([], {}, 0, [], [], [], [], self.finished_ids)
+        out = SchedulerOutput([], {}, 0, [], [], [], [], self.finished_ids, num_steps=self._num_steps())
         self.finished_ids = set()
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
@@ -89,6 +94,21 @@ class Scheduler:
         out.blocks_to_copy = self.kv.blocks_to_copy
         self.kv.blocks_to_copy = []
         return out
+
+    def _num_steps(self) -> int:
+        """Decode steps for this step: num_scheduler_steps when nothing waits for admission and every
+        running request decodes one token with the plain sampler (no logprobs, penalties, logit bias or
+        min_tokens: those need the host between tokens), else 1. As vLLM's multi-step scheduling, a
+        waiting request (a prefill) is never held back behind a multi-step batch."""
+        k = self.config.num_scheduler_steps
+        if k == 1 or self.waiting or not self.running:
+            return 1
+        headroom = self.config.max_model_len
+        for r in self.running:
+            if (r.num_tokens + r.num_output_placeholders - r.num_computed_tokens != 1 or not r.multi_step_ok):
+                return 1
+            headroom = min(headroom, self.config.max_model_len - r.num_computed_tokens)
+        return k if headroom >= k else 1
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, req: Request, num_new: int) -> None:
@@ -118,6 +138,7 @@ class Scheduler:
         scheduled, num_scheduled, sampling_ids = out.scheduled, out.num_scheduled_tokens, out.sampling_ids
         max_model_len = self.config.max_model_len
         append_in_place = self.kv.append_in_place
+        steps = out.num_steps       # > 1: every running request decodes (_num_steps), one token per step
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -133,9 +154,10 @@ class Scheduler:
                 i += 1
                 continue
             # The common decode case first: the tokens fit in blocks the request already owns (no COW).
-            if not append_in_place(req, computed + num_new):
+            # Multi-step: slots for all `steps` tokens this request computes on the device.
+            if not append_in_place(req, computed + num_new * steps):
                 num_running = len(running)
-                if not self._allocate_or_preempt(req, num_new, out):
+                if not self._allocate_or_preempt(req, num_new * steps, out):
                     continue      # req itself was preempted: it left running, so index i holds the next one
                 if len(running) < num_running:     # a priority victim may have sat before req
                     i = running.index(req)
@@ -143,10 +165,10 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             # _add_scheduled's commit, inlined
-            req.num_computed_tokens = computed = computed + num_new
+            req.num_computed_tokens = computed = computed + num_new * steps
             if computed >= req.num_tokens + pending:
                 sampling_ids.add(req.request_id)
-                req.num_output_placeholders = pending + 1
+                req.num_output_placeholders = pending + steps
             i += 1
         return budget
 
@@ -168,10 +190,10 @@ class Scheduler:
         self.running.remove(victim)
         if victim.request_id in out.num_scheduled_tokens:   # already given tokens this step: undo
             out.scheduled.remove(victim)
-            victim.num_computed_tokens -= out.num_scheduled_tokens.pop(victim.request_id)
+            victim.num_computed_tokens -= out.num_scheduled_tokens.pop(victim.request_id) * out.num_steps
             if victim.request_id in out.sampling_ids:
                 out.sampling_ids.discard(victim.request_id)
-                victim.num_output_placeholders -= 1
+                victim.num_output_placeholders -= out.num_steps
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
             out.blocks_to_swap_out.extend(self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED

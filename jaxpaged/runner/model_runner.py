@@ -243,8 +243,11 @@ class ModelRunner:
         num_reqs = len(reqs)
         rids, static = self._batch(out)
         n_sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, rids), np.int32, num_reqs)
-        # the scheduler already advanced num_computed_tokens past this step's tokens
+        # the scheduler already advanced num_computed_tokens past this step's tokens (all num_steps of them
+        # under multi-step: the inputs describe the first step, the program advances them on the device)
         seq_lens = np.fromiter(map(_NUM_COMPUTED, reqs), np.int32, num_reqs)
+        if out.num_steps > 1:
+            seq_lens -= out.num_steps - 1
         starts = seq_lens - n_sched
         num_tokens = int(n_sched.sum())
         decode_only = bool((n_sched == 1).all())
@@ -267,8 +270,10 @@ class ModelRunner:
         fill_src = np.zeros(R, np.int32)
         # Input tokens already on the host: all_token_ids[start:start + known]. The rest (at most the
         # last one) was sampled by the previous step and is still on the device: the step reads it there.
+        # After a multi-step batch the host lags by several tokens, but only the last one is an input
+        # (the others' K/V is in the cache already): known is 0 then.
         host_tokens = np.fromiter(map(_NUM_TOKENS, reqs), np.int32, num_reqs)
-        known = np.minimum(n_sched, host_tokens - starts)
+        known = np.clip(host_tokens - starts, 0, n_sched)
         if (known < n_sched - 1).any():
             raise ValueError("more than one input token of a request is not on the host")
         missing = np.flatnonzero(known < n_sched)
@@ -329,7 +334,7 @@ class ModelRunner:
         positions = np.zeros(R, np.int32)
         positions[:n] = np.fromiter(map(_NUM_OUTPUT, reqs), np.int32, n)
         positions[:n] += np.fromiter(map(_NUM_PLACEHOLDERS, reqs), np.int32, n)
-        np.maximum(positions - 1, 0, out=positions)
+        np.maximum(positions - out.num_steps, 0, out=positions)   # multi-step: the first step's token
         penalties = bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any())
         flags = SamplerFlags(
             top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
@@ -377,8 +382,8 @@ class ModelRunner:
         self._apply_block_moves(out)
         model_input, bucket, prompt_rows = self.prepare_inputs(out, block_ids)
         sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
-        options = RuntimeOptions(self.attn_backend, bucket.decode_only)
-        self.compiled_keys.add((bucket, flags))
+        options = RuntimeOptions(self.attn_backend, bucket.decode_only, num_steps=out.num_steps)
+        self.compiled_keys.add((bucket, flags, out.num_steps))
         rids, _ = self._batch(out)
         if len(out.sampling_ids) == len(rids):      # every request samples a token (decode steps)
             rows = dict(zip(rids, range(len(rids))))
@@ -419,14 +424,16 @@ class ModelRunner:
             self.kv_cache = _copy_blocks(self.kv_cache, *_pad_ids(src, dst))
 
     # ---- warm-up ------------------------------------------------------------------------------
-    def warmup(self, buckets: list[Bucket], progress: bool = True) -> float:
-        """Compile the step for every bucket (default sampler variant) before serving."""
+    def warmup(self, buckets: list[Bucket], progress: bool = True, num_steps: int = 1) -> float:
+        """Compile the step for every bucket (default sampler variant) before serving; with num_steps > 1
+        (multi-step scheduling) also each decode bucket's multi-step program."""
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
         flags = SamplerFlags()
-        for bucket in tqdm(buckets, desc="Compiling buckets", disable=not progress):
+        variants = [(b, 1) for b in buckets] + [(b, num_steps) for b in buckets if b.decode_only and num_steps > 1]
+        for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
             mi, si = self._dummy_inputs(bucket)
-            options = RuntimeOptions(self.attn_backend, bucket.decode_only)
+            options = RuntimeOptions(self.attn_backend, bucket.decode_only, num_steps=steps)
             loaded = self._load_or_compile(mi, si, options, flags) if self.exec_cache is not None else None
             for attempt in (0, 1):
                 try:
@@ -445,7 +452,7 @@ class ModelRunner:
                     self.kv_cache = jnp.zeros(kv_cache_shape(self.cfg, self.num_blocks, self.block_size), self.dtype,
                                               device=self._device)
                     self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)
-            self.compiled_keys.add((bucket, flags))
+            self.compiled_keys.add((bucket, flags, steps))
         return time.perf_counter() - t0
 
     def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
@@ -589,6 +596,10 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
     """
     model_input, sampling = _unpack(*to_device(ints, floats), layout)
     model = DecoderModel(cfg, dtype, options)
+    if options.num_steps > 1:
+        return decode_steps(lambda tokens, kv, meta: model.apply({"params": params}, tokens, kv, meta,
+                                                                 model_input.logits_indices)[:2],
+                            kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)
     logits, kv_cache, prompt = model.apply({"params": params}, fill_input_tokens(model_input, prev_sampled),
                                            kv_cache, model_input.meta, model_input.logits_indices,
                                            model_input.prompt_target_ids, prompt_head(flags))
@@ -606,6 +617,39 @@ def fill_input_tokens(model_input: ModelInput, prev_sampled):
     """The step's input tokens, with those the previous step sampled (still on the device) filled in."""
     return model_input.token_ids.at[model_input.fill_token_idx].set(
         prev_sampled[model_input.fill_src_row], mode="drop")
+
+
+def decode_steps(forward, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, num_steps: int,
+                 flags: SamplerFlags):
+    """Multi-step decoding: `num_steps` decode steps in one program, each request's sampled token the next
+    step's input. model_input describes the first step of a decode-only batch (token i is request i);
+    each further step advances every live request's position and length by one and writes its K/V into
+    the slot its block table gives (the scheduler allocated blocks for all the steps). Padding rows stay
+    on the null block. forward(tokens, kv_cache, meta) -> (logits, kv_cache).
+
+    Returns the step's usual (kv_cache, sampled-token buffer, results), each result with a leading
+    num_steps axis; the buffer holds the last step's tokens, which the next step's inputs read."""
+    meta = model_input.meta
+    num_rows = meta.seq_lens.shape[0]
+    live = meta.seq_lens > 0                                       # i32[R] real requests (decode: T == R)
+    block_size = kv_cache.shape[4]
+    rows = jnp.arange(num_rows)
+
+    def one_step(carry, k):
+        kv, tokens, positions, seq_lens = carry
+        blocks = meta.block_tables[rows, positions // block_size]
+        slots = jnp.where(live, blocks * block_size + positions % block_size, 0)
+        step_meta = AttentionMetadata(positions, slots, meta.block_tables, seq_lens, meta.query_start_loc)
+        logits, kv = forward(tokens, kv, step_meta)
+        result = sample(logits, dataclasses.replace(sampling, positions=sampling.positions + k), flags)
+        step = live.astype(jnp.int32)
+        return (kv, result[0], positions + step, seq_lens + step), result
+
+    tokens = fill_input_tokens(model_input, prev_sampled)
+    (kv_cache, last, _, _), results = jax.lax.scan(
+        one_step, (kv_cache, tokens, meta.positions, meta.seq_lens), jnp.arange(num_steps, dtype=jnp.int32))
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:num_rows].set(last)
+    return kv_cache, sampled_buf, (*results, None)
 
 
 def prompt_head(flags: SamplerFlags):

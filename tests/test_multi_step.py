@@ -1,0 +1,81 @@
+"""Multi-step scheduling (num_scheduler_steps, vLLM V0's flag): several decode steps per device program give
+the same tokens as one step at a time, for greedy and seeded sampling, with every stop condition, parallel
+samples, preemption, and requests whose sampling needs the host (which fall back to single steps)."""
+import numpy as np
+import pytest
+
+from conftest import tiny_llama_dir
+from jaxpaged import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, "tiny_llama_multistep", num_hidden_layers=2)
+
+
+def _run(model_dir, steps, prompts, params, **kw):
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=160, max_num_seqs=8, block_size=8,
+              compile_buckets=False, num_scheduler_steps=steps, **kw)
+    sched = llm.llm_engine.scheduler
+    real_schedule, sched.multi = sched.schedule, 0
+
+    def schedule():
+        out = real_schedule()
+        sched.multi += out.num_steps > 1
+        return out
+
+    sched.schedule = schedule
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if steps > 1:
+        assert sched.multi > 0                  # some batches ran several steps per program
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], sched
+
+
+def test_multi_step_gives_the_single_steps_tokens(model_dir):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (3, 17, 40, 9, 25, 60)]
+    params = [SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=30, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=11, max_tokens=17, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=29, ignore_eos=True, logprobs=1),   # needs the host
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
+    want, _ = _run(model_dir, 1, prompts, params)
+    for steps in (4, 7):
+        got, _ = _run(model_dir, steps, prompts, params)
+        assert got == want, steps
+
+
+def test_multi_step_stops_where_single_steps_stop(model_dir):
+    """A stop token met inside a multi-step batch ends the request there; later tokens are discarded."""
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (5, 12, 30)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    free, _ = _run(model_dir, 1, prompts, [greedy] * 3)
+    # stop on each request's 6th / 11th / 3rd generated token
+    stops = [free[0][0][0][5], free[1][0][0][10], free[2][0][0][2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[t]) for t in stops]
+    want, _ = _run(model_dir, 1, prompts, params)
+    got, sched = _run(model_dir, 5, prompts, params)
+    assert got == want
+    assert [len(o[0][0]) for o in got] == [free[i][0][0].index(stops[i]) + 1 for i in range(3)]
+    assert all(o[0][1] == "stop" for o in got)
+
+
+def test_multi_step_under_preemption(model_dir):
+    """Few blocks: multi-step batches allocate blocks for all their steps and preempt when they run out."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (20, 31, 26, 15)]
+    params = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)
+    want, _ = _run(model_dir, 1, prompts, params, num_gpu_blocks_override=24)
+    got, sched = _run(model_dir, 6, prompts, params, num_gpu_blocks_override=24)
+    assert got == want
+    assert sched.num_preemptions > 0
+
+
+def test_num_scheduler_steps_is_validated(model_dir):
+    with pytest.raises(ValueError, match="num_scheduler_steps must be at least 1"):
+        LLM(model=model_dir, num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="runs the layers by scan"):
+        LLM(model=model_dir, dtype="float32", max_model_len=64, compile_buckets=False, num_scheduler_steps=4,
+            layer_dispatch="per_layer")
