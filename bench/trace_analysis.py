@@ -130,7 +130,7 @@ def one_call_in_detail(events: list[dict[str, Any]], name: str = "PjRtCApiLoaded
     out, stack = [], []
     for e in inner:
         start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        while stack and start >= stack[-1]:
+        while stack and start >= stack[-1] - 0.01:      # (trace times are rounded: 0.01 us slack)
             stack.pop()
         out.append({"at_us": round(start - t0, 1), "dur_us": round(end - start, 1), "depth": len(stack) + 1,
                     "name": str(e.get("name", "?"))[:70]})
