@@ -59,7 +59,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "running request decodes and none waits, the GPU runs this many steps before the "
                         "host sees their tokens, which then stream in groups of up to this many. Requests "
                         "with logprobs, penalties, logit bias or min_tokens run one step at a time. Needs "
-                        "the layer scan (JAXPAGED_LAYER_DISPATCH=scan on models with large layers).")
+                        "the whole step in one program: the layer scan or unrolled layers "
+                        "(JAXPAGED_LAYER_DISPATCH=scan or unrolled on models with large layers).")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

@@ -46,6 +46,17 @@ def test_multi_step_gives_the_single_steps_tokens(model_dir):
         assert got == want, steps
 
 
+def test_multi_step_with_every_layer_unrolled(model_dir):
+    """layer_dispatch="unrolled" runs the steps' loop around the one-program step: the scan's tokens."""
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (4, 21, 37)]
+    params = [SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=26, ignore_eos=True)]
+    want, _ = _run(model_dir, 1, prompts, params + params[:1])
+    got, _ = _run(model_dir, 5, prompts, params + params[:1], layer_dispatch="unrolled")
+    assert got == want
+
+
 def test_multi_step_stops_where_single_steps_stop(model_dir):
     """A stop token met inside a multi-step batch ends the request there; later tokens are discarded."""
     rng = np.random.default_rng(8)
@@ -76,6 +87,6 @@ def test_multi_step_under_preemption(model_dir):
 def test_num_scheduler_steps_is_validated(model_dir):
     with pytest.raises(ValueError, match="num_scheduler_steps must be at least 1"):
         LLM(model=model_dir, num_scheduler_steps=0)
-    with pytest.raises(ValueError, match="runs the layers by scan"):
+    with pytest.raises(ValueError, match="needs the whole step in one program"):
         LLM(model=model_dir, dtype="float32", max_model_len=64, compile_buckets=False, num_scheduler_steps=4,
             layer_dispatch="per_layer")

@@ -126,10 +126,10 @@ class LLMEngine:
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
                                or layerwise.default_dispatch(loaded.params))
-        if args.num_scheduler_steps > 1 and self.layer_dispatch != "scan":
-            raise ValueError(f"num_scheduler_steps > 1 (multi-step decoding) runs the layers by scan; this "
-                             f"engine dispatches them by {self.layer_dispatch}: set layer_dispatch='scan' "
-                             "(JAXPAGED_LAYER_DISPATCH=scan) or num_scheduler_steps=1")
+        if args.num_scheduler_steps > 1 and self.layer_dispatch == "per_layer":
+            raise ValueError("num_scheduler_steps > 1 (multi-step decoding) needs the whole step in one program; "
+                             "this engine dispatches its layers in groups (per_layer): set layer_dispatch to "
+                             "'scan' or 'unrolled' (JAXPAGED_LAYER_DISPATCH), or num_scheduler_steps=1")
         exec_cache = (envs.JAXPAGED_EXEC_CACHE if envs.JAXPAGED_EXEC_CACHE is not None
                       else jax.default_backend() == "gpu")
         exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")

@@ -111,6 +111,15 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
 def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
                options: RuntimeOptions, flags: SamplerFlags):
     """The whole step as one program, every layer unrolled on its own weights (all layers in one group)."""
+    if options.num_steps > 1:      # multi-step decoding (model_runner.decode_steps)
+        from jaxpaged.runner.model_runner import _unpack, decode_steps, to_device
+        model_input, sampling = _unpack(*to_device(ints, floats), layout)
+
+        def forward(tokens, kv, meta):
+            h, cos, sin = embed_phase(cfg, dtype, params, tokens, meta.positions)
+            h, kv = _layers(layer_params, h, kv, 0, meta, cos, sin, cfg=cfg, dtype=dtype, options=options)
+            return head_phase(cfg, dtype, params, h, model_input.logits_indices)[0], kv
+        return decode_steps(forward, kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)
     h, cos, sin, model_input, sampling = _pre.__wrapped__(params, prev_sampled, ints, floats, layout=layout,
                                                           cfg=cfg, dtype=dtype)
     h, kv_cache = _layers(layer_params, h, kv_cache, 0, model_input.meta, cos, sin, cfg=cfg, dtype=dtype,
@@ -132,6 +141,8 @@ def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, 
     if len(layer_groups) == 1:
         return whole_step(params, layer_groups[0][0], kv_cache, prev_sampled, ints, floats, layout=layout,
                           cfg=cfg, dtype=dtype, options=options, flags=flags)
+    if options.num_steps > 1:
+        raise ValueError("multi-step decoding needs the whole step in one program, not layer groups")
     h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
                                               dtype=dtype)
     meta = model_input.meta
