@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # seventh session, call A: staged inputs vs fresh host inputs (probe, ShareGPT 1000, profiled run, graph-update log)
-R=$(pwd); source bench/gpu_setup.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/jp:/tmp/site JAXPAGED_BENCH_MODELS=$R/.cache/gpu/bench_models JAXPAGED_BENCH_DATA=$R/.cache/gpu/bench_data JAXPAGED_GIT_REV=$(cat .cache/gpu/GIT_REV)
-mkdir -p /tmp/w && cd /tmp/w
-T0=$(date +%s); el() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+source bench/adhoc/preamble.sh
 el probe
 timeout 150 python3 $R/bench/step_probe.py --model qwen2-0.5b --batches 1,16,64,256 --layer-dispatch scan --num-blocks 20000 --inputs numpy,staged,device 2>&1 | grep -E "PROBE|Error|error" | tee $OUT/probe.txt
 for v in 1 0 1; do

@@ -1,8 +1,5 @@
 #!/usr/bin/env bash
-R=$(pwd); source bench/gpu_setup.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/jp:/tmp/site JAXPAGED_BENCH_MODELS=$R/.cache/gpu/bench_models JAXPAGED_BENCH_DATA=$R/.cache/gpu/bench_data JAXPAGED_GIT_REV=$(cat .cache/gpu/GIT_REV)
-mkdir -p /tmp/w && cd /tmp/w
-T0=$(date +%s); el() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+source bench/adhoc/preamble.sh
 el equal
 timeout 100 python3 $R/bench/adhoc/equal_check.py 1 2>&1 | grep TOKENS > /tmp/t1.txt
 JAXPAGED_PINNED_INPUTS=0 timeout 100 python3 $R/bench/adhoc/equal_check.py 1 2>&1 | grep TOKENS > /tmp/t0.txt

@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # seventh session, call E: 8 decode steps per program with every layer unrolled, then with the scan (one machine)
-R=$(pwd); source bench/gpu_setup.sh >/dev/null 2>&1
-export PYTHONPATH=/tmp/jp:/tmp/site JAXPAGED_BENCH_MODELS=$R/.cache/gpu/bench_models JAXPAGED_BENCH_DATA=$R/.cache/gpu/bench_data JAXPAGED_GIT_REV=$(cat .cache/gpu/GIT_REV)
-mkdir -p /tmp/w && cd /tmp/w
-T0=$(date +%s); el() { echo "== t=$(( $(date +%s) - T0 ))s $*"; }
+source bench/adhoc/preamble.sh
 el tput unrolled ms8
 JAXPAGED_LAYER_DISPATCH=unrolled timeout 290 python3 $R/bench/throughput.py --model qwen2-0.5b --dataset sharegpt --no-tqdm --num-scheduler-steps 8 --result-name tput-unrolled-ms8 2>&1 | grep -E "Throughput|start-up|Error" | tee -a $OUT/tput.txt
 el profile unrolled ms8

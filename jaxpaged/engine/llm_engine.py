@@ -332,9 +332,10 @@ class LLMEngine:
         touched = []
         if result.prompt is not None:
             self._record_prompt_logprobs(inflight, result)
-        if inflight.sched.num_steps > 1:
-            return self._process_steps(inflight, result, now)
-        sampled = result.sampled_ids.tolist()           # one conversion, not one numpy scalar per request
+        # [R][steps]: each row's tokens in order (one each unless the step ran several decode steps);
+        # one conversion, not one numpy scalar per token
+        steps = inflight.sched.num_steps
+        sampled = result.sampled_ids.reshape(steps, -1).T.tolist()
         rows = inflight.rows
         stats, check_stop, detokenize = self.stats, self.scheduler.check_stop, self.output_processor.detokenize
         record = stats.record_latencies
@@ -345,62 +346,11 @@ class LLMEngine:
             row = rows.get(req.request_id)
             if row is None:
                 continue      # a prefill chunk that did not reach the end: its sample is not a token
-            req.num_output_placeholders -= 1
-            if req.is_finished:
-                continue      # finished (or aborted) while this step was in flight: a wasted token
-            token = sampled[row]
-            req.append_output_token(token)
-            num_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-                if record:
-                    stats.on_first_token(req, now)
-            elif record:
-                stats.on_token(req, now)
-            req.last_token_time = now
-            if req.sampling_params.logprobs is not None:
-                self.output_processor.record_logprobs(req, token, result, row)
-            status = check_stop(req)
-            if not req.deferred_text:
-                t0 = time.perf_counter()
-                stop = detokenize(req)
-                t_detok += time.perf_counter() - t0
-                if stop is not None and status is None:
-                    status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = stop
-            if status is not None:
-                finished.append((req, status))
-                touched.append(req)
-            elif req.streams:
-                touched.append(req)
-        stats.generation_tokens += num_tokens
-        stats.detokenize_s += t_detok
-        for req, status in finished:
-            self.scheduler.finish_request(req, status)
-            stats.on_finish(req)
-        return self.output_processor.make_outputs(touched)
-
-    def _process_steps(self, inflight, result, now: float) -> list:
-        """_process for a multi-step batch: each request's tokens of every step in order, until it stops
-        (EOS, stop token or string, max_tokens, max_model_len); the tokens after a stop are discarded.
-        Such batches have no logprobs, prompt logprobs or penalties (Request.multi_step_ok)."""
-        steps = inflight.sched.num_steps
-        sampled = result.sampled_ids.T.tolist()         # [R][steps]
-        rows = inflight.rows
-        stats, check_stop, detokenize = self.stats, self.scheduler.check_stop, self.output_processor.detokenize
-        record = stats.record_latencies
-        touched, finished = [], []
-        t_detok = 0.0
-        num_tokens = 0
-        for req in inflight.sched.scheduled:
-            row = rows.get(req.request_id)
-            if row is None:
-                continue
             req.num_output_placeholders -= steps
             if req.is_finished:
-                continue
+                continue      # finished (or aborted) while this step was in flight: wasted tokens
             status = None
-            for token in sampled[row]:
+            for token in sampled[row]:       # after a stop, a multi-step row's later tokens are dropped
                 req.append_output_token(token)
                 num_tokens += 1
                 if req.first_token_time is None:
@@ -409,6 +359,8 @@ class LLMEngine:
                         stats.on_first_token(req, now)
                 elif record:
                     stats.on_token(req, now)
+                if req.sampling_params.logprobs is not None:     # single steps only (Request.multi_step_ok)
+                    self.output_processor.record_logprobs(req, token, result, row)
                 status = check_stop(req)
                 if not req.deferred_text:
                     t0 = time.perf_counter()
