@@ -35,7 +35,8 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
     from jaxpaged.models import AttentionMetadata
     from jaxpaged.models.decoder import RuntimeOptions
     from jaxpaged.runner.buckets import Bucket
-    from jaxpaged.runner.model_runner import HostInputs, ModelInput, _pack
+    from jaxpaged.runner.model_runner import ModelInput
+    from jaxpaged.runner.step_inputs import HostInputs, pack
     from jaxpaged.runner.sampler import SamplerFlags
     runner = llm.llm_engine.runner
     rng = np.random.default_rng(0)
@@ -54,7 +55,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         si.temperature = np.ones(R, np.float32)
         opts = RuntimeOptions(runner.attn_backend, True, unroll)
 
-        ints, floats, layout = _pack((mi, si))
+        ints, floats, layout = pack((mi, si))
         dev = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
@@ -72,14 +73,14 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         def step():
             if host is not None:
                 slot = host.write(ints, floats)
-                i, f = slot[0]
+                i, f = slot.arrays
             else:
                 i, f = put(ints), put(floats)
             runner.kv_cache, runner.prev_sampled, r = runner.run_packed(
                 runner.params, runner.kv_cache, runner.prev_sampled, i, f,
                 layout=layout, options=opts, flags=SamplerFlags())
             if host is not None:
-                slot[2] = r
+                slot.fence = r
             return r
 
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ JAXPAGED_LAYER_GROUP = int(os.environ.get("JAXPAGED_LAYER_GROUP") or 0) or None
 JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
 # Write each step's packed inputs in place into persistent pinned host buffers that the step copies to
 # the device itself, instead of handing it new host arrays (a transfer call per array, which held the
-# host for about a device step on the H100; runner/model_runner.py, HostInputs). "0": new arrays.
+# host for about a device step on the H100; runner/step_inputs.py, HostInputs). "0": new arrays.
 JAXPAGED_PINNED_INPUTS = os.environ.get("JAXPAGED_PINNED_INPUTS", "1") != "0"
 # Keep each bucket's compiled step on disk and load it at start-up, skipping tracing (runner/exec_cache.py).
 # "1" / "0"; unset: on for GPUs (warm start-up of qwen2-0.5b on an H100: 17.3 s against 30.7 s without it),

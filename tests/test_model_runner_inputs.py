@@ -269,7 +269,7 @@ def test_steps_read_their_inputs_from_persistent_pinned_buffers(model_dir):
     pinned = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     slots = runner.host_inputs._slots
     assert len(slots) >= 2                                     # a prefill size and a decode size at least
-    assert seen_inputs <= {(s[0][0].unsafe_buffer_pointer(), s[0][1].unsafe_buffer_pointer())
+    assert seen_inputs <= {(s.arrays[0].unsafe_buffer_pointer(), s.arrays[1].unsafe_buffer_pointer())
                            for ring in slots.values() for s in ring}
     assert len(seen_inputs) > len(slots)                       # a size's slots taken in turn
     assert len(seen_prev) == 1                                 # donated, returned in place
@@ -282,7 +282,7 @@ def test_host_inputs_reuse_a_slot_only_after_its_step_finished():
     """A slot's buffers are rewritten only when the step that read them is done (its fence is ready), and
     what the step reads is what was written, at every turn of the ring."""
     import jax
-    from jaxpaged.runner.model_runner import HostInputs
+    from jaxpaged.runner.step_inputs import HostInputs
     host = HostInputs(depth=2)
     step = jax.jit(lambda i, f: (jax.device_put(i, jax.memory.Space.Device) * 2,
                                  jax.device_put(f, jax.memory.Space.Device) + 1))
@@ -297,8 +297,8 @@ def test_host_inputs_reuse_a_slot_only_after_its_step_finished():
             slot = host.write(ints, floats)
         finally:
             jax.block_until_ready = real_block
-        out = step(*slot[0])
-        slot[2] = out
+        out = step(*slot.arrays)
+        slot.fence = out
         np.testing.assert_array_equal(np.asarray(out[0]), ints * 2)
         np.testing.assert_allclose(np.asarray(out[1]), floats + 1, rtol=1e-6)
     assert waited == [2, 3, 4, 5]                              # the first two turns found empty slots

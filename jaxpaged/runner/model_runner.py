@@ -21,6 +21,8 @@ from jaxpaged.models import AttentionMetadata, DecoderModel, LoadedModel, Runtim
 from jaxpaged.runner.buckets import Bucket, BucketPolicy
 from jaxpaged.runner import layerwise
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
+from jaxpaged.runner.multi_step import decode_steps
+from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, pack, to_device, unpack
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -167,20 +169,20 @@ class ModelRunner:
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
-        ints, floats, layout = _pack((model_input, sampling))
+        ints, floats, layout = pack((model_input, sampling))
         slot = None
         if self.host_inputs is not None:
             slot = self.host_inputs.write(ints, floats)
-            ints, floats = slot[0]
+            ints, floats = slot.arrays
         out = self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
                               flags=flags)
         if slot is not None:
-            slot[2] = out[2]          # the slot is free again once this step's results are
+            slot.fence = out[2]       # the slot is free again once this step's results are
         return out
 
     def run_packed(self, params, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
                    flags: SamplerFlags):
-        """The step on already packed inputs (host or device arrays, see _pack)."""
+        """The step on already packed inputs (host or device arrays, see step_inputs.pack)."""
         compiled = self._compiled.get((layout, options, flags)) if self._compiled else None
         if self.layer_params is not None:
             if compiled is not None:         # unrolled, loaded from the executable cache
@@ -458,9 +460,9 @@ class ModelRunner:
     def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
         """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
         Returns its key when it came from disk (it has not run yet), else None."""
-        ints, floats, layout = _pack((mi, si))
+        ints, floats, layout = pack((mi, si))
         if self.host_inputs is not None:     # compiled for inputs in pinned host memory, as the steps pass them
-            ints, floats = self.host_inputs.write(ints, floats)[0]
+            ints, floats = self.host_inputs.write(ints, floats).arrays
         key = (layout, options, flags)
         compiled = self.exec_cache.load(key)
         from_disk = compiled is not None
@@ -488,102 +490,6 @@ class ModelRunner:
         return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
 
 
-class HostInputs:
-    """Persistent pinned host buffers that each step's packed inputs are written into, in place.
-
-    Why: handing a step new host arrays makes JAX transfer them (an H2D copy through PjRt per array), and on
-    the H100 each such transfer held the host about as long as the step already running on the device
-    (qwen2-0.5b decode, scan, NOTES.md, seventh session: a launch held the host 0.8-3.3 ms at 1-256 requests
-    with fresh host arrays, 0.3-0.8 ms with inputs already on the device). Here numpy writes the inputs
-    straight into pinned host memory that JAX already owns (through a view of the buffer's address), and
-    the step program copies them to the device as its first operation, in stream order: no transfer call
-    on the host at all, and the same addresses every step (launch 0.4-1.0 ms in the same probe).
-
-    The step must not read a buffer while the host rewrites it: each packed size has `depth` slots used in
-    turn, and a slot is rewritten only once the step that last read it has finished (its results are
-    ready; with at most one step in flight ahead of the host that never waits in practice). JAX arrays are
-    immutable to JAX, so nothing else may hold these: only the runner passes them, only to the step."""
-
-    DEPTH = 3
-
-    def __init__(self, depth: int = DEPTH):
-        self.depth = depth
-        dev = jax.devices()[0]
-        self._sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-        self._slots: dict[tuple[int, int], list[list]] = {}   # sizes -> [[arrays, views, fence], ...]
-        self._turn: dict[tuple[int, int], int] = {}
-
-    def write(self, ints: np.ndarray, floats: np.ndarray) -> list:
-        """Copy the packed inputs into the next free slot of their size; returns the slot, whose arrays
-        (slot[0]) go to the step and whose fence (slot[2]) the caller sets to the step's results."""
-        key = (ints.shape[0], floats.shape[0])
-        slots = self._slots.get(key)
-        if slots is None:
-            slots = self._slots[key] = [self._new_slot(ints, floats) for _ in range(self.depth)]
-            self._turn[key] = 0
-        slot = slots[self._turn[key]]
-        self._turn[key] = (self._turn[key] + 1) % self.depth
-        if slot[2] is not None:
-            jax.block_until_ready(slot[2])
-            slot[2] = None
-        slot[1][0][...] = ints
-        slot[1][1][...] = floats
-        return slot
-
-    def _new_slot(self, ints: np.ndarray, floats: np.ndarray) -> list:
-        import ctypes
-        arrays, views = [], []
-        for x, ctype in ((ints, ctypes.c_int32), (floats, ctypes.c_float)):
-            # a private zero array: on the CPU, device_put may alias the numpy memory it is given
-            a = jax.device_put(np.zeros(x.shape, x.dtype), self._sharding)
-            ptr = a.addressable_data(0).unsafe_buffer_pointer()
-            arrays.append(a)
-            views.append(np.ctypeslib.as_array((ctype * x.size).from_address(ptr)))
-        return [tuple(arrays), views, None]
-
-
-_F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
-_PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
-
-
-def _pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
-    """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
-    instead of one per array. `layout` (static, hashable) says how to cut them apart again. Each buffer is
-    zero-padded to a power of two (at least _PACK_MIN): few distinct sizes, so few HostInputs slots."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    ints, floats, spec = [], [], []
-    for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
-        a = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
-        dt = a.dtype
-        if dt == _F32:
-            floats.append(a.ravel())
-            spec.append(("f", a.shape, "float32"))
-        elif dt == _U32:     # uint32 seeds, reinterpreted bit for bit
-            ints.append(a.view(np.int32).ravel())
-            spec.append(("i", a.shape, "uint32"))
-        else:
-            ints.append(a.astype(np.int32, copy=False).ravel())
-            spec.append(("i", a.shape, "int32"))
-    def cat(xs, dt):
-        n = sum(map(len, xs))
-        return np.concatenate(xs + [np.zeros(_pow2(n, _PACK_MIN) - n, dt)])
-    return cat(ints, np.int32), cat(floats, np.float32), (treedef, tuple(spec))
-
-
-def _unpack(ints, floats, layout):
-    treedef, spec = layout
-    leaves, offsets = [], {"i": 0, "f": 0}
-    for kind, shape, dtype in spec:
-        size = int(np.prod(shape, dtype=np.int64))
-        buf = ints if kind == "i" else floats
-        x = jax.lax.slice_in_dim(buf, offsets[kind], offsets[kind] + size).reshape(shape)
-        offsets[kind] += size
-        if dtype == "uint32":
-            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        leaves.append(x)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
                    donate_argnames=("kv_cache", "prev_sampled"))
 def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype, options: RuntimeOptions,
@@ -594,7 +500,7 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
     A module-level function whose static arguments are plain hashable values (no runner instance), so
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
     """
-    model_input, sampling = _unpack(*to_device(ints, floats), layout)
+    model_input, sampling = unpack(*to_device(ints, floats), layout)
     model = DecoderModel(cfg, dtype, options)
     if options.num_steps > 1:
         return decode_steps(lambda tokens, kv, meta: model.apply({"params": params}, tokens, kv, meta,
@@ -607,51 +513,6 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
 
 
 # ---- pieces of the step shared with per-layer dispatch (runner/layerwise.py) --------------------------
-def to_device(*xs):
-    """The packed inputs in device memory: the step's first copy when they come in pinned host memory
-    (HostInputs), nothing when they are already on the device."""
-    return tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
-
-
-def fill_input_tokens(model_input: ModelInput, prev_sampled):
-    """The step's input tokens, with those the previous step sampled (still on the device) filled in."""
-    return model_input.token_ids.at[model_input.fill_token_idx].set(
-        prev_sampled[model_input.fill_src_row], mode="drop")
-
-
-def decode_steps(forward, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, num_steps: int,
-                 flags: SamplerFlags):
-    """Multi-step decoding: `num_steps` decode steps in one program, each request's sampled token the next
-    step's input. model_input describes the first step of a decode-only batch (token i is request i);
-    each further step advances every live request's position and length by one and writes its K/V into
-    the slot its block table gives (the scheduler allocated blocks for all the steps). Padding rows stay
-    on the null block. forward(tokens, kv_cache, meta) -> (logits, kv_cache).
-
-    Returns the step's usual (kv_cache, sampled-token buffer, results), each result with a leading
-    num_steps axis; the buffer holds the last step's tokens, which the next step's inputs read."""
-    meta = model_input.meta
-    num_rows = meta.seq_lens.shape[0]
-    live = meta.seq_lens > 0                                       # i32[R] real requests (decode: T == R)
-    block_size = kv_cache.shape[4]
-    rows = jnp.arange(num_rows)
-
-    def one_step(carry, k):
-        kv, tokens, positions, seq_lens = carry
-        blocks = meta.block_tables[rows, positions // block_size]
-        slots = jnp.where(live, blocks * block_size + positions % block_size, 0)
-        step_meta = AttentionMetadata(positions, slots, meta.block_tables, seq_lens, meta.query_start_loc)
-        logits, kv = forward(tokens, kv, step_meta)
-        result = sample(logits, dataclasses.replace(sampling, positions=sampling.positions + k), flags)
-        step = live.astype(jnp.int32)
-        return (kv, result[0], positions + step, seq_lens + step), result
-
-    tokens = fill_input_tokens(model_input, prev_sampled)
-    (kv_cache, last, _, _), results = jax.lax.scan(
-        one_step, (kv_cache, tokens, meta.positions, meta.seq_lens), jnp.arange(num_steps, dtype=jnp.int32))
-    sampled_buf = jnp.zeros_like(prev_sampled).at[:num_rows].set(last)
-    return kv_cache, sampled_buf, (*results, None)
-
-
 def prompt_head(flags: SamplerFlags):
     """The prompt-logprob head the model applies to every token's logits in bounded chunks, or None."""
     return (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)

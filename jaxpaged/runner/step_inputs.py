@@ -1,0 +1,131 @@
+"""A step's host inputs on their way to the device: packed into two flat buffers (pack / unpack), written
+in place into persistent pinned host buffers (HostInputs), and moved to the device by the step itself
+(to_device), which also fills in the tokens the previous step sampled (fill_input_tokens)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.runner.buckets import _round_up_pow2
+
+
+class HostInputs:
+    """Persistent pinned host buffers that each step's packed inputs are written into, in place.
+
+    Why: handing a step new host arrays makes JAX transfer them (an H2D copy through PjRt per array), and on
+    the H100 each such transfer held the host about as long as the step already running on the device
+    (qwen2-0.5b decode, scan, NOTES.md, seventh session: a launch held the host 0.8-3.3 ms at 1-256 requests
+    with fresh host arrays, 0.3-0.8 ms with inputs already on the device). Here numpy writes the inputs
+    straight into pinned host memory that JAX already owns (through a view of the buffer's address), and
+    the step program copies them to the device as its first operation, in stream order: no transfer call
+    on the host at all, and the same addresses every step (launch 0.4-1.0 ms in the same probe).
+
+    The step must not read a buffer while the host rewrites it: each packed size has `depth` slots used in
+    turn, and a slot is rewritten only once the step that last read it has finished (its results are
+    ready; with at most one step in flight ahead of the host that never waits in practice). JAX arrays are
+    immutable to JAX, so nothing else may hold these: only the runner passes them, only to the step."""
+
+    DEPTH = 3
+
+    def __init__(self, depth: int = DEPTH):
+        self.depth = depth
+        dev = jax.devices()[0]
+        self._sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        self._slots: dict[tuple[int, int], list[HostInputSlot]] = {}   # packed sizes -> their slots
+        self._turn: dict[tuple[int, int], int] = {}
+
+    def write(self, ints: np.ndarray, floats: np.ndarray) -> HostInputSlot:
+        """Copy the packed inputs into the next free slot of their size; the caller passes slot.arrays to
+        the step and sets slot.fence to the step's results."""
+        key = (ints.shape[0], floats.shape[0])
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = [self._new_slot(ints, floats) for _ in range(self.depth)]
+            self._turn[key] = 0
+        slot = slots[self._turn[key]]
+        self._turn[key] = (self._turn[key] + 1) % self.depth
+        if slot.fence is not None:
+            jax.block_until_ready(slot.fence)
+            slot.fence = None
+        slot.views[0][...] = ints
+        slot.views[1][...] = floats
+        return slot
+
+    def _new_slot(self, ints: np.ndarray, floats: np.ndarray) -> HostInputSlot:
+        import ctypes
+        arrays, views = [], []
+        for x, ctype in ((ints, ctypes.c_int32), (floats, ctypes.c_float)):
+            # a private zero array: on the CPU, device_put may alias the numpy memory it is given
+            a = jax.device_put(np.zeros(x.shape, x.dtype), self._sharding)
+            ptr = a.addressable_data(0).unsafe_buffer_pointer()
+            arrays.append(a)
+            views.append(np.ctypeslib.as_array((ctype * x.size).from_address(ptr)))
+        return HostInputSlot(tuple(arrays), tuple(views))
+
+
+@dataclasses.dataclass
+class HostInputSlot:
+    """One pair of pinned input buffers of HostInputs."""
+    arrays: tuple[jax.Array, jax.Array]      # i32[n], f32[m] in pinned host memory: what the step is given
+    views: tuple[np.ndarray, np.ndarray]     # numpy views of the same memory: what the host writes
+    fence: object = None                     # results of the last step that read the slot (None: free)
+
+
+_F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
+_PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
+
+
+def pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
+    instead of one per array. `layout` (static, hashable) says how to cut them apart again. Each buffer is
+    zero-padded to a power of two (at least _PACK_MIN): few distinct sizes, so few HostInputs slots."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    ints, floats, spec = [], [], []
+    for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
+        a = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
+        dt = a.dtype
+        if dt == _F32:
+            floats.append(a.ravel())
+            spec.append(("f", a.shape, "float32"))
+        elif dt == _U32:     # uint32 seeds, reinterpreted bit for bit
+            ints.append(a.view(np.int32).ravel())
+            spec.append(("i", a.shape, "uint32"))
+        else:
+            ints.append(a.astype(np.int32, copy=False).ravel())
+            spec.append(("i", a.shape, "int32"))
+
+    def cat(xs, dt):
+        n = sum(map(len, xs))
+        return np.concatenate(xs + [np.zeros(_round_up_pow2(max(n, _PACK_MIN)) - n, dt)])
+    return cat(ints, np.int32), cat(floats, np.float32), (treedef, tuple(spec))
+
+
+def unpack(ints, floats, layout):
+    """pack's inverse inside the step: the arrays cut out of the two flat buffers (i32[n], f32[m])."""
+    treedef, spec = layout
+    leaves, offsets = [], {"i": 0, "f": 0}
+    for kind, shape, dtype in spec:
+        size = int(np.prod(shape, dtype=np.int64))
+        buf = ints if kind == "i" else floats
+        x = jax.lax.slice_in_dim(buf, offsets[kind], offsets[kind] + size).reshape(shape)
+        offsets[kind] += size
+        if dtype == "uint32":
+            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        leaves.append(x)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def to_device(*xs):
+    """The packed inputs in device memory: the step's first copy when they come in pinned host memory
+    (HostInputs), nothing when they are already on the device."""
+    return tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
+
+
+def fill_input_tokens(model_input, prev_sampled):
+    """The step's input tokens (model_runner.ModelInput), with those the previous step sampled (still on the
+    device) filled in."""
+    return model_input.token_ids.at[model_input.fill_token_idx].set(
+        prev_sampled[model_input.fill_src_row], mode="drop")
