@@ -28,7 +28,7 @@ import numpy as np
 from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase, split_layer_params
 from jaxpaged.runner.multi_step import decode_steps
 from jaxpaged.runner.sampler import SamplerFlags
-from jaxpaged.runner.step_inputs import fill_input_tokens, to_device, unpack
+from jaxpaged.runner.step_inputs import fill_input_tokens, unpack
 
 PER_LAYER_MIN_BYTES = 64 << 20      # auto: per-layer dispatch when one layer's weights are at least this
 # Layers per dispatch. On the H100, llama3-8b decode at batch 1 (bench/results/h100/NOTES.md, fourth
@@ -74,7 +74,7 @@ def split_params(params) -> tuple[dict, list[dict]]:
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype"))
 def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
-    model_input, sampling = unpack(*to_device(ints, floats), layout)
+    model_input, sampling = unpack(ints, floats, layout)
     h, cos, sin = embed_phase(cfg, dtype, params, fill_input_tokens(model_input, prev_sampled),
                               model_input.meta.positions)
     return h, cos, sin, model_input, sampling
@@ -113,7 +113,7 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
                options: RuntimeOptions, flags: SamplerFlags):
     """The whole step as one program, every layer unrolled on its own weights (all layers in one group)."""
     if options.num_steps > 1:      # multi-step decoding (model_runner.decode_steps)
-        model_input, sampling = unpack(*to_device(ints, floats), layout)
+        model_input, sampling = unpack(ints, floats, layout)
 
         def forward(tokens, kv, meta):
             h, cos, sin = embed_phase(cfg, dtype, params, tokens, meta.positions)

@@ -22,7 +22,7 @@ from jaxpaged.runner.buckets import Bucket, BucketPolicy
 from jaxpaged.runner import layerwise
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
 from jaxpaged.runner.multi_step import decode_steps
-from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, pack, to_device, unpack
+from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, pack, unpack
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -169,11 +169,13 @@ class ModelRunner:
     # ---- the jitted step ----------------------------------------------------------------------
     def _step(self, params, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
               options: RuntimeOptions, flags: SamplerFlags):
-        ints, floats, layout = pack((model_input, sampling))
         slot = None
-        if self.host_inputs is not None:
-            slot = self.host_inputs.write(ints, floats)
+        if self.host_inputs is not None:     # the pieces go straight into a pinned slot: one copy
+            int_pieces, float_pieces, layout = flatten((model_input, sampling))
+            slot = self.host_inputs.write(int_pieces, float_pieces)
             ints, floats = slot.arrays
+        else:
+            ints, floats, layout = pack((model_input, sampling))
         out = self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
                               flags=flags)
         if slot is not None:
@@ -500,7 +502,7 @@ def _packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, d
     A module-level function whose static arguments are plain hashable values (no runner instance), so
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
     """
-    model_input, sampling = unpack(*to_device(ints, floats), layout)
+    model_input, sampling = unpack(ints, floats, layout)
     model = DecoderModel(cfg, dtype, options)
     if options.num_steps > 1:
         return decode_steps(lambda tokens, kv, meta: model.apply({"params": params}, tokens, kv, meta,

@@ -1,8 +1,9 @@
 """A step's host inputs on their way to the device: packed into two flat buffers (pack / unpack), written
-in place into persistent pinned host buffers (HostInputs), and moved to the device by the step itself
-(to_device), which also fills in the tokens the previous step sampled (fill_input_tokens)."""
+in place into persistent pinned host buffers (HostInputs), and cut apart and moved to the device by the step
+itself (unpack), which also fills in the tokens the previous step sampled (fill_input_tokens)."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import jax
@@ -37,32 +38,36 @@ class HostInputs:
         self._slots: dict[tuple[int, int], list[HostInputSlot]] = {}   # packed sizes -> their slots
         self._turn: dict[tuple[int, int], int] = {}
 
-    def write(self, ints: np.ndarray, floats: np.ndarray) -> HostInputSlot:
+    def write(self, ints, floats) -> HostInputSlot:
         """Copy the packed inputs into the next free slot of their size; the caller passes slot.arrays to
-        the step and sets slot.fence to the step's results."""
-        key = (ints.shape[0], floats.shape[0])
+        the step and sets slot.fence to the step's results. ints / floats: packed arrays (pack), or their
+        unpadded pieces (flatten), which are concatenated straight into the slot: the padding past them is
+        never read, so it is not written."""
+        ints, floats = _pieces(ints), _pieces(floats)
+        n_ints, n_floats = sum(map(len, ints)), sum(map(len, floats))
+        key = (padded_len(n_ints), padded_len(n_floats))
         slots = self._slots.get(key)
         if slots is None:
-            slots = self._slots[key] = [self._new_slot(ints, floats) for _ in range(self.depth)]
+            slots = self._slots[key] = [self._new_slot(key) for _ in range(self.depth)]
             self._turn[key] = 0
         slot = slots[self._turn[key]]
         self._turn[key] = (self._turn[key] + 1) % self.depth
         if slot.fence is not None:
             jax.block_until_ready(slot.fence)
             slot.fence = None
-        slot.views[0][...] = ints
-        slot.views[1][...] = floats
+        for pieces, n, view in ((ints, n_ints, slot.views[0]), (floats, n_floats, slot.views[1])):
+            if pieces:
+                np.concatenate(pieces, out=view[:n])
         return slot
 
-    def _new_slot(self, ints: np.ndarray, floats: np.ndarray) -> HostInputSlot:
-        import ctypes
+    def _new_slot(self, sizes: tuple[int, int]) -> HostInputSlot:
         arrays, views = [], []
-        for x, ctype in ((ints, ctypes.c_int32), (floats, ctypes.c_float)):
+        for size, dtype, ctype in zip(sizes, (np.int32, np.float32), (ctypes.c_int32, ctypes.c_float)):
             # a private zero array: on the CPU, device_put may alias the numpy memory it is given
-            a = jax.device_put(np.zeros(x.shape, x.dtype), self._sharding)
+            a = jax.device_put(np.zeros(size, dtype), self._sharding)
             ptr = a.addressable_data(0).unsafe_buffer_pointer()
             arrays.append(a)
-            views.append(np.ctypeslib.as_array((ctype * x.size).from_address(ptr)))
+            views.append(np.ctypeslib.as_array((ctype * size).from_address(ptr)))
         return HostInputSlot(tuple(arrays), tuple(views))
 
 
@@ -78,10 +83,9 @@ _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
 _PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
 
 
-def pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
-    """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
-    instead of one per array. `layout` (static, hashable) says how to cut them apart again. Each buffer is
-    zero-padded to a power of two (at least _PACK_MIN): few distinct sizes, so few HostInputs slots."""
+def flatten(tree) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
+    """All host inputs of a step as flat int32 and float32 pieces, and the `layout` (static, hashable) that
+    says how to cut the concatenated buffers apart again (unpack)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
@@ -96,15 +100,36 @@ def pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
         else:
             ints.append(a.astype(np.int32, copy=False).ravel())
             spec.append(("i", a.shape, "int32"))
+    return ints, floats, (treedef, tuple(spec))
 
-    def cat(xs, dt):
-        n = sum(map(len, xs))
-        return np.concatenate(xs + [np.zeros(_round_up_pow2(max(n, _PACK_MIN)) - n, dt)])
-    return cat(ints, np.int32), cat(floats, np.float32), (treedef, tuple(spec))
+
+def pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
+    instead of one per array, and `layout` (see flatten). Each buffer is zero-padded to padded_len: few
+    distinct sizes, so few compiled shapes and HostInputs slots."""
+    ints, floats, layout = flatten(tree)
+    return _padded(ints, np.int32), _padded(floats, np.float32), layout
+
+
+def padded_len(n: int) -> int:
+    """A packed buffer's length for n values: a power of two, at least _PACK_MIN."""
+    return _round_up_pow2(max(n, _PACK_MIN))
+
+
+def _padded(pieces: list[np.ndarray], dtype) -> np.ndarray:
+    n = sum(map(len, pieces))
+    return np.concatenate(pieces + [np.zeros(padded_len(n) - n, dtype)])
+
+
+def _pieces(x) -> list[np.ndarray]:
+    return [x] if isinstance(x, np.ndarray) else x
 
 
 def unpack(ints, floats, layout):
-    """pack's inverse inside the step: the arrays cut out of the two flat buffers (i32[n], f32[m])."""
+    """pack's inverse inside the step: the arrays cut out of the two flat buffers (i32[n], f32[m]), moved to
+    the device first (the step's first copy when they come in pinned host memory, HostInputs; nothing when
+    they are already there)."""
+    ints, floats = (jax.device_put(x, jax.memory.Space.Device) for x in (ints, floats))
     treedef, spec = layout
     leaves, offsets = [], {"i": 0, "f": 0}
     for kind, shape, dtype in spec:
@@ -116,12 +141,6 @@ def unpack(ints, floats, layout):
             x = jax.lax.bitcast_convert_type(x, jnp.uint32)
         leaves.append(x)
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def to_device(*xs):
-    """The packed inputs in device memory: the step's first copy when they come in pinned host memory
-    (HostInputs), nothing when they are already on the device."""
-    return tuple(jax.device_put(x, jax.memory.Space.Device) for x in xs)
 
 
 def fill_input_tokens(model_input, prev_sampled):
