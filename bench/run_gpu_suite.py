@@ -138,9 +138,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                                        f"throughput-{q}-sharegpt-ms8"]),
             dataclasses.replace(serve_qwen, name="serve-openqa-ms8", budget_s=240, server_args=(
                 ["--num-scheduler-steps", "8"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
-            dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=[
-                a if a != f"throughput-{q}-sharegpt-profile" else f"throughput-{q}-sharegpt-profile-ms8"
-                for a in profile_qwen.argv] + ["--num-scheduler-steps", "8"]),
+            dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=profile_qwen.argv + [   # (the last
+                "--num-scheduler-steps", "8", "--result-name", f"throughput-{q}-sharegpt-profile-ms8"]),  # name wins)
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
