@@ -9,7 +9,13 @@ A tile is BQ consecutive query tokens of ONE request times the Gp query heads of
 without re-reads) and the dots stay at tensor-core size even for short chunks. Tiles never straddle two
 requests: a request of q_len tokens gets cdiv(q_len, BQ) tiles, so at most cdiv(T, BQ) + R tiles exist;
 the schedule (request and first token of each tile) is computed by a few jnp ops before the launch,
-and tiles past the real count exit at once.
+and tiles past the real count exit at once. The bucket padding past query_start_loc[R] gets tiles of
+its own that write zeros, so every output row is written by exactly one tile.
+
+q and the output keep the model's [T, N, D] layout, seen as [T * N, D] rows: a tile gathers its rows
+(G heads of a token are contiguous) and stores them with a mask, so nothing is padded or transposed
+around the kernel (those copies read and wrote all of q and o again: 64 MB each way at llama3-8b's
+16 x 512, beside a kernel of ~100-250 us).
 
 Each tile walks the request's keys from its window start to its last query position, gathering P blocks
 per iteration from the paged cache; key tiles entirely at or before the tile's first query position
@@ -18,6 +24,7 @@ skip the causal mask. Query token i of request r sits at position seq_lens[r] - 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,118 +40,168 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+class TileRows(NamedTuple):
+    load: jax.Array    # i32[BM] rows to read, all inside the array
+    store: jax.Array   # i32[BM] rows to write; lanes not owned point one past the end
+    own: jax.Array     # bool[BM] lanes whose row this tile writes
+
+
+def _tile_rows(tile_start, num_valid_tokens, head, *, tokens_per_tile, group, group_pad, num_heads,
+               num_rows):
+    """Rows of q[T * N, D] a tile reads, rows it writes, and which of them are its own: NamedTuple.
+
+    Row i of a [BM, D] tile is token i // Gp, head i % Gp of kv head `head`. For loads, pad heads
+    (G..Gp-1) and tokens past the tile's valid count are clamped onto a real row, so no load needs a
+    mask or leaves the array. For stores they point one past the array's end instead (and are masked),
+    so no two lanes of a store ever name the same row.
+    # G 3, Gp 4, BQ 2, 1 valid token at s, kv head 1, N 6: heads [3, 4, 5, 5, 3, 4, 5, 5]
+    #   load rows 6s + heads; own [1, 1, 1, 0, 0, 0, 0, 0]; store rows [6s+3, 6s+4, 6s+5, end, end, ...]
+    """
+    i = jax.lax.broadcasted_iota(jnp.int32, (tokens_per_tile * group_pad,), 0)
+    tok, g = i // group_pad, i % group_pad
+    own = (tok < num_valid_tokens) & (g < group)
+    load_rows = ((tile_start + jnp.minimum(tok, num_valid_tokens - 1)) * num_heads
+                 + head * group + jnp.minimum(g, group - 1))
+    return TileRows(load_rows, jnp.where(own, load_rows, num_rows), own)
+
+
+def _columns(head_dim):
+    """i32[1, D]: a masked store indexes rows and columns with arrays (interpret mode's store takes
+    either all-array or all-slice indices)."""
+    return jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+
+
 def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref, seq_lens_ref,
                    block_tables_ref, q_ref, kv_ref, o_ref, *, scale, sliding_window, soft_cap,
-                   tokens_per_tile, group_pad, blocks_per_iter):
+                   tokens_per_tile, num_heads, group, group_pad, blocks_per_iter):
     # layer_ref:           i32[1]
-    # tile_req_ref:        i32[NT]          request of each tile, -1 for tiles past the real count
-    # tile_start_ref:      i32[NT]          flat index of the tile's first query token
+    # tile_req_ref:        i32[NT]      request of each tile; R: bucket padding (written as zeros); -1: none
+    # tile_start_ref:      i32[NT]      flat index of the tile's first query token
     # query_start_loc_ref: i32[R + 1]
     # seq_lens_ref:        i32[R]
     # block_tables_ref:    i32[R, M]
-    # q_ref:               dtype[K, (T + BQ) * Gp, D]   row t * Gp + g is token t, head g of kv head k
+    # q_ref:               dtype[T * N, D]   q[T, N, D] viewed as rows (free reshape): row t * N + n
     # kv_ref:              dtype[L, 2, B, K, S, D]
-    # o_ref:               dtype[K, (T + BQ) * Gp, D]   rows of valid tokens written, others untouched
+    # o_ref:               dtype[T * N, D]   same rows; each written by exactly one tile
     t, h = pl.program_id(0), pl.program_id(1)
-    block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
+    head_dim = kv_ref.shape[-1]
+    num_reqs = seq_lens_ref.shape[0]
     req = tile_req_ref[t]
+    q_start = tile_start_ref[t]
+    rows_of = functools.partial(_tile_rows, head=h, tokens_per_tile=tokens_per_tile, group=group,
+                                group_pad=group_pad, num_heads=num_heads, num_rows=q_ref.shape[0])
 
-    @pl.when(req >= 0)
+    @pl.when(req == num_reqs)
     def _():
-        bq, gp = tokens_per_tile, group_pad
-        bm = bq * gp
-        bk = blocks_per_iter * block_size
-        layer = layer_ref[0]
-        q_start = tile_start_ref[t]
-        q_begin = query_start_loc_ref[req]
+        num_padding = q_ref.shape[0] // num_heads - q_start
+        rows = rows_of(q_start, jnp.minimum(tokens_per_tile, num_padding))
+        zeros = jnp.zeros((tokens_per_tile * group_pad, head_dim), o_ref.dtype)
+        plgpu.store(o_ref.at[rows.store[:, None], _columns(head_dim)], zeros, mask=rows.own[:, None])
+
+    @pl.when((req >= 0) & (req < num_reqs))
+    def _():
         q_end = query_start_loc_ref[req + 1]
-        seq_len = seq_lens_ref[req]
-        first_pos = seq_len - (q_end - q_begin) + (q_start - q_begin)   # position of the tile's token 0
-        num_tokens = jnp.minimum(bq, q_end - q_start)                    # valid tokens in this tile
-        kv_end = first_pos + num_tokens                                  # keys [.., kv_end) are needed
-        kv_begin = 0
-        if sliding_window is not None:
-            kv_begin = (jnp.maximum(first_pos - sliding_window + 1, 0) // bk) * bk
-        q = q_ref[h, pl.ds(q_start * gp, bm), :]                         # [BM, D]
-        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-        # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
-        qk_scale = scale if soft_cap is not None else scale * _LOG2E
-        max_blocks = block_tables_ref.shape[1]
-        row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // gp
+        # position of the tile's token 0: context before the chunk + offset inside the chunk
+        first_pos = seq_lens_ref[req] - q_end + q_start
+        num_tokens = jnp.minimum(tokens_per_tile, q_end - q_start)      # valid tokens in this tile
+        rows = rows_of(q_start, num_tokens)
+        q = q_ref[rows.load, :]                                          # [BM, D]
+        out = _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer_ref[0], h,
+                      scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                      group_pad=group_pad, blocks_per_iter=blocks_per_iter)
+        plgpu.store(o_ref.at[rows.store[:, None], _columns(head_dim)], out.astype(o_ref.dtype),
+                    mask=rows.own[:, None])
 
-        def body(j, carry, masked):
-            m, l, acc = carry
-            block0 = kv_begin // block_size + j * blocks_per_iter
-            idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
-            blocks = plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
-                                mask=idx < max_blocks, other=0)              # [P]; past M -> null
-            k = kv_ref[layer, 0, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
-            v = kv_ref[layer, 1, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
-            s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [BM, BK] f32
-            if soft_cap is not None:
-                s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
-            if masked:
-                key_pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
-                mask = key_pos <= row_pos
-                if sliding_window is not None:
-                    mask &= key_pos > row_pos - sliding_window
-                s = jnp.where(mask, s, _NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp2(s - m_new[:, None])
-            if masked:
-                p = jnp.where(mask, p, 0.0)
-            alpha = jnp.exp2(m - m_new)
-            l = l * alpha + jnp.sum(p, axis=1)
-            acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-            return m_new, l, acc
 
-        carry = (jnp.full((bm,), _NEG, jnp.float32), jnp.zeros((bm,), jnp.float32),
-                 jnp.zeros((bm, head_dim), jnp.float32))
-        num_iters = pl.cdiv(kv_end - kv_begin, bk)
-        # Key tiles wholly at or before the first query position need no causal mask (no window).
-        num_full = 0 if sliding_window is not None else (first_pos + 1) // bk
-        num_full = jnp.minimum(num_full, num_iters)
-        carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
-        m, l, acc = jax.lax.fori_loop(num_full, num_iters, functools.partial(body, masked=True), carry)
-        out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]
-        valid = jax.lax.broadcasted_iota(jnp.int32, (bm, head_dim), 0) // gp < num_tokens
-        plgpu.store(o_ref.at[h, pl.ds(q_start * gp, bm), :], out.astype(o_ref.dtype), mask=valid)
+def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *, scale, sliding_window,
+            soft_cap, group_pad, blocks_per_iter):
+    """Online-softmax attention of one tile's rows q f32/bf16[BM, D] over the request's paged keys."""
+    block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
+    bm, bk = q.shape[0], blocks_per_iter * block_size
+    kv_end = first_pos + num_tokens                                      # keys [.., kv_end) are needed
+    kv_begin = 0
+    if sliding_window is not None:
+        kv_begin = (jnp.maximum(first_pos - sliding_window + 1, 0) // bk) * bk
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
+    qk_scale = scale if soft_cap is not None else scale * _LOG2E
+    max_blocks = block_tables_ref.shape[1]
+    row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // group_pad
+
+    def body(j, carry, masked):
+        m, l, acc = carry
+        block0 = kv_begin // block_size + j * blocks_per_iter
+        idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
+        blocks = plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
+                            mask=idx < max_blocks, other=0)              # [P]; past M -> null
+        k = kv_ref[layer, 0, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
+        v = kv_ref[layer, 1, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [BM, BK] f32
+        if soft_cap is not None:
+            s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
+        if masked:
+            key_pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+            mask = key_pos <= row_pos
+            if sliding_window is not None:
+                mask &= key_pos > row_pos - sliding_window
+            s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
+        alpha = jnp.exp2(m - m_new)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return m_new, l, acc
+
+    carry = (jnp.full((bm,), _NEG, jnp.float32), jnp.zeros((bm,), jnp.float32),
+             jnp.zeros((bm, head_dim), jnp.float32))
+    num_iters = pl.cdiv(kv_end - kv_begin, bk)
+    # Key tiles wholly at or before the first query position need no causal mask (no window).
+    num_full = 0 if sliding_window is not None else (first_pos + 1) // bk
+    num_full = jnp.minimum(num_full, num_iters)
+    carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
+    m, l, acc = jax.lax.fori_loop(num_full, num_iters, functools.partial(body, masked=True), carry)
+    return acc / jnp.where(l > 0.0, l, 1.0)[:, None]
 
 
 def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
-    """Request and first token of every tile; tiles past the real count get request -1.
+    """Request and first token of every tile; the bucket padding is request R, tiles past the count -1.
 
-    # q_lens [3, 0, 9], BQ 4 -> tiles per request [1, 0, 3], cum [0, 1, 1, 4]
-    #   tile_req [0, 2, 2, 2, -1, ...], tile_start [0, 3, 7, 11, ...], then both reversed
+    # q_lens [3, 0, 9], T 14 (2 padding tokens), BQ 4 -> tiles per "request" [1, 0, 3, 1],
+    #   cum [0, 1, 1, 4, 5]; tile_req [0, 2, 2, 2, 3, -1, ...], tile_start [0, 3, 7, 11, 12, 0, ...],
+    #   then both reversed
+    At most cdiv(T, BQ) + R tiles: the R + 1 ranges cover T tokens, each adding under one partial tile.
     """
     num_reqs = query_start_loc.shape[0] - 1
     num_tiles = -(-num_tokens // tokens_per_tile) + num_reqs
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    starts = jnp.concatenate([query_start_loc, jnp.full((1,), num_tokens, jnp.int32)])   # [R + 2]
+    q_lens = starts[1:] - starts[:-1]                                                     # [R + 1]
     cum = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                            jnp.cumsum((q_lens + tokens_per_tile - 1) // tokens_per_tile)]).astype(jnp.int32)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(cum[1:], tile, side="right").astype(jnp.int32), num_reqs - 1)
-    start = query_start_loc[req] + (tile - cum[req]) * tokens_per_tile
-    real = tile < cum[num_reqs]
+    req = jnp.minimum(jnp.searchsorted(cum[1:], tile, side="right").astype(jnp.int32), num_reqs)
+    start = starts[req] + (tile - cum[req]) * tokens_per_tile
+    real = tile < cum[num_reqs + 1]
     # Reversed: a request's last tiles attend to the most keys; launching them first shortens the tail.
     return (jnp.where(real, req, -1)[::-1], jnp.where(real, start, 0)[::-1], num_tiles)
 
 
-def _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
-            sliding_window, soft_cap, tokens_per_tile, group_pad, blocks_per_iter, num_tiles,
-            num_warps, num_stages, interpret):
-    num_kv_heads = q2.shape[0]
+def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
+            sliding_window, soft_cap, tokens_per_tile, num_heads, group, group_pad, blocks_per_iter,
+            num_tiles, num_warps, num_stages, interpret):
+    num_kv_heads = num_heads // group
     kernel = functools.partial(_ragged_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, group_pad=group_pad,
-                               blocks_per_iter=blocks_per_iter)
+                               soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads,
+                               group=group, group_pad=group_pad, blocks_per_iter=blocks_per_iter)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct(q2.shape, q2.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, tile_req, tile_start, query_start_loc, seq_lens, tables, q2, kv_cache)
+    )(layer, tile_req, tile_start, query_start_loc, seq_lens, tables, q_rows, kv_cache)
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
@@ -186,18 +243,12 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
         # H100 sweep: 4 warps beat 8 on 128 x 64 tiles for D 128 at >= 2k tokens (386 vs 270 TFLOP/s)
         num_warps = 4
     tile_req, tile_start, num_tiles = _tile_schedule(query_start_loc, num_tokens, tokens_per_tile)
-    # [T, N, D] -> [K, (T + BQ) * Gp, D]: a tile's rows are contiguous; the BQ pad tokens keep the last
-    # tile's loads and (masked) stores inside the array.
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q4 = jnp.pad(q4, ((0, tokens_per_tile), (0, 0), (0, group_pad - group), (0, 0)))
-    q2 = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+    # q and the output keep their [T, N, D] layout (viewed as [T * N, D] rows, no copy): a tile gathers
+    # its rows itself, so no transpose or pad runs around the kernel.
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
-    o2 = _launch(q2, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, block_tables,
-                 scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                 tokens_per_tile=tokens_per_tile, group_pad=group_pad, blocks_per_iter=blocks_per_iter,
-                 num_tiles=num_tiles, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    o = o2.reshape(num_kv_heads, num_tokens + tokens_per_tile, group_pad, head_dim)
-    o = o[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
-    # Rows no tile wrote (bucket padding past query_start_loc[R]) hold garbage: zero them.
-    valid = jnp.arange(num_tokens) < query_start_loc[-1]
-    return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)
+    o_rows = _launch(q.reshape(num_tokens * num_heads, head_dim), kv_cache, layer, tile_req, tile_start,
+                     query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
+                     soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads, group=group,
+                     group_pad=group_pad, blocks_per_iter=blocks_per_iter, num_tiles=num_tiles,
+                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return o_rows.reshape(num_tokens, num_heads, head_dim)
