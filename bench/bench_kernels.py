@@ -243,18 +243,54 @@ def decode_bench(args, results):
 
 
 def _configs(text: str) -> list[tuple]:
-    """--decode-configs: 'keys,warps,programs_per_sm,stages;...' -> [(int, int, int, int)]."""
+    """--decode-configs / --prefill-configs: 'a,b,c,d;...' -> [(int, int, int, int)]."""
     configs = [c.split(",") for c in text.split(";") if c]
     if any(len(c) != 4 for c in configs):      # caught here, not after the device has started
-        raise argparse.ArgumentTypeError(f"each decode config is keys,warps,programs_per_sm,stages: {text!r}")
+        raise argparse.ArgumentTypeError(f"each config is four integers separated by ',': {text!r}")
     return [(int(k), int(w), int(ps), int(st)) for k, w, ps, st in configs]
 
 
 # -------------------------------------------------------------------------------------------- prefill
 PREFILL_SHAPES = [(1, 512), (16, 512), (1, 2048), (4, 2048), (1, 8192), (4, 8192)]
-PREFILL_CONFIGS = [  # (block_m, block_k, num_warps, num_stages); the first is the op's default
+PREFILL_CONFIGS = [  # (block_m, block_k, num_warps, num_stages), swept besides the op's own default
     (128, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 2),
 ]
+
+
+def _prefill_variants(args, d):
+    """(label, kwargs, op) for each prefill kernel run: the Triton op's default, the swept configs, and
+    the Mosaic GPU kernel where it exists (Hopper only)."""
+    triton = pk.ragged_paged_attention_pallas
+    out = [("default", {}, triton)]
+    for bm, bk, warps, stages in PREFILL_CONFIGS[:1] if SMOKE else args.prefill_configs:
+        out.append((f"{bm},{bk},{warps},{stages}",
+                    dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages), triton))
+    mgpu = getattr(pk, "ragged_paged_attention_mgpu", None)
+    if mgpu is not None and not SMOKE and "mgpu" in args.prefill_extra:
+        out.append(("mgpu", {}, mgpu))
+    return out
+
+
+def _time_prefill_variants(args, row, flops, d, data, reps):
+    """Times every variant; fills row with each one's TFLOP/s, the default's and the best Triton one's."""
+    best = None
+    for label, kwargs, op in _prefill_variants(args, d):
+        def f(i, qs, pool, tables, lens, qsl, kwargs=kwargs, op=op):
+            return op(qs[i], pool, jnp.int32(0), tables, lens, qsl, scale=d ** -0.5, **kwargs)
+        try:
+            t, _ = time_op(f, data, reps)
+        except Exception as e:  # noqa: BLE001
+            print(f"prefill {label} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        row[f"tflops[{label}]"] = flops / t / 1e12
+        if label == "default":
+            row["default_us"], row["default_tflops"] = t * 1e6, flops / t / 1e12
+        elif label == "mgpu":
+            row["mgpu_us"], row["mgpu_tflops"] = t * 1e6, flops / t / 1e12
+        if label != "mgpu" and (best is None or t < best[0]):
+            best = (t, label)
+    if best:
+        row["ours_us"], row["ours_cfg"], row["ours_tflops"] = best[0] * 1e6, best[1], flops / best[0] / 1e12
 
 
 def prefill_bench(args, results):
@@ -277,23 +313,7 @@ def prefill_bench(args, results):
                   for i in range(2 * reps)]
             flops = 4 * seqs * length * length * n * d / 2
             row = {"layout": name, "seqs": seqs, "len": length, "reps": reps}
-            best = None
-            for bm, bk, warps, stages in PREFILL_CONFIGS[:1] if SMOKE else PREFILL_CONFIGS:
-                def f(i, qs, pool, tables, lens, qsl, bm=bm, bk=bk, w=warps, st=stages):
-                    return pk.ragged_paged_attention_pallas(qs[i], pool, jnp.int32(0), tables, lens, qsl,
-                                                            scale=d ** -0.5, block_m=bm, block_k=bk,
-                                                            num_warps=w, num_stages=st)
-                try:
-                    t, _ = time_op(f, (qs, pool, tables, lens, qsl), reps)
-                except Exception as e:  # noqa: BLE001
-                    print(f"prefill cfg {bm},{bk},{warps},{stages} failed: {type(e).__name__}: {str(e)[:300]}")
-                    continue
-                row[f"ours_tflops[{bm},{bk},{warps},{stages}]"] = flops / t / 1e12
-                if best is None or t < best[0]:
-                    best = (t, f"{bm},{bk},{warps},{stages}")
-            if best:
-                row["ours_us"], row["ours_cfg"] = best[0] * 1e6, best[1]
-                row["ours_tflops"] = flops / best[0] / 1e12
+            _time_prefill_variants(args, row, flops, d, (qs, pool, tables, lens, qsl), reps)
             qd = [q.reshape(seqs, length, n, d) for q in qs]
             kd = jax.random.normal(jax.random.PRNGKey(7), (seqs, length, k, d)).astype(jnp.bfloat16)
             vd = jax.random.normal(jax.random.PRNGKey(8), (seqs, length, k, d)).astype(jnp.bfloat16)
@@ -303,8 +323,9 @@ def prefill_bench(args, results):
             try:
                 t, _ = time_op(cud, (qd, kd, vd), reps)
                 row["cudnn_us"], row["cudnn_tflops"] = t * 1e6, flops / t / 1e12
-                if best:
-                    row["vs_cudnn"] = row["ours_tflops"] / row["cudnn_tflops"]
+                for key in ("default", "ours", "mgpu"):
+                    if f"{key}_tflops" in row:
+                        row[f"{key}_vs_cudnn"] = row[f"{key}_tflops"] / row["cudnn_tflops"]
             except Exception as e:  # noqa: BLE001
                 print(f"cudnn failed: {type(e).__name__}: {str(e)[:300]}")
             del pool, qs, qd
@@ -368,12 +389,18 @@ def write_outputs(args, results):
                      f"{r.get('default_wall_us', float('nan')):.1f} | "
                      f"{r.get('jax_wall_us', float('nan')):.1f} |")
     lines += ["", "## Prefill (causal, TFLOP/s counting the causal half)", "",
-              "| layout | seqs x len | ours µs | ours TFLOP/s | cfg | cuDNN TFLOP/s | ours / cuDNN |",
-              "|---|---|---|---|---|---|---|"]
+              "'default' = the Triton kernel as the model calls it; 'best' = best of it and the swept Triton "
+              "configs (cfg = block_m, block_k, warps, stages); 'mgpu' = the Mosaic GPU kernel.", "",
+              "| layout | seqs x len | default µs | default TFLOP/s | best TFLOP/s | cfg | mgpu TFLOP/s "
+              "| cuDNN TFLOP/s | default / cuDNN | best / cuDNN | mgpu / cuDNN |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in results.get("prefill", []):
-        lines.append(f"| {r['layout']} | {r['seqs']} x {r['len']} | {r.get('ours_us', float('nan')):.1f} | "
-                     f"{r.get('ours_tflops', float('nan')):.1f} | {r.get('ours_cfg', '')} | "
-                     f"{r.get('cudnn_tflops', float('nan')):.1f} | {r.get('vs_cudnn', float('nan')):.2f} |")
+        lines.append(f"| {r['layout']} | {r['seqs']} x {r['len']} | {r.get('default_us', nan):.1f} | "
+                     f"{r.get('default_tflops', nan):.1f} | {r.get('ours_tflops', nan):.1f} | "
+                     f"{r.get('ours_cfg', '')} | {r.get('mgpu_tflops', nan):.1f} | "
+                     f"{r.get('cudnn_tflops', nan):.1f} | {r.get('default_vs_cudnn', nan):.2f} | "
+                     f"{r.get('ours_vs_cudnn', nan):.2f} | {r.get('mgpu_vs_cudnn', nan):.2f} |")
     if results.get("kvwrite"):
         lines += ["", "## KV write (one layer, donated pool)", "", "| layout | tokens | pallas µs | xla µs |",
                   "|---|---|---|---|"]
@@ -401,8 +428,9 @@ def write_outputs(args, results):
         pre = results.get("prefill", [])
         labels = [f"{r['layout'][:5]} {r['seqs']}x{r['len']}" for r in pre]
         x = np.arange(len(pre))
-        axes[1].bar(x - 0.2, [r.get("ours_tflops", 0) for r in pre], 0.4, label="ours")
-        axes[1].bar(x + 0.2, [r.get("cudnn_tflops", 0) for r in pre], 0.4, label="cuDNN")
+        for j, (key, label) in enumerate((("default_tflops", "ours (Triton, default)"),
+                                          ("mgpu_tflops", "ours (Mosaic GPU)"), ("cudnn_tflops", "cuDNN"))):
+            axes[1].bar(x + (j - 1) * 0.27, [r.get(key, 0) for r in pre], 0.27, label=label)
         axes[1].set_xticks(x, labels, rotation=70, fontsize=7)
         axes[1].set_ylabel("TFLOP/s (causal)")
         axes[1].legend()
@@ -424,6 +452,11 @@ def main():
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
                     help="decode configurations to sweep besides the default: 'keys,warps,programs_per_sm,stages' "
                          "separated by ';' (choose_splits aims at programs_per_sm programs per SM)")
+    ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
+                    help="prefill configurations to sweep: 'block_m,block_k,warps,stages' separated by ';' "
+                         "(the first is reported as the op's default)")
+    ap.add_argument("--prefill-extra", default="mgpu",
+                    help="other prefill kernels to time beside the Triton one ('mgpu': Mosaic GPU; '' for none)")
     args = ap.parse_args()
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
                "command": shlex.join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -1,11 +1,12 @@
 """Ragged paged attention in Pallas (Triton) for a flat batch of prefill chunks and decodes.
 
 Legend as in ragged_paged_attention.py (T tokens, R requests, N/K heads, G = N // K, D, L, B, S, M), plus
-Gp = G padded to a power of two, BQ query tokens per tile, BM = BQ * Gp rows per tile, BK = P * S keys
-per inner iteration (P blocks).
+BM rows per tile (a power of two), BQ = BM // G query tokens per tile, BK = P * S keys per inner
+iteration (P blocks).
 
-A tile is BQ consecutive query tokens of ONE request times the Gp query heads of one kv head: its
-[BM, D] rows are (token, head) pairs, so the G heads that share a kv head share every K/V load (GQA
+A tile is BQ consecutive query tokens of ONE request times the G query heads of one kv head: its
+[BM, D] rows are (token, head) pairs, packed without padding the group (G 7, BM 128: 18 tokens, 126
+rows used, not 16 tokens of 8 rows with one idle), so the G heads that share a kv head share every K/V load (GQA
 without re-reads) and the dots stay at tensor-core size even for short chunks. Tiles never straddle two
 requests: a request of q_len tokens gets cdiv(q_len, BQ) tiles, so at most cdiv(T, BQ) + R tiles exist;
 the schedule (request and first token of each tile) is computed by a few jnp ops before the launch,
@@ -46,20 +47,20 @@ class TileRows(NamedTuple):
     own: jax.Array     # bool[BM] lanes whose row this tile writes
 
 
-def _tile_rows(tile_start, num_valid_tokens, head, *, tokens_per_tile, group, group_pad, num_heads,
-               num_rows):
+def _tile_rows(tile_start, num_valid_tokens, head, *, block_rows, group, num_heads, num_rows):
     """Rows of q[T * N, D] a tile reads, rows it writes, and which of them are its own: NamedTuple.
 
-    Row i of a [BM, D] tile is token i // Gp, head i % Gp of kv head `head`. For loads, pad heads
-    (G..Gp-1) and tokens past the tile's valid count are clamped onto a real row, so no load needs a
-    mask or leaves the array. For stores they point one past the array's end instead (and are masked),
-    so no two lanes of a store ever name the same row.
-    # G 3, Gp 4, BQ 2, 1 valid token at s, kv head 1, N 6: heads [3, 4, 5, 5, 3, 4, 5, 5]
-    #   load rows 6s + heads; own [1, 1, 1, 0, 0, 0, 0, 0]; store rows [6s+3, 6s+4, 6s+5, end, end, ...]
+    Row i of a [BM, D] tile is token i // G, head i % G of kv head `head`. For loads, rows past the
+    tile's valid tokens (and the BM - BQ * G spare rows) are clamped onto a real row, so no load needs
+    a mask or leaves the array. For stores they point one past the array's end instead (and are
+    masked), so no two lanes of a store ever name the same row.
+    # G 3, BM 8 (BQ 2), 1 valid token at s, kv head 1, N 6: tok [0, 0, 0, 1, 1, 1, 2, 2], heads
+    #   [3, 4, 5, 3, 4, 5, 3, 4]; own [1, 1, 1, 0, 0, 0, 0, 0]; load rows 6s + heads;
+    #   store rows [6s+3, 6s+4, 6s+5, end, end, end, end, end]
     """
-    i = jax.lax.broadcasted_iota(jnp.int32, (tokens_per_tile * group_pad,), 0)
-    tok, g = i // group_pad, i % group_pad
-    own = (tok < num_valid_tokens) & (g < group)
+    i = jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    tok, g = i // group, i % group
+    own = tok < num_valid_tokens              # num_valid_tokens <= BQ, so spare rows are never own
     load_rows = ((tile_start + jnp.minimum(tok, num_valid_tokens - 1)) * num_heads
                  + head * group + jnp.minimum(g, group - 1))
     return TileRows(load_rows, jnp.where(own, load_rows, num_rows), own)
@@ -73,7 +74,7 @@ def _columns(head_dim):
 
 def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref, seq_lens_ref,
                    block_tables_ref, q_ref, kv_ref, o_ref, *, scale, sliding_window, soft_cap,
-                   tokens_per_tile, num_heads, group, group_pad, blocks_per_iter):
+                   tokens_per_tile, num_heads, group, block_rows, blocks_per_iter):
     # layer_ref:           i32[1]
     # tile_req_ref:        i32[NT]      request of each tile; R: bucket padding (written as zeros); -1: none
     # tile_start_ref:      i32[NT]      flat index of the tile's first query token
@@ -88,14 +89,14 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
     num_reqs = seq_lens_ref.shape[0]
     req = tile_req_ref[t]
     q_start = tile_start_ref[t]
-    rows_of = functools.partial(_tile_rows, head=h, tokens_per_tile=tokens_per_tile, group=group,
-                                group_pad=group_pad, num_heads=num_heads, num_rows=q_ref.shape[0])
+    rows_of = functools.partial(_tile_rows, head=h, block_rows=block_rows, group=group,
+                                num_heads=num_heads, num_rows=q_ref.shape[0])
 
     @pl.when(req == num_reqs)
     def _():
         num_padding = q_ref.shape[0] // num_heads - q_start
         rows = rows_of(q_start, jnp.minimum(tokens_per_tile, num_padding))
-        zeros = jnp.zeros((tokens_per_tile * group_pad, head_dim), o_ref.dtype)
+        zeros = jnp.zeros((block_rows, head_dim), o_ref.dtype)
         plgpu.store(o_ref.at[rows.store[:, None], _columns(head_dim)], zeros, mask=rows.own[:, None])
 
     @pl.when((req >= 0) & (req < num_reqs))
@@ -108,13 +109,13 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
         q = q_ref[rows.load, :]                                          # [BM, D]
         out = _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer_ref[0], h,
                       scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                      group_pad=group_pad, blocks_per_iter=blocks_per_iter)
+                      group=group, blocks_per_iter=blocks_per_iter)
         plgpu.store(o_ref.at[rows.store[:, None], _columns(head_dim)], out.astype(o_ref.dtype),
                     mask=rows.own[:, None])
 
 
 def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *, scale, sliding_window,
-            soft_cap, group_pad, blocks_per_iter):
+            soft_cap, group, blocks_per_iter):
     """Online-softmax attention of one tile's rows q f32/bf16[BM, D] over the request's paged keys."""
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     bm, bk = q.shape[0], blocks_per_iter * block_size
@@ -126,7 +127,7 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
     max_blocks = block_tables_ref.shape[1]
-    row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // group_pad
+    row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // group
 
     def body(j, carry, masked):
         m, l, acc = carry
@@ -188,12 +189,12 @@ def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
 
 
 def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
-            sliding_window, soft_cap, tokens_per_tile, num_heads, group, group_pad, blocks_per_iter,
+            sliding_window, soft_cap, tokens_per_tile, num_heads, group, block_rows, blocks_per_iter,
             num_tiles, num_warps, num_stages, interpret):
     num_kv_heads = num_heads // group
     kernel = functools.partial(_ragged_kernel, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads,
-                               group=group, group_pad=group_pad, blocks_per_iter=blocks_per_iter)
+                               group=group, block_rows=block_rows, blocks_per_iter=blocks_per_iter)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -223,10 +224,10 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
                                   scale: float, sliding_window: int | None = None,
                                   soft_cap: float | None = None, block_m: int | None = None,
                                   block_k: int | None = None, num_warps: int | None = None,
-                                  num_stages: int = 2, interpret: bool | None = None):
+                                  num_stages: int | None = None, interpret: bool | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D].
 
-    block_m: rows (query tokens x padded heads) per tile; block_k: keys per inner iteration.
+    block_m: rows (query tokens x heads of a group) per tile; block_k: keys per inner iteration.
     """
     _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc)
     if interpret is None:
@@ -234,14 +235,18 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
     group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
     block_m = block_m or (128 if head_dim <= 128 else 64)
     block_k = block_k or 64
-    tokens_per_tile = max(1, block_m // group_pad)
+    block_rows = max(block_m, _next_pow2(group))        # a tile holds at least one token's G heads
+    tokens_per_tile = block_rows // group
     blocks_per_iter = max(1, block_k // block_size)
-    if num_warps is None:
-        # H100 sweep: 4 warps beat 8 on 128 x 64 tiles for D 128 at >= 2k tokens (386 vs 270 TFLOP/s)
-        num_warps = 4
+    if num_warps is None or num_stages is None:
+        # H100 sweeps (bench/results/h100/session8/01_*): on 128 x 64 tiles, D 128 runs best with 4 warps
+        # and 2 stages (llama3-8b 4 x 8k: 400 vs 296 TFLOP/s with 8 warps and 3), D 64 with 8 warps and
+        # 3 stages (qwen2-0.5b 4 x 8k: 277 vs 241, 4 x 2k: 198 vs 173).
+        default_warps, default_stages = (8, 3) if head_dim <= 64 else (4, 2)
+        num_warps = num_warps or default_warps
+        num_stages = num_stages or default_stages
     tile_req, tile_start, num_tiles = _tile_schedule(query_start_loc, num_tokens, tokens_per_tile)
     # q and the output keep their [T, N, D] layout (viewed as [T * N, D] rows, no copy): a tile gathers
     # its rows itself, so no transpose or pad runs around the kernel.
@@ -249,6 +254,6 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     o_rows = _launch(q.reshape(num_tokens * num_heads, head_dim), kv_cache, layer, tile_req, tile_start,
                      query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
                      soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads, group=group,
-                     group_pad=group_pad, blocks_per_iter=blocks_per_iter, num_tiles=num_tiles,
+                     block_rows=block_rows, blocks_per_iter=blocks_per_iter, num_tiles=num_tiles,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o_rows.reshape(num_tokens, num_heads, head_dim)
