@@ -194,15 +194,19 @@ def decode_bench(args, results):
                 q = jax.random.normal(jax.random.PRNGKey(r + ctx), (r, n, d)).astype(jnp.bfloat16)
                 row = {"layout": name, "seqs": r, "ctx": ctx, "kv_bytes": kv_bytes, "rotations": nrot}
                 best = None
-                for keys, warps, per_sm, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
+                for dcfg in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
+                    keys, warps, per_sm, stages = dcfg[:4]
+                    prefetch = bool(dcfg[4]) if len(dcfg) == 5 else False
                     bpi = keys // BLOCK
                     ns = choose_splits(r, k, m, bpi, per_sm)
 
-                    def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages):
+                    def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages,
+                             prefetch=prefetch):
                         return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,
                                                          scale=d ** -0.5, blocks_per_iter=bpi,
-                                                         num_warps=warps, num_splits=ns, num_stages=stages)
-                    cfg = f"{keys},{warps},{ns},{stages}"
+                                                         num_warps=warps, num_splits=ns, num_stages=stages,
+                                                         prefetch_tables=prefetch)
+                    cfg = f"{keys},{warps},{ns},{stages}" + (",p" if prefetch else "")
                     try:
                         t, tw = time_op(ours, (q, pool, tables, lens), nrot)
                     except Exception as e:  # noqa: BLE001 - report and go on
@@ -243,11 +247,12 @@ def decode_bench(args, results):
 
 
 def _configs(text: str) -> list[tuple]:
-    """--decode-configs / --prefill-configs: 'a,b,c,d;...' -> [(int, int, int, int)]."""
+    """--decode-configs / --prefill-configs: 'a,b,c,d[,prefetch_tables];...' -> [(int, ...)]."""
     configs = [c.split(",") for c in text.split(";") if c]
-    if any(len(c) != 4 for c in configs):      # caught here, not after the device has started
-        raise argparse.ArgumentTypeError(f"each config is four integers separated by ',': {text!r}")
-    return [(int(k), int(w), int(ps), int(st)) for k, w, ps, st in configs]
+    if any(len(c) not in (4, 5) for c in configs):      # caught here, not after the device has started
+        raise argparse.ArgumentTypeError(f"each config is 4 integers and an optional 0/1, separated by ',': "
+                                         f"{text!r}")
+    return [tuple(int(x) for x in c) for c in configs]
 
 
 # -------------------------------------------------------------------------------------------- prefill
@@ -262,9 +267,12 @@ def _prefill_variants(args, d):
     the Mosaic GPU kernel where it exists (Hopper only)."""
     triton = pk.ragged_paged_attention_pallas
     out = [("default", {}, triton)]
-    for bm, bk, warps, stages in PREFILL_CONFIGS[:1] if SMOKE else args.prefill_configs:
-        out.append((f"{bm},{bk},{warps},{stages}",
-                    dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages), triton))
+    for cfg in PREFILL_CONFIGS[:1] if SMOKE else args.prefill_configs:
+        bm, bk, warps, stages = cfg[:4]
+        kwargs = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
+        if len(cfg) == 5:
+            kwargs["prefetch_tables"] = bool(cfg[4])
+        out.append((",".join(map(str, cfg)), kwargs, triton))
     mgpu = getattr(pk, "ragged_paged_attention_mgpu", None)
     if mgpu is not None and not SMOKE and "mgpu" in args.prefill_extra:
         out.append(("mgpu", {}, mgpu))
@@ -450,11 +458,12 @@ def main():
     ap.add_argument("--parts", default="check,decode,prefill,kvwrite")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
-                    help="decode configurations to sweep besides the default: 'keys,warps,programs_per_sm,stages' "
-                         "separated by ';' (choose_splits aims at programs_per_sm programs per SM)")
+                    help="decode configurations to sweep besides the default: "
+                         "'keys,warps,programs_per_sm,stages[,prefetch_tables 0/1]' separated by ';' "
+                         "(choose_splits aims at programs_per_sm programs per SM)")
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
-                    help="prefill configurations to sweep: 'block_m,block_k,warps,stages' separated by ';' "
-                         "(the first is reported as the op's default)")
+                    help="prefill configurations to sweep besides the op's default: "
+                         "'block_m,block_k,warps,stages[,prefetch_tables 0/1]' separated by ';'")
     ap.add_argument("--prefill-extra", default="mgpu",
                     help="other prefill kernels to time beside the Triton one ('mgpu': Mosaic GPU; '' for none)")
     args = ap.parse_args()

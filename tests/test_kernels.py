@@ -64,9 +64,11 @@ def test_decode_matches_reference(block_size, head_dim, num_heads, num_kv_heads,
     lens = jnp.asarray(seq_lens, jnp.int32)
     scale = head_dim ** -0.5
     ref = paged_decode_attention_reference(q, pool, 1, tables, lens, scale=scale)
-    for num_splits in (1, 3):   # direct output, and split-K with the merge epilogue
+    # direct output, and split-K with the merge epilogue (block ids loaded in the iteration / one ahead)
+    for num_splits, prefetch_tables in ((1, False), (3, False), (3, True)):
         out = paged_decode_attention(q, pool, jnp.int32(1), tables, lens, scale=scale,
-                                     num_splits=num_splits, blocks_per_iter=2)
+                                     num_splits=num_splits, blocks_per_iter=2,
+                                     prefetch_tables=prefetch_tables)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[dtype]
@@ -114,12 +116,14 @@ def test_ragged_matches_reference(block_size, head_dim, num_heads, num_kv_heads,
     scale = head_dim ** -0.5
     ref = pk.ragged_paged_attention_reference(q, pool, 1, tables, lens, qsl, scale=scale)
     # small tiles: several tiles per request, tiles with a partial tail, several key iterations
-    out = ragged_paged_attention_pallas(q, pool, jnp.int32(1), tables, lens, qsl, scale=scale,
-                                       block_m=16 if num_heads // num_kv_heads <= 8 else 32, block_k=16)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert bool(jnp.all(jnp.isfinite(out)))
-    assert rel_err(out, ref) <= TOL[dtype]
-    assert bool(jnp.all(out[num_real:] == 0))                   # bucket padding -> zeros
+    for prefetch_tables in (False, True):
+        out = ragged_paged_attention_pallas(q, pool, jnp.int32(1), tables, lens, qsl, scale=scale,
+                                           block_m=16 if num_heads // num_kv_heads <= 8 else 32, block_k=16,
+                                           prefetch_tables=prefetch_tables)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert rel_err(out, ref) <= TOL[dtype]
+        assert bool(jnp.all(out[num_real:] == 0))               # bucket padding -> zeros
 
 
 @pytest.mark.parametrize("sliding_window,soft_cap", [(9, None), (None, 4.0), (20, 2.0)])
