@@ -50,6 +50,11 @@ PART_SHARE = {"check": 0.1, "decode": 0.6, "prefill": 0.93, "kvwrite": 1.0}   # 
 _PART = ["check"]
 
 
+def _layouts(args):
+    """(name, (heads, kv heads, head dim)) of the layouts --layouts names, in LAYOUTS' order."""
+    return [(name, dims) for name, dims in LAYOUTS.items() if name in args.layouts.split(",")]
+
+
 def over_budget(args) -> bool:
     return time.time() - T0 > args.budget_s * PART_SHARE[_PART[0]]
 
@@ -106,7 +111,7 @@ def random_tables(rng, num_sets, num_reqs, max_blocks, pool_blocks):
 def check(args, results):
     rng = np.random.default_rng()
     out = results["check"] = []
-    for name, (n, k, d) in LAYOUTS.items():
+    for name, (n, k, d) in _layouts(args):
         # decode, ragged lengths, real size
         r, ctx = CHECK_SEQS, CHECK_CTX
         m = ctx // BLOCK
@@ -176,7 +181,7 @@ def decode_bench(args, results):
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
     rng = np.random.default_rng(0)
     rows = results["decode"] = []
-    for name, (n, k, d) in LAYOUTS.items():
+    for name, (n, k, d) in _layouts(args):
         for r in DECODE_SEQS:
             for ctx in DECODE_CTX:
                 if over_budget(args):
@@ -247,7 +252,7 @@ def decode_bench(args, results):
 
 
 def _configs(text: str) -> list[tuple]:
-    """--decode-configs / --prefill-configs: 'a,b,c,d[,prefetch_tables];...' -> [(int, ...)]."""
+    """--decode-configs 'a,b,c,d[,prefetch_tables]' / --prefill-configs 'a,b,c,d', ';'-separated."""
     configs = [c.split(",") for c in text.split(";") if c]
     if any(len(c) not in (4, 5) for c in configs):      # caught here, not after the device has started
         raise argparse.ArgumentTypeError(f"each config is 4 integers and an optional 0/1, separated by ',': "
@@ -267,12 +272,9 @@ def _prefill_variants(args, d):
     the Mosaic GPU kernel where it exists (Hopper only)."""
     triton = pk.ragged_paged_attention_pallas
     out = [("default", {}, triton)]
-    for cfg in PREFILL_CONFIGS[:1] if SMOKE else args.prefill_configs:
-        bm, bk, warps, stages = cfg[:4]
-        kwargs = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
-        if len(cfg) == 5:
-            kwargs["prefetch_tables"] = bool(cfg[4])
-        out.append((",".join(map(str, cfg)), kwargs, triton))
+    for bm, bk, warps, stages in PREFILL_CONFIGS[:1] if SMOKE else args.prefill_configs:
+        out.append((f"{bm},{bk},{warps},{stages}",
+                    dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages), triton))
     mgpu = getattr(pk, "ragged_paged_attention_mgpu", None)
     if mgpu is not None and not SMOKE and "mgpu" in args.prefill_extra:
         out.append(("mgpu", {}, mgpu))
@@ -304,7 +306,7 @@ def _time_prefill_variants(args, row, flops, d, data, reps):
 def prefill_bench(args, results):
     rng = np.random.default_rng(1)
     rows = results["prefill"] = []
-    for name, (n, k, d) in LAYOUTS.items():
+    for name, (n, k, d) in _layouts(args):
         for seqs, length in [(2, 64)] if SMOKE else PREFILL_SHAPES:
             if over_budget(args):
                 print("prefill: out of time budget, stopping", flush=True)
@@ -347,7 +349,7 @@ def prefill_bench(args, results):
 def kvwrite_bench(args, results):
     rng = np.random.default_rng(2)
     rows = results["kvwrite"] = []
-    for name, (n, k, d) in LAYOUTS.items():
+    for name, (n, k, d) in _layouts(args):
         nb = 65 if SMOKE else 4097
         for t_tok in (16,) if SMOKE else (256, 8192):
             pool = make_pool(rng, nb, k, d, layers=4)
@@ -456,6 +458,7 @@ def main():
     ap.add_argument("--git-rev", default=os.environ.get("JAXPAGED_GIT_REV", "unknown"))
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--parts", default="check,decode,prefill,kvwrite")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"head layouts to run, of {list(LAYOUTS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
                     help="decode configurations to sweep besides the default: "
@@ -463,7 +466,7 @@ def main():
                          "(choose_splits aims at programs_per_sm programs per SM)")
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
                     help="prefill configurations to sweep besides the op's default: "
-                         "'block_m,block_k,warps,stages[,prefetch_tables 0/1]' separated by ';'")
+                         "'block_m,block_k,warps,stages' separated by ';'")
     ap.add_argument("--prefill-extra", default="mgpu",
                     help="other prefill kernels to time beside the Triton one ('mgpu': Mosaic GPU; '' for none)")
     args = ap.parse_args()

@@ -74,7 +74,7 @@ def _columns(head_dim):
 
 def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref, seq_lens_ref,
                    block_tables_ref, q_ref, kv_ref, o_ref, *, scale, sliding_window, soft_cap,
-                   tokens_per_tile, num_heads, group, block_rows, blocks_per_iter, prefetch_tables):
+                   tokens_per_tile, num_heads, group, block_rows, blocks_per_iter):
     # layer_ref:           i32[1]
     # tile_req_ref:        i32[NT]      request of each tile; R: bucket padding (written as zeros); -1: none
     # tile_start_ref:      i32[NT]      flat index of the tile's first query token
@@ -109,13 +109,13 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
         q = q_ref[rows.load, :]                                          # [BM, D]
         out = _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer_ref[0], h,
                       scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                      group=group, blocks_per_iter=blocks_per_iter, prefetch_tables=prefetch_tables)
+                      group=group, blocks_per_iter=blocks_per_iter)
         plgpu.store(o_ref.at[rows.store[:, None], _columns(head_dim)], out.astype(o_ref.dtype),
                     mask=rows.own[:, None])
 
 
 def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *, scale, sliding_window,
-            soft_cap, group, blocks_per_iter, prefetch_tables):
+            soft_cap, group, blocks_per_iter):
     """Online-softmax attention of one tile's rows q f32/bf16[BM, D] over the request's paged keys."""
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     bm, bk = q.shape[0], blocks_per_iter * block_size
@@ -129,21 +129,12 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
     max_blocks = block_tables_ref.shape[1]
     row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // group
 
-    def table_blocks(j):
+    def body(j, carry, masked):
+        m, l, acc = carry
         block0 = kv_begin // block_size + j * blocks_per_iter
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
-        return plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
-                          mask=idx < max_blocks, other=0)                # [P]; past M -> null
-
-    def body(j, carry, masked):
-        m, l, acc, blocks = carry
-        block0 = kv_begin // block_size + j * blocks_per_iter
-        if prefetch_tables:
-            # this iteration's block ids came with the carry; the next ones load beside its K/V, so
-            # the K/V addresses never wait on a block-table load inside the iteration
-            blocks, next_blocks = blocks, table_blocks(j + 1)
-        else:
-            blocks = next_blocks = table_blocks(j)
+        blocks = plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
+                            mask=idx < max_blocks, other=0)              # [P]; past M -> null
         k = kv_ref[layer, 0, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
         v = kv_ref[layer, 1, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [BM, BK] f32
@@ -162,16 +153,16 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
         alpha = jnp.exp2(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc, next_blocks
+        return m_new, l, acc
 
     carry = (jnp.full((bm,), _NEG, jnp.float32), jnp.zeros((bm,), jnp.float32),
-             jnp.zeros((bm, head_dim), jnp.float32), table_blocks(0))
+             jnp.zeros((bm, head_dim), jnp.float32))
     num_iters = pl.cdiv(kv_end - kv_begin, bk)
     # Key tiles wholly at or before the first query position need no causal mask (no window).
     num_full = 0 if sliding_window is not None else (first_pos + 1) // bk
     num_full = jnp.minimum(num_full, num_iters)
     carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
-    m, l, acc, _ = jax.lax.fori_loop(num_full, num_iters, functools.partial(body, masked=True), carry)
+    m, l, acc = jax.lax.fori_loop(num_full, num_iters, functools.partial(body, masked=True), carry)
     return acc / jnp.where(l > 0.0, l, 1.0)[:, None]
 
 
@@ -199,12 +190,11 @@ def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
 
 def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
             sliding_window, soft_cap, tokens_per_tile, num_heads, group, block_rows, blocks_per_iter,
-            prefetch_tables, num_tiles, num_warps, num_stages, interpret):
+            num_tiles, num_warps, num_stages, interpret):
     num_kv_heads = num_heads // group
     kernel = functools.partial(_ragged_kernel, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads,
-                               group=group, block_rows=block_rows, blocks_per_iter=blocks_per_iter,
-                               prefetch_tables=prefetch_tables)
+                               group=group, block_rows=block_rows, blocks_per_iter=blocks_per_iter)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -229,18 +219,15 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "block_m",
-                                             "block_k", "num_warps", "num_stages", "prefetch_tables",
-                                             "interpret"))
+                                             "block_k", "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                   scale: float, sliding_window: int | None = None,
                                   soft_cap: float | None = None, block_m: int | None = None,
                                   block_k: int | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None, prefetch_tables: bool = False,
-                                  interpret: bool | None = None):
+                                  num_stages: int | None = None, interpret: bool | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D].
 
-    block_m: rows (query tokens x heads of a group) per tile; block_k: keys per inner iteration;
-    prefetch_tables: load the next iteration's block ids one iteration ahead (a pipelining experiment).
+    block_m: rows (query tokens x heads of a group) per tile; block_k: keys per inner iteration.
     """
     _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc)
     if interpret is None:
@@ -267,7 +254,6 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     o_rows = _launch(q.reshape(num_tokens * num_heads, head_dim), kv_cache, layer, tile_req, tile_start,
                      query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
                      soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads, group=group,
-                     block_rows=block_rows, blocks_per_iter=blocks_per_iter,
-                     prefetch_tables=prefetch_tables, num_tiles=num_tiles,
+                     block_rows=block_rows, blocks_per_iter=blocks_per_iter, num_tiles=num_tiles,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o_rows.reshape(num_tokens, num_heads, head_dim)
