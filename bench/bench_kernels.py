@@ -275,7 +275,10 @@ def _prefill_variants(args, d):
     for bm, bk, warps, stages in PREFILL_CONFIGS[:1] if SMOKE else args.prefill_configs:
         out.append((f"{bm},{bk},{warps},{stages}",
                     dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages), triton))
-    mgpu = getattr(pk, "ragged_paged_attention_mgpu", None)
+    try:                       # the Mosaic GPU kernel, where this checkout has it
+        from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu as mgpu
+    except ImportError:
+        mgpu = None
     if mgpu is not None and not SMOKE and "mgpu" in args.prefill_extra:
         out.append(("mgpu", {}, mgpu))
     return out
