@@ -1,6 +1,6 @@
 """Session 8: first GPU run of the Mosaic GPU prefill kernel (pallas_kernels/ragged_paged_attention_mgpu.py).
 
-    timeout 200 python3 bench/adhoc/mgpu_probe.py
+    timeout 200 python3 bench/adhoc/mgpu_probe.py [--semantics lane|warpgroup]
 
 Checks it against the plain-jnp reference on a ragged batch (a short chunk, a prefill, a chunk starting
 mid-sequence, a decode, a long chunk, bucket padding) in both head layouts, bf16, block 16; prints the
@@ -8,6 +8,7 @@ relative error, NaN count and which rows are off. Runs uninstalled from the repo
 """
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -18,7 +19,9 @@ import numpy as np  # noqa: E402
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu  # noqa: E402
 
-print(jax.__version__, jax.devices()[0].device_kind, flush=True)
+# --semantics lane|warpgroup: the Mosaic GPU lowering semantics (jax 0.11 defaults to warpgroup)
+OPTS = {"lowering_semantics": sys.argv[sys.argv.index("--semantics") + 1]} if "--semantics" in sys.argv else {}
+print(jax.__version__, jax.devices()[0].device_kind, OPTS, flush=True)
 for name, (n, k, d) in {"qwen2-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128)}.items():
     for q_lens, ctx in (([3, 130, 64, 1, 200], [5, 0, 17, 40, 33]), ([256, 512], [0, 100])):
         rng = np.random.default_rng(0)
@@ -39,9 +42,10 @@ for name, (n, k, d) in {"qwen2-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128)}.it
         args = (q, kv, jnp.int32(1), jnp.asarray(tables), jnp.asarray(seq.astype(np.int32)), qsl)
         t = time.time()
         try:
-            out = np.asarray(ragged_paged_attention_mgpu(*args, scale=d ** -0.5), np.float32)
+            out = np.asarray(ragged_paged_attention_mgpu(*args, scale=d ** -0.5, **OPTS), np.float32)
         except Exception as e:  # noqa: BLE001
             print(name, q_lens, "FAILED", type(e).__name__, str(e)[:1500], flush=True)
+            print("".join(traceback.format_exc().splitlines(True)[-24:]), flush=True)
             continue
         ref = np.asarray(ragged_paged_attention_reference(*args, scale=d ** -0.5), np.float32)
         err = np.linalg.norm(np.nan_to_num(out - ref, nan=1e3)) / np.linalg.norm(ref)
