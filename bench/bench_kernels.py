@@ -280,7 +280,8 @@ def _prefill_variants(args, d):
     except ImportError:
         mgpu = None
     if mgpu is not None and not SMOKE and "mgpu" in args.prefill_extra:
-        out.append(("mgpu", {}, mgpu))
+        # Lane semantics: jax 0.11.2's default (warpgroup) fails the kernel's layout inference
+        out.append(("mgpu", {"lowering_semantics": "lane"}, mgpu))
     return out
 
 
@@ -291,6 +292,14 @@ def _time_prefill_variants(args, row, flops, d, data, reps):
         def f(i, qs, pool, tables, lens, qsl, kwargs=kwargs, op=op):
             return op(qs[i], pool, jnp.int32(0), tables, lens, qsl, scale=d ** -0.5, **kwargs)
         try:
+            if label == "mgpu":      # timed only if it computes what the Triton kernel computes
+                qs, rest = data[0], data[1:]
+                triton_out = pk.ragged_paged_attention_pallas(qs[0], rest[0], jnp.int32(0), *rest[1:],
+                                                              scale=d ** -0.5)
+                row["mgpu_rel_err"] = rel_err(f(0, *data), triton_out)
+                if not row["mgpu_rel_err"] <= 1e-2:
+                    print(f"prefill mgpu: rel err {row['mgpu_rel_err']:.2e} against the Triton kernel; not timed")
+                    continue
             t, _ = time_op(f, data, reps)
         except Exception as e:  # noqa: BLE001
             print(f"prefill {label} failed: {type(e).__name__}: {str(e)[:300]}")
