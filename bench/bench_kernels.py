@@ -199,19 +199,15 @@ def decode_bench(args, results):
                 q = jax.random.normal(jax.random.PRNGKey(r + ctx), (r, n, d)).astype(jnp.bfloat16)
                 row = {"layout": name, "seqs": r, "ctx": ctx, "kv_bytes": kv_bytes, "rotations": nrot}
                 best = None
-                for dcfg in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
-                    keys, warps, per_sm, stages = dcfg[:4]
-                    prefetch = bool(dcfg[4]) if len(dcfg) == 5 else False
+                for keys, warps, per_sm, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
                     bpi = keys // BLOCK
                     ns = choose_splits(r, k, m, bpi, per_sm)
 
-                    def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages,
-                             prefetch=prefetch):
+                    def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages):
                         return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,
                                                          scale=d ** -0.5, blocks_per_iter=bpi,
-                                                         num_warps=warps, num_splits=ns, num_stages=stages,
-                                                         prefetch_tables=prefetch)
-                    cfg = f"{keys},{warps},{ns},{stages}" + (",p" if prefetch else "")
+                                                         num_warps=warps, num_splits=ns, num_stages=stages)
+                    cfg = f"{keys},{warps},{ns},{stages}"
                     try:
                         t, tw = time_op(ours, (q, pool, tables, lens), nrot)
                     except Exception as e:  # noqa: BLE001 - report and go on
@@ -252,11 +248,10 @@ def decode_bench(args, results):
 
 
 def _configs(text: str) -> list[tuple]:
-    """--decode-configs 'a,b,c,d[,prefetch_tables]' / --prefill-configs 'a,b,c,d', ';'-separated."""
+    """--decode-configs / --prefill-configs: 'a,b,c,d;...' -> [(int, int, int, int)]."""
     configs = [c.split(",") for c in text.split(";") if c]
-    if any(len(c) not in (4, 5) for c in configs):      # caught here, not after the device has started
-        raise argparse.ArgumentTypeError(f"each config is 4 integers and an optional 0/1, separated by ',': "
-                                         f"{text!r}")
+    if any(len(c) != 4 for c in configs):      # caught here, not after the device has started
+        raise argparse.ArgumentTypeError(f"each config is four integers separated by ',': {text!r}")
     return [tuple(int(x) for x in c) for c in configs]
 
 
@@ -474,7 +469,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
                     help="decode configurations to sweep besides the default: "
-                         "'keys,warps,programs_per_sm,stages[,prefetch_tables 0/1]' separated by ';' "
+                         "'keys,warps,programs_per_sm,stages' separated by ';' "
                          "(choose_splits aims at programs_per_sm programs per SM)")
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
                     help="prefill configurations to sweep besides the op's default: "

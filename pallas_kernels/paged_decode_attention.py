@@ -42,7 +42,7 @@ def _next_pow2(x: int) -> int:
 
 
 def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, *lse_refs,
-                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad, prefetch_tables):
+                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad):
     # layer_ref:        i32[1]
     # seq_lens_ref:     i32[R]
     # block_tables_ref: i32[R, M]
@@ -75,20 +75,12 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
 
-    def table_blocks(i):
+    def body(i, carry):
+        m, l, acc = carry
         block0 = first_block + i * blocks_per_iter
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
-        return plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
-                          mask=idx < max_blocks, other=0)                    # [P]; past M -> null
-
-    def body(i, carry):
-        m, l, acc, blocks = carry
-        block0 = first_block + i * blocks_per_iter
-        if prefetch_tables:
-            # this iteration's block ids came with the carry; the next ones load beside its K/V
-            blocks, next_blocks = blocks, table_blocks(i + 1)
-        else:
-            blocks = next_blocks = table_blocks(i)
+        blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
+                            mask=idx < max_blocks, other=0)                  # [P]; past M -> null
         k = kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         v = kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale    # [Gp, P*S] f32
@@ -104,11 +96,11 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         alpha = jnp.exp2(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc, next_blocks
+        return m_new, l, acc
 
     init = (jnp.full((group_pad,), _NEG, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
-            jnp.zeros((group_pad, head_dim), jnp.float32), table_blocks(0))
-    m, l, acc, _ = jax.lax.fori_loop(0, num_iters, body, init)
+            jnp.zeros((group_pad, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
@@ -129,11 +121,10 @@ def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_
 
 
 def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_window, soft_cap,
-            num_splits, blocks_per_iter, group_pad, prefetch_tables, num_warps, num_stages, interpret):
+            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, interpret):
     num_reqs, num_kv_heads, group, head_dim = q3.shape
     kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad,
-                               prefetch_tables=prefetch_tables)
+                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
     else:
@@ -161,18 +152,16 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
-                                             "blocks_per_iter", "num_warps", "num_stages", "prefetch_tables",
-                                             "interpret"))
+                                             "blocks_per_iter", "num_warps", "num_stages", "interpret"))
 def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            num_splits: int | None = None, blocks_per_iter: int | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
-                           prefetch_tables: bool = False, interpret: bool | None = None):
+                           interpret: bool | None = None):
     """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
 
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
     (context including this step's token, 0 for padding requests, whose output is zeros).
-    prefetch_tables: load the next iteration's block ids one iteration ahead (a pipelining experiment).
     """
     _validate(q, kv_cache, layer_idx, block_tables, seq_lens)
     if interpret is None:
@@ -196,8 +185,8 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
     res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
-                  blocks_per_iter=blocks_per_iter, group_pad=group_pad,
-                  prefetch_tables=prefetch_tables, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                  blocks_per_iter=blocks_per_iter,
+                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if num_splits == 1:
         return res                                                     # written by the kernel
     o, lse = res[0][:, :, :, :group], res[1][:, :, :, :group]          # [R, K, NS, G, D], [R, K, NS, G]
