@@ -48,7 +48,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
-    attention_backend: str | None = None      # reference | xla | pallas; default by platform
+    attention_backend: str | None = None      # reference | xla | pallas | mosaic; default by platform
     layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     num_scheduler_steps: int = 1              # decode steps per device program (vLLM's multi-step scheduling)

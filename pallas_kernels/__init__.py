@@ -5,7 +5,12 @@ which implementation runs below them is chosen by `backend`:
 
   "reference"  plain jnp (the `*_reference` functions, memory-hungry; tests only)
   "xla"        chunked online-softmax jnp (CPU default, GPU fallback)
-  "pallas"     Pallas GPU kernels (GPU default once they exist)
+  "pallas"     Pallas GPU kernels on the Triton backend (the GPU default)
+  "mosaic"     as "pallas", but the ragged (prefill / mixed) attention runs the Mosaic GPU kernel for Hopper
+               (ragged_paged_attention_mgpu.py: TMA, wgmma, warp specialisation) wherever it supports the
+               call (bf16/fp16, head dim 64/128, no window or soft cap), the Triton kernel elsewhere.
+               Opt-in: on the H100 it beats the Triton kernel on prompts of 1k tokens and more and loses
+               on 512-token ones (bench/results/h100/NOTES.md, eighth session); not yet measured end to end.
 
 `default_backend()` picks by the JAX platform; JAXPAGED_ATTENTION_BACKEND overrides it (read in
 jaxpaged.envs, passed down as an argument: this package reads no environment itself).
@@ -19,7 +24,7 @@ from .paged_decode_attention import paged_decode_attention, paged_decode_attenti
 from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
 from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 
-BACKENDS = ("reference", "xla", "pallas")
+BACKENDS = ("reference", "xla", "pallas", "mosaic")
 
 __all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
@@ -44,10 +49,17 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     if backend == "xla":
         return ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if backend == "pallas":
+    if backend in ("pallas", "mosaic"):
         if decode_only:
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap)
+        if backend == "mosaic":
+            # imported here: only this backend needs Mosaic GPU's Pallas module
+            from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
+            if mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,
+                              soft_cap=soft_cap) is None:
+                return ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
+                                                   query_start_loc, scale=scale)
         return ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens,
                                              query_start_loc, scale=scale,
                                              sliding_window=sliding_window, soft_cap=soft_cap)
@@ -58,6 +70,6 @@ def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla"):
     """Scatter new K/V (dtype[T, K, D]) into the pool at slot_mapping (i32[T]); returns the pool."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "pallas":
+    if backend in ("pallas", "mosaic"):
         return write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping)
     return write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)

@@ -167,6 +167,35 @@ def test_public_switch_pallas_backend():
     assert rel_err(out, ref) <= 1e-5
 
 
+def test_mosaic_backend_falls_back_to_triton_where_unsupported():
+    """backend="mosaic" on what the Mosaic GPU kernel does not take (float32 here) runs the Triton kernel."""
+    rng = np.random.default_rng()
+    q, pool, tables, lens, qsl, _ = ragged_batch(rng, 16, 8, 4, 64, jnp.float32)
+    ref = pk.attention(q, pool, 1, tables, lens, qsl, backend="reference", scale=0.125)
+    assert rel_err(pk.attention(q, pool, 1, tables, lens, qsl, backend="mosaic", scale=0.125), ref) <= 1e-5
+
+
+def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
+    """Lowered for CUDA here (no GPU): bf16 ragged attention under backend="mosaic" becomes one Mosaic GPU
+    call, a soft cap sends it to Triton, and decodes stay on Triton. The kernel's numbers are checked on
+    the H100 (bench/adhoc/mgpu_probe.py, bench/bench_kernels.py): it runs on Hopper only."""
+    from jax import export
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
+    s = jax.ShapeDtypeStruct
+    pool, layer = s((4, 2, 100, 2, 16, 64), jnp.bfloat16), s((), jnp.int32)
+    tables, lens, qsl = s((8, 32), jnp.int32), s((8,), jnp.int32), s((9,), jnp.int32)
+    checks = [export.DisabledSafetyCheck.custom_call(n) for n in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
+
+    def calls(q, **kw):
+        fn = functools.partial(pk.attention, scale=0.1, backend="mosaic", **kw)
+        text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            q, pool, layer, tables, lens, qsl).mlir_module()
+        return text.count("mosaic_gpu_v2"), text.count("__gpu$xla.gpu.triton")
+    assert calls(s((256, 14, 64), jnp.bfloat16)) == (1, 0)
+    assert calls(s((256, 14, 64), jnp.bfloat16), soft_cap=30.0) == (0, 1)
+    assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
+
+
 @pytest.mark.parametrize("bad", ["heads", "dtype", "tables", "head_dim"])
 def test_validation_errors(bad):
     q = jnp.ones((2, 8, 64), jnp.float32)
