@@ -26,13 +26,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from ._checks import validate_q_and_cache
+from ._softmax import NEG, init_carry, online_softmax_step
 
 NUM_SMS = 132            # H100 SXM; only steers how many splits are made
 # Programs per SM the split count aims for. The fourth session's H100 sweep (one run, noisy): 16 beat 4 at
 # 16 sequences (llama3-8b 16 x 8k: 265 vs 352 us; 16 x 4k: 142 vs 163 us) and on qwen2-0.5b at
 # 256 x 8k with 4 warps (497 vs 706 us): short programs keep more loads in flight and even out the tail.
 PROGRAMS_PER_SM = 16
-_NEG = -1e30             # finite "minus infinity": empty splits merge to zeros, never NaN
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -52,7 +52,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     #   o_ref:          dtype[R, N, D]        final output, rows h*G .. h*G+G-1 written by program (r, h)
     # several splits:
     #   o_ref:          f32[R, K, NS, Gp, D]  this split's output, already divided by its softmax sum
-    #   lse_refs[0]:    f32[R, K, NS, Gp]     this split's log-sum-exp (_NEG when the split is empty)
+    #   lse_refs[0]:    f32[R, K, NS, Gp]     this split's log-sum-exp (NEG when the split is empty)
     r, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     group = q_ref.shape[2]
@@ -76,7 +76,6 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
 
     def body(i, carry):
-        m, l, acc = carry
         block0 = first_block + i * blocks_per_iter
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
         blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
@@ -90,17 +89,10 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         mask = pos < key_end
         if sliding_window is not None:
             mask &= pos >= seq_len - sliding_window
-        s = jnp.where(mask, s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))                            # [Gp]
-        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)                # [Gp, P*S]
-        alpha = jnp.exp2(m - m_new)
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc
+        s = jnp.where(mask, s, NEG)
+        return online_softmax_step(carry, s, v, mask=mask, precision=precision)
 
-    init = (jnp.full((group_pad,), _NEG, jnp.float32), jnp.zeros((group_pad,), jnp.float32),
-            jnp.zeros((group_pad, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
+    m, l, acc = jax.lax.fori_loop(0, num_iters, body, init_carry(group_pad, head_dim))
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
@@ -109,7 +101,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
                     mask=row < group)
     else:
         o_ref[r, h, split, :, :] = out
-        lse_refs[0][r, h, split, :] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, _NEG)
+        lse_refs[0][r, h, split, :] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
 
 
 def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int,
@@ -190,7 +182,7 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     if num_splits == 1:
         return res                                                     # written by the kernel
     o, lse = res[0][:, :, :, :group], res[1][:, :, :, :group]          # [R, K, NS, G, D], [R, K, NS, G]
-    # merge splits: weights exp(lse_s - max_s lse); empty splits carry _NEG and weigh 0
+    # merge splits: weights exp(lse_s - max_s lse); empty splits carry NEG and weigh 0
     w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
     out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
     return out.reshape(num_reqs, num_heads, head_dim).astype(q.dtype)

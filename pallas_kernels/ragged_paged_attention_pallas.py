@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from ._checks import validate_q_and_cache
+from ._softmax import NEG, init_carry, online_softmax_step
 
-_NEG = -1e30
 _LOG2E = 1.4426950408889634
 
 
@@ -130,7 +130,6 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
     row_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0) // group
 
     def body(j, carry, masked):
-        m, l, acc = carry
         block0 = kv_begin // block_size + j * blocks_per_iter
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
         blocks = plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
@@ -145,18 +144,10 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
             mask = key_pos <= row_pos
             if sliding_window is not None:
                 mask &= key_pos > row_pos - sliding_window
-            s = jnp.where(mask, s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp2(s - m_new[:, None])
-        if masked:
-            p = jnp.where(mask, p, 0.0)
-        alpha = jnp.exp2(m - m_new)
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc
+            s = jnp.where(mask, s, NEG)
+        return online_softmax_step(carry, s, v, mask=mask if masked else None, precision=precision)
 
-    carry = (jnp.full((bm,), _NEG, jnp.float32), jnp.zeros((bm,), jnp.float32),
-             jnp.zeros((bm, head_dim), jnp.float32))
+    carry = init_carry(bm, head_dim)
     num_iters = pl.cdiv(kv_end - kv_begin, bk)
     # Key tiles wholly at or before the first query position need no causal mask (no window).
     num_full = 0 if sliding_window is not None else (first_pos + 1) // bk
