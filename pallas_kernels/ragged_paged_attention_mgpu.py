@@ -17,11 +17,13 @@ Tiles never write rows of another request. A request of q_len >= 2 * BQ tokens g
 CTAs, the last shifted back to end at its last token; a CTA with BQ <= n < 2 BQ tokens gives its
 second warpgroup the tile ending at the last token (overlapping the first: overlapping rows are
 computed identically and written twice with the same values). A CTA with n < BQ tokens (decodes,
-short chunks) loads a BQ-row q tile clamped inside [0, Tp), leaves its second warpgroup idle, and
-stores only its n rows through an untiled SMEM buffer with TMA stores of BQ/2, ..., 2, 1 rows picked
-by the bits of n. The schedule (request, rows and positions of every tile) is computed by a few jnp
-ops before the launch; CTAs past the real count exit at once. Output rows past query_start_loc[R]
-(bucket padding) are zeroed by a jnp.where outside the kernel.
+short chunks) loads a BQ-row q tile clamped inside [0, Tp) and leaves its second warpgroup idle.
+Tiles start at any token, and Mosaic's TMA into 8-row-tiled (swizzled) SMEM only addresses whole
+8-row tiles of GMEM, so q and the output go through an untiled SMEM buffer: q is re-laid out into
+the swizzled wgmma operand by one register round trip, and a tile's rows are stored by TMA stores of
+BQ, BQ/2, ..., 2, 1 rows picked by the bits of its row count. The schedule (request, rows and
+positions of every tile) is computed by a few jnp ops before the launch; CTAs past the real count
+exit at once. Output rows past query_start_loc[R] (bucket padding) are zeroed by a jnp.where outside.
 
 Causal: key step j is unmasked when all its keys are <= the tile's first query position; later steps
 mask per row (key_pos <= row_pos). Query token i of request r sits at seq_lens[r] - q_len[r] + i.
@@ -42,6 +44,7 @@ _LOG2E = math.log2(math.e)
 _M_INIT = -1e30                  # finite: rows with no unmasked key stay NaN-free until the division
 _SMEM_BYTES = 227 * 1024         # H100 dynamic shared memory per CTA
 _COMPUTE_WGS = 2
+_JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 # Columns of the schedule table sched i32[NT, 2 + 4 * 2]: request (-1: no work), K/V steps of the CTA,
 # then per compute warpgroup: first row of its q tile, first row it writes, rows it writes (0: idle),
 # position of the first written row.
@@ -97,14 +100,19 @@ def _pv(acc, p16, v_slot, after_issue, interpret):
     return pl.run_state(compute)(plgpu.ACC.init(acc))
 
 
-def _layout(x, layout, interpret):
+def _smem_load(ref, layout):
+    """The whole ref in registers: jax 0.10 wants plgpu.load's index positionally, 0.11 deprecates it."""
+    if _JAX_VERSION < (0, 11):
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _layout(x, layout, interpret):  # layout_cast has no CPU lowering: the interpreter skips it
     return x if interpret else plgpu.layout_cast(x, layout)
 
 
 def _iota(shape, dim, interpret):
-    if interpret:  # layout_cast has no CPU lowering
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    return _layout(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA, interpret)
 
 
 def _kv_step(j, carry, *, masked, row_pos0, num_steps, q_smem, k_smem, v_smem, bars, sched,
@@ -169,54 +177,52 @@ def _skip_step(j, carry, *, num_slots, bars, sched):
     return carry
 
 
-def _store_rows(out, qo_smem, o_smem, o_ref, head, load, lo, rows):
+def _store_rows(out, io_smem, o_ref, head, load, lo, rows):
     """Write rows [lo, lo + rows) of the tile out (dtype[BQ, D]) to o_ref rows load + lo + ...
 
-    A full tile goes through the swizzled q buffer in one TMA store. A partial tile goes through the
-    untiled buffer (any row offset is addressable there) in TMA stores of BQ/2, ..., 2, 1 rows picked
-    by the bits of `rows`, so no row of a neighbouring request is touched.
+    Through the untiled buffer (any row offset is addressable there, and TMA from untiled SMEM takes
+    any GMEM row) in TMA stores of BQ, BQ/2, ..., 2, 1 rows picked by the bits of `rows`: a full tile
+    is one store, and no row of a neighbouring request is touched.
     """
-    block_q = qo_smem.shape[0]
-
-    @pl.when(rows == block_q)
-    def _():
-        qo_smem[...] = out
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[pl.ds(load, block_q), head])
-
-    @pl.when(rows < block_q)
-    def _():
-        o_smem[...] = out
-        plgpu.commit_smem()
-        first, size = lo, block_q // 2
-        while size:
-            @pl.when((rows & size) != 0)
-            def _(first=first, size=size):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, size)],
-                                        o_ref.at[pl.ds(load + first, size), head])
-            first, size = first + (rows & size), size // 2
-
+    io_smem[...] = out
+    plgpu.commit_smem()
+    first, size = lo, io_smem.shape[0]
+    while size:
+        @pl.when((rows & size) != 0)
+        def _(first=first, size=size):
+            plgpu.copy_smem_to_gmem(io_smem.at[pl.ds(first, size)],
+                                    o_ref.at[pl.ds(load + first, size), head])
+        first, size = first + (rows & size), size // 2
     plgpu.wait_smem_to_gmem(0)
+
+
+def _load_q(q_ref, io_smem, q_smem, bar, head, load, interpret):
+    """q rows [load, load + BQ) of one head -> the swizzled wgmma operand q_smem (dtype[BQ, D]).
+
+    Mosaic's TMA into 8-row-tiled SMEM views GMEM as whole 8-row tiles, so a tile starting at any
+    token goes through the untiled buffer and is re-laid out by one register round trip.
+    """
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(load, q_smem.shape[0]), head], io_smem, bar)
+    plgpu.barrier_wait(bar)
+    q_smem[...] = io_smem[...] if interpret else _smem_load(io_smem, plgpu.Layout.WGMMA)
+    plgpu.commit_smem()                              # generic-proxy writes -> visible to wgmma
 
 
 def _compute_wg(wg, tile, head, cta_steps, sched_ref, q_ref, o_ref, smem, bars, *, scale, interpret):
     """Compute warpgroup wg: the BQ-row tile described by sched_ref[tile], online softmax over keys."""
-    qo_smem2, o_smem2, k_smem, v_smem = smem
+    q_smem2, io_smem2, k_smem, v_smem = smem
     k_bar, v_bar, q_bar, k_free, v_free, sched_bar = bars
     plgpu.set_max_registers(232, action="increase")
     col = _WG0 + 4 * wg
     load, lo, rows, pos = (sched_ref[tile, col + c] for c in (_LOAD, _LO, _ROWS, _POS))
-    qo_smem, o_smem = qo_smem2.at[wg], o_smem2.at[wg]              # [BQ, D] each
-    block_q, head_dim = qo_smem.shape
+    q_smem, io_smem = q_smem2.at[wg], io_smem2.at[wg]              # [BQ, D] each
+    block_q, head_dim = q_smem.shape
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
     sched = _Sched(sched_bar)
     # Steps that hold keys of this tile's rows: up to the position of its last written row.
     num_steps = jnp.where(rows > 0, pl.cdiv(pos + rows, block_kv), 0)
 
-    @pl.when(rows > 0)
-    def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(load, block_q), head], qo_smem, q_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
+    pl.when(rows > 0)(lambda: _load_q(q_ref, io_smem, q_smem, q_bar.at[wg], head, load, interpret))
 
     m = _layout(jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1), interpret)
     l = _layout(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1), interpret)
@@ -228,11 +234,11 @@ def _compute_wg(wg, tile, head, cta_steps, sched_ref, q_ref, o_ref, smem, bars, 
 
     pl.when(wg == 1)(sched)                          # offset the two warpgroups by half a step
     load_bars = (k_bar, v_bar, k_free, v_free)
-    step = functools.partial(_kv_step, row_pos0=pos - lo, num_steps=num_steps, q_smem=qo_smem,
+    step = functools.partial(_kv_step, row_pos0=pos - lo, num_steps=num_steps, q_smem=q_smem,
                              k_smem=k_smem, v_smem=v_smem, bars=load_bars, sched=sched,
                              qk_scale=scale * _LOG2E, interpret=interpret)
     # Steps whose keys all sit at or before the first written row's position need no causal mask.
-    num_full = jnp.minimum((pos + 1) // block_kv, num_steps)
+    num_full = jnp.clip((pos + 1) // block_kv, 0, num_steps)  # idle warpgroups have pos < 0
     carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(num_full, num_steps, functools.partial(step, masked=True), carry)
     lax.fori_loop(num_steps, cta_steps, functools.partial(
@@ -242,7 +248,7 @@ def _compute_wg(wg, tile, head, cta_steps, sched_ref, q_ref, o_ref, smem, bars, 
     @pl.when(rows > 0)
     def _():
         out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-        _store_rows(out.astype(o_ref.dtype), qo_smem, o_smem, o_ref, head, load, lo, rows)
+        _store_rows(out.astype(o_ref.dtype), io_smem, o_ref, head, load, lo, rows)
 
 
 def _memory_wg(head, req, cta_steps, layer_ref, tables_ref, kv_ref, smem, bars, *, group, num_blocks,
@@ -296,15 +302,12 @@ def _kernel(sched_ref, layer_ref, tables_ref, q_ref, kv_ref, o_ref, *scratch, sc
     req = sched_ref[tile, _REQ]
     cta_steps = sched_ref[tile, _STEPS]
 
-    @pl.when((req >= 0) & (wg < _COMPUTE_WGS))
-    def _():
-        _compute_wg(wg, tile, head, cta_steps, sched_ref, q_ref, o_ref, smem, bars, scale=scale,
-                    interpret=interpret)
-
-    @pl.when((req >= 0) & (wg == _COMPUTE_WGS))
-    def _():
-        _memory_wg(head, req, cta_steps, layer_ref, tables_ref, kv_ref, smem, bars, group=group,
-                   num_blocks=num_blocks, num_kv_heads=num_kv_heads)
+    pl.when((req >= 0) & (wg < _COMPUTE_WGS))(functools.partial(
+        _compute_wg, wg, tile, head, cta_steps, sched_ref, q_ref, o_ref, smem, bars, scale=scale,
+        interpret=interpret))
+    pl.when((req >= 0) & (wg == _COMPUTE_WGS))(functools.partial(
+        _memory_wg, head, req, cta_steps, layer_ref, tables_ref, kv_ref, smem, bars, group=group,
+        num_blocks=num_blocks, num_kv_heads=num_kv_heads))
 
 
 def _tile_schedule(query_start_loc, seq_lens, num_rows, block_q, block_kv):
@@ -348,8 +351,8 @@ def _launch(sched, layer, tables, qp, kv_rows, *, num_tiles, scale, group, num_b
     # 128-byte rows (64 bf16/fp16 columns) in 8-row tiles, swizzled: the layout wgmma reads.
     mma = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = [
-        plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype, **mma),   # q, then full-tile output
-        plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # partial-tile output
+        plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype, **mma),   # q (wgmma operand)
+        plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # q staging, then output
         plgpu.SMEM((num_slots, block_kv, head_dim), qp.dtype, **mma),     # K slots
         plgpu.SMEM((num_slots, block_kv, head_dim), qp.dtype, **mma),     # V slots
         plgpu.Barrier(num_arrivals=per_step, num_barriers=num_slots),     # K slot loaded (P copies)
@@ -369,10 +372,6 @@ def _launch(sched, layer, tables, qp, kv_rows, *, num_tiles, scale, group, num_b
     )(sched, layer, tables, qp, kv_rows)
 
 
-def _smem_bytes(head_dim, itemsize, block_q, block_kv, num_slots):
-    return (2 * _COMPUTE_WGS * block_q + 2 * num_slots * block_kv) * head_dim * itemsize + 1024
-
-
 def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=None) -> str | None:
     """None when the Mosaic GPU kernel handles this call, else the reason (callers fall back)."""
     if sliding_window is not None or soft_cap is not None:
@@ -387,6 +386,13 @@ def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=Non
                 f"got {block_size}, cache {kv_cache.shape}")
     if q.shape[1] % kv_cache.shape[3]:
         return f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} kv heads"
+    try:
+        from jax._src.lib import cuda_versions
+        cuda = cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else 0
+    except Exception:  # no CUDA runtime (CPU jaxlib): the interpreter runs
+        cuda = 0
+    if 12080 <= cuda < 12091:  # the guard JAX's attention_mgpu.py has for its causal mask
+        return f"CUDA runtime {cuda}: ptxas 12.8.0-12.9.0 miscompiles the causal mask"
     return None
 
 
@@ -402,16 +408,15 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
             or query_start_loc.shape != (num_reqs + 1,)):
         raise ValueError(f"block_tables {block_tables.shape}, seq_lens {seq_lens.shape} and "
                          f"query_start_loc {query_start_loc.shape} disagree on the request count")
-    if any(x.dtype != jnp.int32 for x in (block_tables, seq_lens, query_start_loc)):
-        raise ValueError("block_tables, seq_lens and query_start_loc must be int32")
-    if not scale > 0:
-        raise ValueError(f"scale must be positive (the softmax is taken in the log2 domain); got {scale}")
+    if any(x.dtype != jnp.int32 for x in (block_tables, seq_lens, query_start_loc)) or not scale > 0:
+        raise ValueError("block_tables, seq_lens and query_start_loc must be int32 and scale > 0 "
+                         f"(the softmax runs in the log2 domain); got scale {scale}")
     if block_q not in (64, 128) or block_kv not in (64, 128) or block_kv % kv_cache.shape[4]:
         raise ValueError(f"block_q and block_kv must be 64 or 128 (wgmma tiles), block_kv a multiple "
                          f"of the block size; got {block_q}, {block_kv}, S={kv_cache.shape[4]}")
     if max_concurrent_steps < 2:
         raise ValueError(f"max_concurrent_steps must be >= 2; got {max_concurrent_steps}")
-    need = _smem_bytes(q.shape[-1], q.dtype.itemsize, block_q, block_kv, max_concurrent_steps)
+    need = (2 * _COMPUTE_WGS * block_q + 2 * max_concurrent_steps * block_kv) * q.shape[-1] * q.dtype.itemsize
     if need > _SMEM_BYTES:
         raise ValueError(f"{need} bytes of shared memory needed, {_SMEM_BYTES} available: lower "
                          "block_kv, block_q or max_concurrent_steps")
