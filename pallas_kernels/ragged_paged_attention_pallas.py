@@ -6,12 +6,13 @@ iteration (P blocks).
 
 A tile is BQ consecutive query tokens of ONE request times the G query heads of one kv head: its
 [BM, D] rows are (token, head) pairs, packed without padding the group (G 7, BM 128: 18 tokens, 126
-rows used, not 16 tokens of 8 rows with one idle), so the G heads that share a kv head share every K/V load (GQA
-without re-reads) and the dots stay at tensor-core size even for short chunks. Tiles never straddle two
-requests: a request of q_len tokens gets cdiv(q_len, BQ) tiles, so at most cdiv(T, BQ) + R tiles exist;
-the schedule (request and first token of each tile) is computed by a few jnp ops before the launch,
-and tiles past the real count exit at once. The bucket padding past query_start_loc[R] gets tiles of
-its own that write zeros, so every output row is written by exactly one tile.
+rows used, not 16 tokens of 8 rows with one idle), so the G heads that share a kv head share every
+K/V load (GQA without re-reads) and the dots stay at tensor-core size even for short chunks. Tiles
+never straddle two requests: a request of q_len tokens gets cdiv(q_len, BQ) tiles, so at most
+cdiv(T, BQ) + R tiles exist; the schedule (request and first token of each tile) is computed by a few
+jnp ops before the launch, and tiles past the real count exit at once. The bucket padding past
+query_start_loc[R] gets tiles of its own that write zeros, so every output row is written by exactly
+one tile.
 
 q and the output keep the model's [T, N, D] layout, seen as [T * N, D] rows: a tile gathers its rows
 (G heads of a token are contiguous) and stores them with a mask, so nothing is padded or transposed
@@ -74,7 +75,7 @@ def _columns(head_dim):
 
 def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref, seq_lens_ref,
                    block_tables_ref, q_ref, kv_ref, o_ref, *, scale, sliding_window, soft_cap,
-                   tokens_per_tile, num_heads, group, block_rows, blocks_per_iter):
+                   num_heads, group, block_rows, blocks_per_iter):
     # layer_ref:           i32[1]
     # tile_req_ref:        i32[NT]      request of each tile; R: bucket padding (written as zeros); -1: none
     # tile_start_ref:      i32[NT]      flat index of the tile's first query token
@@ -87,6 +88,7 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
     t, h = pl.program_id(0), pl.program_id(1)
     head_dim = kv_ref.shape[-1]
     num_reqs = seq_lens_ref.shape[0]
+    tokens_per_tile = block_rows // group
     req = tile_req_ref[t]
     q_start = tile_start_ref[t]
     rows_of = functools.partial(_tile_rows, head=h, block_rows=block_rows, group=group,
@@ -180,12 +182,12 @@ def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
 
 
 def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
-            sliding_window, soft_cap, tokens_per_tile, num_heads, group, block_rows, blocks_per_iter,
+            sliding_window, soft_cap, num_heads, group, block_rows, blocks_per_iter,
             num_tiles, num_warps, num_stages, interpret):
     num_kv_heads = num_heads // group
     kernel = functools.partial(_ragged_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads,
-                               group=group, block_rows=block_rows, blocks_per_iter=blocks_per_iter)
+                               soft_cap=soft_cap, num_heads=num_heads, group=group, block_rows=block_rows,
+                               blocks_per_iter=blocks_per_iter)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -244,7 +246,7 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
     o_rows = _launch(q.reshape(num_tokens * num_heads, head_dim), kv_cache, layer, tile_req, tile_start,
                      query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
-                     soft_cap=soft_cap, tokens_per_tile=tokens_per_tile, num_heads=num_heads, group=group,
+                     soft_cap=soft_cap, num_heads=num_heads, group=group,
                      block_rows=block_rows, blocks_per_iter=blocks_per_iter, num_tiles=num_tiles,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o_rows.reshape(num_tokens, num_heads, head_dim)
