@@ -263,11 +263,15 @@ PREFILL_CONFIGS = [  # (block_m, block_k, num_warps, num_stages), swept besides 
 
 
 def _mgpu_configs(text: str) -> list[tuple]:
-    """--mgpu-configs: 'block_kv,max_concurrent_steps;...' -> [(int, int)]."""
+    """--mgpu-configs: 'block_kv,max_concurrent_steps[,num_ctas];...' -> [(int, int, int | None)].
+
+    num_ctas: the kernel's persistent CTAs (absent: its default, one per SM; 0: one CTA per work item,
+    i.e. not persistent, for A/B runs)."""
     configs = [c.split(",") for c in text.split(";") if c]
-    if any(len(c) != 2 for c in configs):
-        raise argparse.ArgumentTypeError(f"each Mosaic GPU config is block_kv,max_concurrent_steps: {text!r}")
-    return [(int(a), int(b)) for a, b in configs]
+    if any(len(c) not in (2, 3) for c in configs):
+        raise argparse.ArgumentTypeError(
+            f"each Mosaic GPU config is block_kv,max_concurrent_steps[,num_ctas]: {text!r}")
+    return [(int(c[0]), int(c[1]), int(c[2]) if len(c) == 3 else None) for c in configs]
 
 
 def _prefill_variants(args):
@@ -283,9 +287,11 @@ def _prefill_variants(args):
     except ImportError:
         mgpu = None
     if mgpu is not None and not SMOKE:
-        for block_kv, slots in args.mgpu_configs:
-            out.append((f"mgpu:{block_kv},{slots}",
-                        dict(block_kv=block_kv, max_concurrent_steps=slots), mgpu))
+        for block_kv, slots, ctas in args.mgpu_configs:
+            kw = dict(block_kv=block_kv, max_concurrent_steps=slots)
+            if ctas is not None:       # 0: more CTAs than items, so each runs one (capped in the op)
+                kw["num_ctas"] = ctas or 1 << 30
+            out.append((f"mgpu:{block_kv},{slots}" + ("" if ctas is None else f",{ctas}"), kw, mgpu))
     return out
 
 
@@ -488,9 +494,10 @@ def main():
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
                     help="prefill configurations to sweep besides the op's default: "
                          "'block_m,block_k,warps,stages' separated by ';'")
-    ap.add_argument("--mgpu-configs", type=_mgpu_configs, default=[(128, 2)],
-                    help="Mosaic GPU prefill kernel configurations 'block_kv,max_concurrent_steps' separated by "
-                         "';' ('' for none); the best is reported")
+    ap.add_argument("--mgpu-configs", type=_mgpu_configs, default=[(128, 2, None)],
+                    help="Mosaic GPU prefill kernel configurations 'block_kv,max_concurrent_steps[,num_ctas]' "
+                         "separated by ';' ('' for none; num_ctas 0: one CTA per work item, not persistent); "
+                         "the best is reported, each one's TFLOP/s is in the JSON")
     args = ap.parse_args()
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
                "command": shlex.join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds")}

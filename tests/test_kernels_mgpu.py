@@ -27,8 +27,8 @@ except ImportError:  # pragma: no cover - jax without the Mosaic GPU interpreter
     InterpretGPUParams = None
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
-from pallas_kernels.ragged_paged_attention_mgpu import (  # noqa: E402
-    _tile_schedule, mgpu_supported, ragged_paged_attention_mgpu)
+from pallas_kernels._mgpu_schedule import tile_schedule  # noqa: E402
+from pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif(InterpretGPUParams is None, reason="jax has no Mosaic GPU interpreter")
 # Started before this module could raise the pool size (another test module ran first) on a small box.
@@ -121,19 +121,28 @@ def test_short_requests_only_and_tiny_batch():
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-2
 
 
-def test_tile_schedule_covers_every_row_once_per_owner():
-    """Every token is written by some warpgroup tile, and only by tiles of its own request."""
+@pytest.mark.parametrize("pad", [0, 3, 200])
+def test_tile_schedule_covers_every_row_once_per_owner(pad):
+    """Every token is written by some warpgroup tile, and only by tiles of its own request; the bucket
+    padding only by zero tiles; live tiles come first, those with K/V steps longest first."""
     q_lens = np.array([37, 64, 1, 150, 5, 128, 0, 129])
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    num_rows = int(qsl[-1]) + 3
+    num_rows = int(qsl[-1]) + pad
     seq_lens = q_lens + 11
-    sched, num_tiles = _tile_schedule(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_rows, 64, 64)
-    sched = np.asarray(sched)
+    sched, live, num_tiles = tile_schedule(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_rows,
+                                           num_rows, 64, 64)
+    sched, live = np.asarray(sched), int(live)
     owner = np.searchsorted(qsl[1:], np.arange(num_rows), side="right")
-    written = np.zeros(num_rows, int)
-    for req, steps, *wgs in sched:
-        if req < 0:
-            assert steps == 0 and wgs[2] == 0 and wgs[6] == 0
+    written, zeroed = np.zeros(num_rows, int), np.zeros(num_rows, int)
+    steps_col = sched[:, 1]
+    assert (steps_col[:live][steps_col[:live] > 0] == np.sort(steps_col[steps_col > 0])[::-1]).all()
+    assert (steps_col[live:] == 0).all() and (sched[live:, 4] == 0).all() and (sched[live:, 8] == 0).all()
+    for t, (req, steps, *wgs) in enumerate(sched[:live]):
+        if req < 0:                                                  # a zero tile
+            assert steps == 0 and wgs[2] > 0
+            for load, lo, rows, _ in (wgs[:4], wgs[4:]):
+                assert lo == 0 and load >= qsl[-1] and load + rows <= num_rows
+                zeroed[load:load + rows] += 1
             continue
         for load, lo, rows, pos in (wgs[:4], wgs[4:]):
             assert 0 <= load <= num_rows - 64 and 0 <= lo and lo + rows <= 64
@@ -145,6 +154,7 @@ def test_tile_schedule_covers_every_row_once_per_owner():
                 assert steps * 64 >= pos + rows
             written[toks] += 1
     assert (written[:qsl[-1]] >= 1).all() and (written[qsl[-1]:] == 0).all()
+    assert (zeroed[:qsl[-1]] == 0).all() and (zeroed[qsl[-1]:] == 1).all()
     assert num_tiles == sched.shape[0]
 
 
@@ -177,16 +187,22 @@ def test_in_fresh_process():
 
 
 @needs_pool
-def test_no_races_with_slot_reuse():
-    """Long context (5 K/V steps through 2 slots): the interpreter's race detector sees no SMEM race."""
+@pytest.mark.parametrize("num_ctas", [1, 3])
+def test_no_races_with_slot_reuse(num_ctas):
+    """Long context (5 K/V steps through 2 slots), items of several tiles and heads per persistent CTA
+    (one CTA: every item, so slots, q and output buffers are reused across all of them), a zero tile:
+    the interpreter's race detector sees no SMEM race."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
-    args = _batch([70, 2], [250, 100], num_heads=2, num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16,
-                  pad_tokens=0, seed=5)
+    args = _batch([70, 2, 130], [250, 100, 3], num_heads=2, num_kv_heads=1, head_dim=64,
+                  dtype=jnp.bfloat16, pad_tokens=5, seed=5 + num_ctas)
     out = ragged_paged_attention_mgpu(*args, scale=0.125, block_kv=64, max_concurrent_steps=2,
-                                      interpret=InterpretGPUParams(detect_races=True))
+                                      num_ctas=num_ctas,
+                                      interpret=InterpretGPUParams(detect_races=True,
+                                                                   uninitialized_memory="nan"))
     ref = ragged_paged_attention_reference(*args, scale=0.125)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert not mgpu_interpret.get_races().races_found
+    assert np.isfinite(out).all() and (out[202:] == 0).all()
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-2
 
 
