@@ -18,6 +18,10 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          at concurrency 1 and 10), the profiled run with 8
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
+  mosaic  qwen2-0.5b ShareGPT 1000 with the default attention backend and with the Mosaic GPU ragged
+         kernel (JAXPAGED_ATTENTION_BACKEND=mosaic), then the profiled run with mosaic when time is left
+  multistep16  qwen2-0.5b ShareGPT 1000 with 16 decode steps per program, then the server with 16 (warm
+         start-up; openqa at concurrency 1 and 10)
 
 Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
 installed jaxpaged, not the repo's ./jaxpaged folder, is imported); its log goes to
@@ -87,6 +91,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         ["--num-blocks", "256"] if smoke else [])
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
                                                             if smoke else []), kind="serve")
+    mosaic = {"JAXPAGED_ATTENTION_BACKEND": "mosaic"}
     return {
         "qwen": [
             tput_qwen,
@@ -140,6 +145,26 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                 ["--num-scheduler-steps", "8"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
             dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=profile_qwen.argv + [   # (the last
                 "--num-scheduler-steps", "8", "--result-name", f"throughput-{q}-sharegpt-profile-ms8"]),  # name wins)
+        ],
+        # The Mosaic GPU ragged kernel (opt-in backend "mosaic") against the default one end to end, on one
+        # machine: ShareGPT 1000 with each, then the profiled run with mosaic (warm start-up) if time is left.
+        # The backend is part of the compiled steps' fingerprint (runner/exec_cache.py), so the mosaic run
+        # compiles its own steps rather than loading the default's.
+        "mosaic": [
+            tput_qwen,
+            dataclasses.replace(tput_qwen, name="throughput-qwen-mosaic", env=mosaic, argv=tput_qwen.argv + [
+                "--result-name", f"throughput-{q}-sharegpt-mosaic"]),
+            dataclasses.replace(profile_qwen, name="profile-qwen-mosaic", env=mosaic, argv=profile_qwen.argv + [
+                "--result-name", f"throughput-{q}-sharegpt-profile-mosaic"]),     # (the last name wins)
+        ],
+        # Multi-step scheduling with 16 decode steps per program (multistep measured 8): ShareGPT 1000 first
+        # (cold compile), then the server with the same step shapes, so that, as in speed, its start-up
+        # reads the compile cache the throughput run filled; openqa at concurrency 1 and 10.
+        "multistep16": [
+            dataclasses.replace(tput_qwen, name="throughput-qwen-ms16", argv=tput_qwen.argv + [
+                "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-ms16"]),
+            dataclasses.replace(serve_qwen, name="serve-openqa-ms16", budget_s=300, server_args=(
+                ["--num-scheduler-steps", "16"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
@@ -319,13 +344,15 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | multistep | all")
+    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | multistep | "
+                   "mosaic | multistep16 | all")
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)
     table = parts(a.smoke)
-    # speed repeats qwen and serve steps; multistep is an A/B of one option
-    names = [n for n in table if n not in ("speed", "multistep")] if "all" in a.parts else a.parts
+    # speed repeats qwen and serve steps; multistep and mosaic are A/Bs of one option, multistep16 a variant
+    names = [n for n in table if n not in ("speed", "multistep", "mosaic", "multistep16")] if "all" in a.parts \
+        else a.parts
     for name in names:
         if name not in table:
             p.error(f"unknown part {name!r}; choose from {list(table)} or all")
