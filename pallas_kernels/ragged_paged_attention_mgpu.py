@@ -5,8 +5,8 @@ D head dim, L layers, B blocks in the pool, S block size, M max blocks per reque
 tokens per warpgroup tile, BKV keys per pipeline step (P = BKV // S cache blocks), C pipeline slots
 (max_concurrent_steps), NT tiles, Tp = max(T, BQ) rows of the padded q / output.
 
-Persistent: one CTA per SM runs (tile, head) items cta, cta + num_ctas, ... of a work list computed
-before the launch (_mgpu_schedule.py: tiles of up to 2 * BQ tokens of one request, longest first,
+Persistent: one CTA per SM runs (tile, head) items, dealt in snake order (_Work), of a work list
+computed before the launch (_mgpu_schedule.py: tiles of up to 2 * BQ tokens of one request, longest first,
 then zero tiles over the bucket padding), heads fastest so GQA siblings share K/V in L2. Three
 warpgroups (as JAX's attention_mgpu.py): two compute warpgroups own one BQ-token half of the tile
 each, the third (memory warpgroup) streams K/V through C SMEM slots. The slots and barriers run on
@@ -131,15 +131,26 @@ def _store_rows(out, obuf, o_ref, head, load, lo, rows):
 
 
 class _Work:
-    """The items of this CTA: cta, cta + num_ctas, ... below live tiles x N; tile-major, heads fastest."""
+    """The (tile, head) items of this CTA, tile-major with heads fastest (GQA siblings share K/V in
+    L2), dealt in rounds of num_ctas in snake order so that CTAs balance: the work list runs longest
+    first, and a CTA that takes a long item in one round takes a short one in the next.
+
+    # 3 CTAs, 8 items -> rounds [0 1 2] [5 4 3] [6 7 -]: CTA 0 runs items 0, 5, 6; CTA 2 runs 2, 3
+    """
 
     def __init__(self, live_tiles, num_ctas, num_heads):
         self.cta, self.num_ctas, self.num_heads = lax.axis_index("ctas"), num_ctas, num_heads
-        self.num_iters = jnp.maximum(live_tiles * num_heads - self.cta + num_ctas - 1, 0) // num_ctas
+        num_items = live_tiles * num_heads
+        full, left = num_items // num_ctas, lax.rem(num_items, num_ctas)
+        self.num_iters = full + (self._slot(full) < left).astype(jnp.int32)
+
+    def _slot(self, k):
+        """This CTA's place in round k."""
+        return jnp.where(lax.rem(k, 2) == 0, self.cta, self.num_ctas - 1 - self.cta)
 
     def item(self, k):
         """-> (tile, head) of this CTA's k-th item."""
-        i = self.cta + k * self.num_ctas
+        i = k * self.num_ctas + self._slot(k)
         return i // self.num_heads, lax.rem(i, self.num_heads)
 
 
