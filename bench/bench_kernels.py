@@ -64,31 +64,30 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _median_call(fn, args, samples):
+def _call_s(fn, args) -> float:
+    t = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(samples):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return time.perf_counter() - t
 
 
 def time_op(op, args, n, samples=3 if SMOKE else 21):
     """Seconds per op, as (device-throughput, wall).
 
     op(i, *args) runs the op on rotation i (2n distinct rotations, so that XLA cannot merge identical
-    calls). One jit runs rotations 0..n-1, another 0..2n-1; each is timed as
-    the median of `samples` device-synchronised calls. throughput = (t(2n) - t(n)) / n removes the
-    fixed dispatch cost (what the op costs inside a bigger jitted step, e.g. one layer of the model);
-    wall = t(n) / n includes it.
+    calls). One jit runs rotations 0..n-1, another 0..2n-1. throughput = median over `samples` of
+    (t(2n) - t(n)) / n, the two calls of each sample made back to back: this removes the fixed
+    dispatch cost (what the op costs inside a bigger jitted step, e.g. one layer of the model), and
+    pairing the calls keeps one disturbed call from skewing the difference (the eighth session's
+    median(t(2n)) - median(t(n)) gave impossible figures when one of the two medians moved).
+    wall = median t(n) / n includes the dispatch.
     """
     f1 = jax.jit(lambda *a: [op(i, *a) for i in range(n)])
     f2 = jax.jit(lambda *a: [op(i, *a) for i in range(2 * n)])
-    t1 = _median_call(f1, args, samples)
-    t2 = _median_call(f2, args, samples)
-    return max(t2 - t1, 1e-9) / n, t1 / n
+    for f in (f1, f2, f1, f2):                        # compile, then warm
+        jax.block_until_ready(f(*args))
+    pairs = [(_call_s(f1, args), _call_s(f2, args)) for _ in range(samples)]
+    diff = float(np.median([t2 - t1 for t1, t2 in pairs]))
+    return max(diff, 1e-9) / n, float(np.median([t1 for t1, _ in pairs])) / n
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -173,8 +172,8 @@ DECODE_CONFIGS = [  # (keys per iteration, num_warps, programs per SM, num_stage
 
 
 def reps_for(seconds_per_op: float, lo: int, hi: int) -> int:
-    """Ops per timed call: enough that one call runs ~1.5 ms, so host jitter divides away."""
-    return int(min(hi, max(lo, math.ceil(1.5e-3 / max(seconds_per_op, 5e-6)))))
+    """Ops per timed call: enough that one call runs ~3 ms, so host jitter divides away."""
+    return int(min(hi, max(lo, math.ceil(3e-3 / max(seconds_per_op, 5e-6)))))
 
 
 def decode_bench(args, results):
@@ -344,7 +343,7 @@ def prefill_bench(args, results):
             tables = random_tables(rng, 1, seqs, m, seqs * m + 1)[0]
             lens = jnp.full((seqs,), length, jnp.int32)
             qsl = jnp.arange(seqs + 1, dtype=jnp.int32) * length
-            reps = reps_for(4 * seqs * length * length * n * d / 2 / 2.5e14, 2, 16)
+            reps = reps_for(4 * seqs * length * length * n * d / 2 / 2.5e14, 2, 48)
             qs = [jax.random.normal(jax.random.PRNGKey(seqs + length + i), (t_tok, n, d)).astype(jnp.bfloat16)
                   for i in range(2 * reps)]
             flops = 4 * seqs * length * length * n * d / 2
