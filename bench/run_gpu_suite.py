@@ -146,16 +146,22 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=profile_qwen.argv + [   # (the last
                 "--num-scheduler-steps", "8", "--result-name", f"throughput-{q}-sharegpt-profile-ms8"]),  # name wins)
         ],
-        # The Mosaic GPU ragged kernel (opt-in backend "mosaic") against the default one end to end, on one
-        # machine: ShareGPT 1000 with each, then the profiled run with mosaic (warm start-up) if time is left.
-        # The backend is part of the compiled steps' fingerprint (runner/exec_cache.py), so the mosaic run
-        # compiles its own steps rather than loading the default's.
+        # The Mosaic GPU ragged kernel (backend "mosaic", the default on Hopper) against the Triton one
+        # ("pallas") end to end, on one machine: ShareGPT 1000 with each, then the profiled run with mosaic
+        # (warm start-up) if time is left. The backend is part of the compiled steps' fingerprint
+        # (runner/exec_cache.py), so each run compiles its own steps rather than loading the other's.
         "mosaic": [
-            tput_qwen,
+            dataclasses.replace(tput_qwen, env={"JAXPAGED_ATTENTION_BACKEND": "pallas"}),
             dataclasses.replace(tput_qwen, name="throughput-qwen-mosaic", env=mosaic, argv=tput_qwen.argv + [
                 "--result-name", f"throughput-{q}-sharegpt-mosaic"]),
             dataclasses.replace(profile_qwen, name="profile-qwen-mosaic", env=mosaic, argv=profile_qwen.argv + [
                 "--result-name", f"throughput-{q}-sharegpt-profile-mosaic"]),     # (the last name wins)
+        ],
+        # llama3-8b ShareGPT 1000 with the Mosaic GPU prefill kernel (compare the llama part's throughput).
+        "mosaic-llama": [
+            dataclasses.replace(tput_qwen, name="throughput-llama-mosaic", budget_s=390, env=mosaic,
+                                argv=tput + quick + ["--model", l_, "--result-name",
+                                                     f"throughput-{l_}-sharegpt-mosaic"] + n + small),
         ],
         # Multi-step scheduling with 16 decode steps per program (multistep measured 8): ShareGPT 1000 first
         # (cold compile), then the server with the same step shapes, so that, as in speed, its start-up
@@ -351,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     table = parts(a.smoke)
     # speed repeats qwen and serve steps; multistep and mosaic are A/Bs of one option, multistep16 a variant
-    names = [n for n in table if n not in ("speed", "multistep", "mosaic", "multistep16")] if "all" in a.parts \
+    names = [n for n in table if n not in ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16")] if "all" in a.parts \
         else a.parts
     for name in names:
         if name not in table:

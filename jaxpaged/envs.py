@@ -6,7 +6,7 @@ import pathlib
 
 # Where the converted default model and the XLA compilation cache live.
 JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib.Path.home() / ".cache" / "jaxpaged"))
-# Override the attention implementation: reference | xla | pallas (default: by backend).
+# Override the attention implementation: reference | xla | pallas | mosaic (default: by platform and GPU).
 JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
 # How a step runs the layers: scan | per_layer | unrolled (default: by a layer's size).
 JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None

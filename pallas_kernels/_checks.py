@@ -22,3 +22,8 @@ def validate_q_and_cache(q, kv_cache, layer_idx) -> None:
         raise ValueError(f"layer_idx must be a scalar; got shape {jnp.shape(layer_idx)}")
     if q.dtype != kv_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+
+
+def is_hopper(device) -> bool:
+    """A CUDA device of compute capability 9.x (what the Mosaic GPU kernel's wgmma needs)."""
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")

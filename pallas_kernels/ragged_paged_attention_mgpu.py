@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import _mgpu_schedule as ms
 from . import _mgpu_ops as ops
-from ._checks import validate_q_and_cache
+from ._checks import is_hopper, validate_q_and_cache
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30                  # finite: rows with no unmasked key stay NaN-free until the division
@@ -323,6 +323,9 @@ def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=Non
                 f"got {block_size}, cache {kv_cache.shape}")
     if q.shape[1] % kv_cache.shape[3]:
         return f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} kv heads"
+    device = jax.devices()[0]
+    if device.platform == "gpu" and not is_hopper(device):
+        return f"the Mosaic GPU kernel needs Hopper's wgmma (sm_90); this GPU is {device.device_kind}"
     try:
         from jax._src.lib import cuda_versions
         cuda = cuda_versions.cuda_runtime_get_version() if cuda_versions is not None else 0

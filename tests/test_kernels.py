@@ -196,6 +196,26 @@ def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
     assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
 
 
+@pytest.mark.parametrize("platform,capability,expected", [
+    ("cpu", None, "xla"), ("gpu", "9.0", "mosaic"), ("gpu", "8.0", "pallas"), ("gpu", "10.0", "pallas")])
+def test_default_backend_by_platform_and_gpu(monkeypatch, platform, capability, expected):
+    """Hopper gets the Mosaic GPU prefill kernel, other GPUs Triton, the CPU the jnp path; the Mosaic
+    kernel itself refuses a GPU that is not Hopper (its wgmma is sm_90 only), so "mosaic" falls back."""
+    from pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported
+
+    class FakeGpu:
+        device_kind = f"GPU sm_{capability}"
+
+        def __init__(self):
+            self.platform, self.compute_capability = platform, capability
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
+    assert pk.default_backend() == expected
+    q, pool = jnp.zeros((8, 4, 64), jnp.bfloat16), jnp.zeros((1, 2, 4, 2, 16, 64), jnp.bfloat16)
+    reason = mgpu_supported(q, pool, 16)
+    assert (reason is None) == (expected != "pallas"), reason
+
+
 @pytest.mark.parametrize("bad", ["heads", "dtype", "tables", "head_dim"])
 def test_validation_errors(bad):
     q = jnp.ones((2, 8, 64), jnp.float32)
