@@ -60,7 +60,10 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         if decode_only:
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap)
-        if backend == "mosaic":
+        # On the CPU "mosaic" runs the Triton kernel (interpreted) like "pallas": the Mosaic GPU
+        # interpreter runs the kernel on its own (tests/test_kernels_mgpu.py), but inside the engine's
+        # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
+        if backend == "mosaic" and jax.default_backend() == "gpu":
             # imported here: only this backend needs Mosaic GPU's Pallas module
             from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
             if mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,

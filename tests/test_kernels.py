@@ -175,6 +175,17 @@ def test_mosaic_backend_falls_back_to_triton_where_unsupported():
     assert rel_err(pk.attention(q, pool, 1, tables, lens, qsl, backend="mosaic", scale=0.125), ref) <= 1e-5
 
 
+def test_mosaic_backend_runs_triton_on_the_cpu():
+    """On the CPU backend="mosaic" is "pallas" (the Triton kernel, interpreted), bf16 included: the
+    Mosaic GPU interpreter cannot be lowered inside the engine's jitted step."""
+    rng = np.random.default_rng()
+    q, pool, tables, lens, qsl, _ = ragged_batch(rng, 16, 8, 4, 64, jnp.bfloat16)
+    args = (q, pool, 1, tables, lens, qsl)
+    mosaic = jax.jit(functools.partial(pk.attention, backend="mosaic", scale=0.125))(*args)
+    pallas = jax.jit(functools.partial(pk.attention, backend="pallas", scale=0.125))(*args)
+    assert np.array_equal(np.asarray(mosaic, np.float32), np.asarray(pallas, np.float32))
+
+
 def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
     """Lowered for CUDA here (no GPU): bf16 ragged attention under backend="mosaic" becomes one Mosaic GPU
     call, a soft cap sends it to Triton, and decodes stay on Triton. The kernel's numbers are checked on
