@@ -38,8 +38,9 @@ def tile_schedule(query_start_loc, seq_lens, num_tokens: int, num_rows: int, blo
     zero, num_zero = _zero_tiles(query_start_loc[-1], num_tokens, block_q)
     sched = jnp.concatenate([real, zero])
     # Longest tiles first (the tail of the work list is made of short ones), then zero tiles, then none.
+    is_zero_tile = jnp.arange(sched.shape[0]) >= real.shape[0]
     key = jnp.where(sched[:, REQ] >= 0, -sched[:, STEPS], 1)
-    key = jnp.where(jnp.arange(sched.shape[0]) >= real.shape[0], jnp.where(sched[:, WG0 + ROWS] > 0, 0, 1), key)
+    key = jnp.where(is_zero_tile, jnp.where(sched[:, WG0 + ROWS] > 0, 0, 1), key)
     return sched[jnp.argsort(key, stable=True)], num_real + num_zero, sched.shape[0]
 
 
@@ -76,5 +77,6 @@ def _zero_tiles(q_end, num_tokens, block_q):
     rows0 = jnp.clip(num_tokens - start, 0, block_q)
     rows1 = jnp.clip(num_tokens - start - block_q, 0, block_q)
     none, zero = jnp.full_like(start, -1), jnp.zeros_like(start)
-    cols = [none, zero, start, zero, rows0, none, jnp.where(rows1 > 0, start + block_q, start), zero, rows1, none]
+    load1 = jnp.where(rows1 > 0, start + block_q, start)          # in bounds even when idle
+    cols = [none, zero, start, zero, rows0, none, load1, zero, rows1, none]
     return jnp.stack(cols, axis=1).astype(jnp.int32), jnp.sum(rows0 > 0).astype(jnp.int32)
