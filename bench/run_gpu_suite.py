@@ -135,9 +135,10 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         ],
         # Multi-step scheduling (--num-scheduler-steps 8) against one step per program on qwen2-0.5b, on one
         # machine: ShareGPT 1000 with each, the server with 8 steps (openqa at concurrency 1 and 10), and the
-        # profiled run with 8 steps.
+        # profiled run with 8 steps. (Offline runs default to 16 steps on GPUs: the one-step run names 1.)
         "multistep": [
-            tput_qwen,
+            dataclasses.replace(tput_qwen, name="throughput-qwen-ms1", argv=tput_qwen.argv + [
+                "--num-scheduler-steps", "1", "--result-name", f"throughput-{q}-sharegpt-ms1"]),
             dataclasses.replace(tput_qwen, name="throughput-qwen-ms8", budget_s=150,
                                 argv=tput_qwen.argv + ["--num-scheduler-steps", "8", "--result-name",
                                                        f"throughput-{q}-sharegpt-ms8"]),

@@ -27,6 +27,23 @@ def batch_defaults(platform: str, device_memory_bytes: int, device_kind: str,
     return (2048 if server else 8192), 256
 
 
+# Decode steps per program for the offline LLM class on GPUs: on an H100, qwen2-0.5b's one-step decode
+# keeps the device busy 42% of a profiled run (host launch and engine work ~2x the device step) and 88%
+# with 16 steps (idle/busy 0.136); ShareGPT 1000 ran 36,460 output tok/s against 28,237 with one step on
+# one machine (bench/results/h100/NOTES.md, seventh and ninth sessions). Offline there is no stream for
+# the steps' groups of tokens to make uneven; the server keeps vLLM's one step.
+OFFLINE_GPU_SCHEDULER_STEPS = 16
+
+
+def default_scheduler_steps(platform: str, usage_context: str, layer_dispatch: str) -> int:
+    """num_scheduler_steps when the user names none: OFFLINE_GPU_SCHEDULER_STEPS for the LLM class on a
+    GPU where the whole step is one program (scan or unrolled layers), else 1 (the server, the CPU, and
+    per-layer dispatch, whose layer groups are separate programs)."""
+    if platform == "gpu" and usage_context == "llm_class" and layer_dispatch != "per_layer":
+        return OFFLINE_GPU_SCHEDULER_STEPS
+    return 1
+
+
 @dataclasses.dataclass
 class EngineArgs:
     model: str | None = None                  # local HF folder; None = the embedded SmolLM2-135M-Instruct
@@ -51,7 +68,7 @@ class EngineArgs:
     attention_backend: str | None = None      # reference | xla | pallas | mosaic; default by platform
     layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
-    num_scheduler_steps: int = 1              # decode steps per device program (vLLM's multi-step scheduling)
+    num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default_scheduler_steps
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: picks the batch defaults
 
@@ -76,7 +93,7 @@ class EngineArgs:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.num_scheduler_steps < 1:
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")

@@ -90,3 +90,22 @@ def test_num_scheduler_steps_is_validated(model_dir):
     with pytest.raises(ValueError, match="needs the whole step in one program"):
         LLM(model=model_dir, dtype="float32", max_model_len=64, compile_buckets=False, num_scheduler_steps=4,
             layer_dispatch="per_layer")
+
+
+@pytest.mark.parametrize("platform,usage,dispatch,expected", [
+    ("gpu", "llm_class", "scan", 16), ("gpu", "llm_class", "unrolled", 16),
+    ("gpu", "llm_class", "per_layer", 1), ("gpu", "openai_api_server", "scan", 1),
+    ("cpu", "llm_class", "scan", 1)])
+def test_default_scheduler_steps(platform, usage, dispatch, expected):
+    """Offline (the LLM class) on a GPU with the step in one program: 16 decode steps per program; the
+    server, the CPU and per-layer dispatch: one."""
+    from jaxpaged.config import OFFLINE_GPU_SCHEDULER_STEPS, default_scheduler_steps
+    assert OFFLINE_GPU_SCHEDULER_STEPS == 16
+    assert default_scheduler_steps(platform, usage, dispatch) == expected
+
+
+def test_engine_resolves_the_default_and_keeps_an_explicit_value(model_dir):
+    """On the CPU an unnamed num_scheduler_steps is 1; a named one is kept."""
+    kw = dict(model=model_dir, dtype="float32", max_model_len=64, compile_buckets=False)
+    assert LLM(**kw).llm_engine.num_scheduler_steps == 1
+    assert LLM(**kw, num_scheduler_steps=4).llm_engine.num_scheduler_steps == 4

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from jaxpaged import envs
-from jaxpaged.config import EngineArgs, batch_defaults
+from jaxpaged.config import EngineArgs, batch_defaults, default_scheduler_steps
 from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, prepare as prepare_detokenizer
 from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -92,12 +92,13 @@ class LLMEngine:
         self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-launch")
                           if envs.JAXPAGED_LAUNCH_THREAD else None)
         self._rng = np.random.default_rng(args.seed)
-        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s; layers by %s",
-                    self.model_path, cfg.architecture, np.dtype(loaded.dtype).name,
-                    tree_bytes(loaded.params) / 2**30, backend, self.layer_dispatch)
+        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s; layers by %s; "
+                    "%d decode step(s) per program", self.model_path, cfg.architecture,
+                    np.dtype(loaded.dtype).name, tree_bytes(loaded.params) / 2**30, backend,
+                    self.layer_dispatch, self.num_scheduler_steps)
         compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
         if compile_all:
-            secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=args.num_scheduler_steps)
+            secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=self.num_scheduler_steps)
             cache = self.runner.exec_cache
             logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
                         f" ({cache.hits} loaded from {cache.dir})" if cache is not None and cache.hits else "")
@@ -126,7 +127,10 @@ class LLMEngine:
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
                                or layerwise.default_dispatch(loaded.params))
-        if args.num_scheduler_steps > 1 and self.layer_dispatch == "per_layer":
+        self.num_scheduler_steps = (args.num_scheduler_steps if args.num_scheduler_steps is not None else
+                                    default_scheduler_steps(jax.default_backend(), args.usage_context,
+                                                            self.layer_dispatch))
+        if self.num_scheduler_steps > 1 and self.layer_dispatch == "per_layer":
             raise ValueError("num_scheduler_steps > 1 (multi-step decoding) needs the whole step in one program; "
                              "this engine dispatches its layers in groups (per_layer): set layer_dispatch to "
                              "'scan' or 'unrolled' (JAXPAGED_LAYER_DISPATCH), or num_scheduler_steps=1")
@@ -141,7 +145,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill,
                                                    args.scheduling_policy, args.preemption_mode or "recompute",
-                                                   args.num_scheduler_steps),
+                                                   self.num_scheduler_steps),
                                    self.kv_manager)
         self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
