@@ -407,7 +407,7 @@ def write_outputs(args, results):
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
     lines = [f"# Kernel benchmark — {results['device']}, jax {results['jax']}, rev {results['git_rev']}",
              f"command: `{results['command']}` at {results['date']}", ""]
-    lines += ["## Decode (bf16, block 16; TB/s of K+V read, ceiling 2.53)", "",
+    lines += [f"## Decode (bf16, block {BLOCK}; TB/s of K+V read, ceiling 2.53)", "",
               "Times are device-throughput per op ((t(2n) - t(n)) / n, see time_op); 'wall' adds the dispatch "
               "of one jitted call of n ops, divided by n. 'best' = best of the swept configs (cfg = keys per "
               "iteration, warps, splits, stages); 'default' = the configuration the model gets.", "",
@@ -486,6 +486,8 @@ def main():
     ap.add_argument("--parts", default="check,decode,prefill,kvwrite")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"head layouts to run, of {list(LAYOUTS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
+    ap.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32),
+                    help="KV cache block size (tokens) of every pool and table; the engine's default is 16")
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
                     help="decode configurations to sweep besides the default: "
                          "'keys,warps,programs_per_sm,stages' separated by ';' "
@@ -498,7 +500,9 @@ def main():
                          "separated by ';' ('' for none; num_ctas 0: one CTA per work item, not persistent); "
                          "the best is reported, each one's TFLOP/s is in the JSON")
     args = ap.parse_args()
+    globals()["BLOCK"] = args.block_size        # module constant used by every helper
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
+               "block_size": BLOCK,
                "command": shlex.join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds")}
     print(results, flush=True)
     parts = args.parts.split(",")
