@@ -87,14 +87,17 @@ _Q_LENS, _CTX_LENS = [37, 64, 1, 150, 5], [0, 19, 50, 21, 9]
 
 
 @needs_pool
-@pytest.mark.parametrize("head_dim,num_kv_heads,group,dtype,block_kv", [
-    (64, 2, 1, jnp.bfloat16, 64),
-    (128, 1, 4, jnp.float16, 128),
-    (128, 1, 7, jnp.bfloat16, 128),
+@pytest.mark.parametrize("head_dim,num_kv_heads,group,dtype,block_kv,block_size", [
+    (64, 2, 1, jnp.bfloat16, 64, 16),
+    (64, 1, 2, jnp.bfloat16, 64, 8),
+    (128, 1, 4, jnp.float16, 128, 16),
+    (128, 1, 7, jnp.bfloat16, 128, 16),
+    (128, 1, 8, jnp.bfloat16, 128, 32),
 ])
-def test_matches_reference(head_dim, num_kv_heads, group, dtype, block_kv):
+def test_matches_reference(head_dim, num_kv_heads, group, dtype, block_kv, block_size):
     args = _batch(_Q_LENS, _CTX_LENS, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-                  head_dim=head_dim, dtype=dtype, pad_tokens=7, seed=head_dim + group)
+                  head_dim=head_dim, dtype=dtype, pad_tokens=7, seed=head_dim + group,
+                  block_size=block_size)
     scale = head_dim ** -0.5
     # uninitialized_memory="nan": the output starts poisoned, so an unwritten element cannot pass.
     out = ragged_paged_attention_mgpu(*args, scale=scale, block_kv=block_kv,
