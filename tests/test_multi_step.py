@@ -109,3 +109,28 @@ def test_engine_resolves_the_default_and_keeps_an_explicit_value(model_dir):
     kw = dict(model=model_dir, dtype="float32", max_model_len=64, compile_buckets=False)
     assert LLM(**kw).llm_engine.num_scheduler_steps == 1
     assert LLM(**kw, num_scheduler_steps=4).llm_engine.num_scheduler_steps == 4
+
+
+def test_offline_default_runs_multi_step_and_async_keeps_one(model_dir, monkeypatch):
+    """With the platform rule answering as on a GPU, LLM gets 16 steps per program and its greedy tokens
+    equal an explicit single-step run's; AsyncLLM.from_engine_args (a streaming engine) keeps one step."""
+    import jaxpaged.engine.llm_engine as llm_engine
+    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.async_llm import AsyncLLM
+    monkeypatch.setattr(llm_engine, "default_scheduler_steps", lambda platform, usage, dispatch: 16)
+    kw = dict(model=model_dir, dtype="float32", max_model_len=160, max_num_seqs=8, block_size=8,
+              compile_buckets=False)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (4, 30, 12)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = LLM(**kw)
+    assert llm.llm_engine.num_scheduler_steps == 16
+    multi = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    single = [o.outputs[0].token_ids for o in LLM(**kw, num_scheduler_steps=1).generate(
+        prompts, params, use_tqdm=False)]
+    assert multi == single
+    alm = AsyncLLM.from_engine_args(EngineArgs(**kw))
+    try:
+        assert alm.engine.num_scheduler_steps == 1
+    finally:
+        alm.shutdown()

@@ -10,6 +10,7 @@ blocks on the engine thread's next turn (before its next step).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import sys
@@ -48,6 +49,10 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        # A streaming engine keeps one decode step per program unless asked: the offline default
+        # (config.default_scheduler_steps) would send each stream's tokens in groups.
+        if args.num_scheduler_steps is None:
+            args = dataclasses.replace(args, num_scheduler_steps=1)
         return cls(LLMEngine(args))
 
     # ---- health -------------------------------------------------------------------------------
