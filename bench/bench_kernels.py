@@ -239,11 +239,42 @@ def decode_bench(args, results):
                         row["speedup"] = t / best[0]
                 except Exception as e:  # noqa: BLE001
                     print(f"jax paged_attention failed: {type(e).__name__}: {str(e)[:300]}")
+                _time_decode_mgpu(args, row, (q, pool, tables, lens), nrot, kv_bytes, d ** -0.5)
                 del kp, vp, pool
                 print("decode", json.dumps({k_: (round(v, 3) if isinstance(v, float) else v)
                                             for k_, v in row.items()}), flush=True)
                 rows.append(row)
     results["decode"] = rows
+
+
+def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
+    """The Mosaic GPU ragged kernel on the decode batch (one query token per request), for each of
+    --decode-mgpu-configs: can its TMA-fed pipeline read K/V faster than the Triton decode kernel? Each
+    configuration is first checked against the Triton decode kernel's output."""
+    if SMOKE or not args.decode_mgpu_configs:
+        return
+    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu as mgpu
+    q, pool, tables, lens = data
+    qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
+    for block_kv, slots, ctas in args.decode_mgpu_configs:
+        kw = dict(block_kv=block_kv, max_concurrent_steps=slots)
+        if ctas is not None:
+            kw["num_ctas"] = ctas or 1 << 30
+        label = f"{block_kv},{slots}" + ("" if ctas is None else f",{ctas}")
+
+        def f(i, q, pool, tables, lens, kw=kw):
+            return mgpu(q, pool, jnp.int32(0), tables[i], lens, qsl, scale=scale, **kw)
+        try:
+            row[f"rel_err[mgpu:{label}]"] = err = rel_err(f(0, *data), ref)
+            if not err <= 1e-2:
+                print(f"decode mgpu:{label}: rel err {err:.2e} against the Triton kernel; not timed")
+                continue
+            t, _ = time_op(f, data, nrot)
+        except Exception as e:  # noqa: BLE001
+            print(f"decode mgpu:{label} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        row[f"mgpu_us[{label}]"], row[f"mgpu_tbps[{label}]"] = t * 1e6, kv_bytes / t / 1e12
 
 
 def _configs(text: str) -> list[tuple]:
@@ -495,6 +526,9 @@ def main():
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
                     help="prefill configurations to sweep besides the op's default: "
                          "'block_m,block_k,warps,stages' separated by ';'")
+    ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
+                    help="also time the Mosaic GPU ragged kernel on the decode batches: configurations as "
+                         "--mgpu-configs (e.g. '128,2;64,4'); default none")
     ap.add_argument("--mgpu-configs", type=_mgpu_configs, default=[(128, 2, None)],
                     help="Mosaic GPU prefill kernel configurations 'block_kv,max_concurrent_steps[,num_ctas]' "
                          "separated by ';' ('' for none; num_ctas 0: one CTA per work item, not persistent); "
