@@ -247,6 +247,21 @@ def decode_bench(args, results):
     results["decode"] = rows
 
 
+def _checked_time(what, f, data, n, row, ref=None):
+    """f's seconds per op (time_op), or None with the reason printed: f raised, or, where ref is given,
+    f(0, *data) is off it by a relative error over 1e-2 (recorded in row as rel_err[what])."""
+    try:
+        if ref is not None:
+            row[f"rel_err[{what}]"] = err = rel_err(f(0, *data), ref)
+            if not err <= 1e-2:
+                print(f"{what}: rel err {err:.2e} against the Triton kernel; not timed")
+                return None
+        return time_op(f, data, n)[0]
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"{what} failed: {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
 def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
     """The Mosaic GPU ragged kernel on the decode batch (one query token per request), for each of
     --decode-mgpu-configs: can its TMA-fed pipeline read K/V faster than the Triton decode kernel? Each
@@ -265,16 +280,9 @@ def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
 
         def f(i, q, pool, tables, lens, kw=kw):
             return mgpu(q, pool, jnp.int32(0), tables[i], lens, qsl, scale=scale, **kw)
-        try:
-            row[f"rel_err[mgpu:{label}]"] = err = rel_err(f(0, *data), ref)
-            if not err <= 1e-2:
-                print(f"decode mgpu:{label}: rel err {err:.2e} against the Triton kernel; not timed")
-                continue
-            t, _ = time_op(f, data, nrot)
-        except Exception as e:  # noqa: BLE001
-            print(f"decode mgpu:{label} failed: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        row[f"mgpu_us[{label}]"], row[f"mgpu_tbps[{label}]"] = t * 1e6, kv_bytes / t / 1e12
+        t = _checked_time(f"mgpu:{label}", f, data, nrot, row, ref)
+        if t is not None:
+            row[f"mgpu_us[{label}]"], row[f"mgpu_tbps[{label}]"] = t * 1e6, kv_bytes / t / 1e12
 
 
 def _configs(text: str) -> list[tuple]:
@@ -332,19 +340,16 @@ def _time_prefill_variants(args, row, flops, d, data, reps):
     for label, kwargs, op in _prefill_variants(args):
         def f(i, qs, pool, tables, lens, qsl, kwargs=kwargs, op=op):
             return op(qs[i], pool, jnp.int32(0), tables, lens, qsl, scale=d ** -0.5, **kwargs)
-        try:
-            if label.startswith("mgpu"):   # timed only if it computes what the Triton kernel computes
-                if triton_out is None:
-                    qs, rest = data[0], data[1:]
-                    triton_out = pk.ragged_paged_attention_pallas(qs[0], rest[0], jnp.int32(0), *rest[1:],
-                                                                  scale=d ** -0.5)
-                row[f"rel_err[{label}]"] = err = rel_err(f(0, *data), triton_out)
-                if not err <= 1e-2:
-                    print(f"prefill {label}: rel err {err:.2e} against the Triton kernel; not timed")
-                    continue
-            t, _ = time_op(f, data, reps)
-        except Exception as e:  # noqa: BLE001
-            print(f"prefill {label} failed: {type(e).__name__}: {str(e)[:300]}")
+        if label.startswith("mgpu") and triton_out is None:   # Mosaic runs are timed only if they match
+            qs, rest = data[0], data[1:]
+            try:
+                triton_out = pk.ragged_paged_attention_pallas(qs[0], rest[0], jnp.int32(0), *rest[1:],
+                                                              scale=d ** -0.5)
+            except Exception as e:  # noqa: BLE001
+                print(f"prefill: no Triton output to check {label} against: {type(e).__name__}: {str(e)[:200]}")
+                continue
+        t = _checked_time(label, f, data, reps, row, triton_out if label.startswith("mgpu") else None)
+        if t is None:
             continue
         row[f"tflops[{label}]"] = flops / t / 1e12
         if label == "default":
