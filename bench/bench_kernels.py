@@ -247,6 +247,15 @@ def decode_bench(args, results):
     results["decode"] = rows
 
 
+def _mgpu_variant(cfg: tuple) -> tuple[str, dict]:
+    """(label, keyword arguments of ragged_paged_attention_mgpu) of one --mgpu-configs entry."""
+    block_kv, slots, ctas = cfg
+    kw = dict(block_kv=block_kv, max_concurrent_steps=slots)
+    if ctas is not None:       # 0: more CTAs than items, so each runs one (capped in the op)
+        kw["num_ctas"] = ctas or 1 << 30
+    return f"{block_kv},{slots}" + ("" if ctas is None else f",{ctas}"), kw
+
+
 def _checked_time(what, f, data, n, row, ref=None):
     """f's seconds per op (time_op), or None with the reason printed: f raised, or, where ref is given,
     f(0, *data) is off it by a relative error over 1e-2 (recorded in row as rel_err[what])."""
@@ -272,11 +281,8 @@ def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
     q, pool, tables, lens = data
     qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
     ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
-    for block_kv, slots, ctas in args.decode_mgpu_configs:
-        kw = dict(block_kv=block_kv, max_concurrent_steps=slots)
-        if ctas is not None:
-            kw["num_ctas"] = ctas or 1 << 30
-        label = f"{block_kv},{slots}" + ("" if ctas is None else f",{ctas}")
+    for cfg in args.decode_mgpu_configs:
+        label, kw = _mgpu_variant(cfg)
 
         def f(i, q, pool, tables, lens, kw=kw):
             return mgpu(q, pool, jnp.int32(0), tables[i], lens, qsl, scale=scale, **kw)
@@ -325,11 +331,9 @@ def _prefill_variants(args):
     except ImportError:
         mgpu = None
     if mgpu is not None and not SMOKE:
-        for block_kv, slots, ctas in args.mgpu_configs:
-            kw = dict(block_kv=block_kv, max_concurrent_steps=slots)
-            if ctas is not None:       # 0: more CTAs than items, so each runs one (capped in the op)
-                kw["num_ctas"] = ctas or 1 << 30
-            out.append((f"mgpu:{block_kv},{slots}" + ("" if ctas is None else f",{ctas}"), kw, mgpu))
+        for cfg in args.mgpu_configs:
+            label, kw = _mgpu_variant(cfg)
+            out.append((f"mgpu:{label}", kw, mgpu))
     return out
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -46,8 +47,6 @@ def near_match(got: list[list[int]], ref: list[list[int]]) -> dict:
 
 def smollm2_check(backends: list[str], max_tokens: int = 32, layer_dispatch: str | None = None,
                   dtype: str = "float32") -> dict:
-    import itertools
-
     import jax
     import torch
     from transformers import AutoModelForCausalLM

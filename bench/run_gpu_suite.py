@@ -18,8 +18,10 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          at concurrency 1 and 10), the profiled run with 8
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
-  mosaic  qwen2-0.5b ShareGPT 1000 with the default attention backend and with the Mosaic GPU ragged
-         kernel (JAXPAGED_ATTENTION_BACKEND=mosaic), then the profiled run with mosaic when time is left
+  mosaic  qwen2-0.5b ShareGPT 1000 with the Triton attention backend (JAXPAGED_ATTENTION_BACKEND=pallas)
+         and with the Mosaic GPU ragged kernel (mosaic, the Hopper default), then the profiled run with
+         mosaic when time is left
+  mosaic-llama  llama3-8b ShareGPT 1000 with mosaic
   multistep16  qwen2-0.5b ShareGPT 1000 with 16 decode steps per program, then the server with 16 (warm
          start-up; openqa at concurrency 1 and 10)
 
@@ -160,9 +162,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         ],
         # llama3-8b ShareGPT 1000 with the Mosaic GPU prefill kernel (compare the llama part's throughput).
         "mosaic-llama": [
-            dataclasses.replace(tput_qwen, name="throughput-llama-mosaic", budget_s=390, env=mosaic,
-                                argv=tput + quick + ["--model", l_, "--result-name",
-                                                     f"throughput-{l_}-sharegpt-mosaic"] + n + small),
+            Step("throughput-llama-mosaic", 390, tput + quick + [
+                "--model", l_, "--result-name", f"throughput-{l_}-sharegpt-mosaic"] + n + small, env=mosaic),
         ],
         # Multi-step scheduling with 16 decode steps per program (multistep measured 8): ShareGPT 1000 first
         # (cold compile), then the server with the same step shapes, so that, as in speed, its start-up
@@ -352,7 +353,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | multistep | "
-                   "mosaic | multistep16 | all")
+                   "mosaic | mosaic-llama | multistep16 | all")
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)

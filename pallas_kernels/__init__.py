@@ -29,7 +29,7 @@ from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 
 BACKENDS = ("reference", "xla", "pallas", "mosaic")
 
-__all__ = ["BACKENDS", "attention", "default_backend", "is_hopper", "paged_decode_attention", "paged_decode_attention_reference",
+__all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
 
 
@@ -38,7 +38,6 @@ def default_backend() -> str:
     if jax.default_backend() == "cpu":
         return "xla"
     return "mosaic" if is_hopper(jax.devices()[0]) else "pallas"
-
 
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,

@@ -21,11 +21,10 @@ COMPUTE_WGS = 2
 # rows it writes (0: idle), position of the first written row.
 REQ, STEPS, WG0 = 0, 1, 2
 LOAD, LO, ROWS, POS = 0, 1, 2, 3
-NUM_COLS = WG0 + 4 * COMPUTE_WGS
 
 
 def tile_schedule(query_start_loc, seq_lens, num_tokens: int, num_rows: int, block_q: int, block_kv: int):
-    """-> (sched i32[NT, NUM_COLS], i32 number of live tiles, NT): live tiles first, longest first.
+    """-> (sched i32[NT, 2 + 4 * COMPUTE_WGS], i32 number of live tiles, NT): live tiles first, longest first.
 
     num_tokens T (rows of the output); num_rows Tp = max(T, BQ) (rows a clamped q tile may read).
 

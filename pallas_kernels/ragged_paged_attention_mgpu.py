@@ -40,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import _mgpu_schedule as ms
 from . import _mgpu_ops as ops
 from ._checks import is_hopper, validate_q_and_cache
+from .paged_decode_attention import NUM_SMS
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30                  # finite: rows with no unmasked key stay NaN-free until the division
@@ -234,12 +235,12 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
 
     def run_item(k, first_step):
         tile, head = work.item(k)
-        req = sched_ref[tile, ms.REQ]
+        req, item_steps = sched_ref[tile, ms.REQ], sched_ref[tile, ms.STEPS]
         # kv_ref rows are (layer, K/V, block, kv head) flattened: row of block b = row0 + b * K.
         k_row0 = layer_ref[0] * (2 * num_blocks * num_kv_heads) + head // group
         v_row0 = k_row0 + num_blocks * num_kv_heads
 
-        @pl.loop(0, sched_ref[tile, ms.STEPS])
+        @pl.loop(0, item_steps)
         def _(j):
             step = first_step + j
             slot = lax.rem(step, num_slots)
@@ -250,7 +251,7 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
                 for i, block in enumerate(blocks):
                     plgpu.copy_gmem_to_smem(kv_ref.at[row0 + block * num_kv_heads],
                                             dst.at[slot, pl.ds(i * block_size, block_size)], bar.at[slot])
-        return first_step + sched_ref[tile, ms.STEPS]
+        return first_step + item_steps
 
     total = lax.fori_loop(0, work.num_iters, run_item, jnp.int32(0))
 
@@ -394,8 +395,9 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     meta = jnp.stack([jnp.asarray(layer_idx, jnp.int32), live_tiles])
     interpret = ops.interpret_params(interpret)
     if num_ctas is None:
-        # one CTA per SM (132 on the H100 SXM, the count used when lowering for CUDA without a GPU)
-        num_ctas = _INTERPRET_CTAS if interpret is not None else getattr(jax.devices()[0], "core_count", 132)
+        # one CTA per SM (the H100 SXM's count when lowering for CUDA without a GPU)
+        num_ctas = (_INTERPRET_CTAS if interpret is not None
+                    else getattr(jax.devices()[0], "core_count", NUM_SMS))
     out = _launch(sched, meta, tables, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
                   scale=scale, group=num_heads // num_kv_heads, num_blocks=num_blocks,
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,
