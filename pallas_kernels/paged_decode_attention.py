@@ -51,8 +51,9 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     # one split (no lse_refs):
     #   o_ref:          dtype[R, N, D]        final output, rows h*G .. h*G+G-1 written by program (r, h)
     # several splits:
-    #   o_ref:          f32[R, K, NS, Gp, D]  this split's output, already divided by its softmax sum
-    #   lse_refs[0]:    f32[R, K, NS, Gp]     this split's log-sum-exp (NEG when the split is empty)
+    #   o_ref:          f32[R, K, NS, G, D]   this split's output, already divided by its softmax sum
+    #   lse_refs[0]:    f32[R, K, NS, G]      this split's log-sum-exp (NEG when the split is empty)
+    #   (only the G real rows of the [Gp, D] tile are stored: the merge reads no padding)
     r, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     group = q_ref.shape[2]
@@ -100,8 +101,10 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(o_ref.dtype),
                     mask=row < group)
     else:
-        o_ref[r, h, split, :, :] = out
-        lse_refs[0][r, h, split, :] = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
+        plgpu.store(o_ref.at[r, h, split, pl.ds(0, group_pad), :], out, mask=row < group)
+        lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
+        real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+        plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
 
 
 def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int,
@@ -120,9 +123,9 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
     else:
-        out_shape = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad, head_dim),
+        out_shape = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group, head_dim),
                                           jnp.float32),
-                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group_pad), jnp.float32))
+                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group), jnp.float32))
     return pl.pallas_call(
         kernel,
         grid=(num_reqs, num_kv_heads, num_splits),
@@ -181,7 +184,7 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
                   group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if num_splits == 1:
         return res                                                     # written by the kernel
-    o, lse = res[0][:, :, :, :group], res[1][:, :, :, :group]          # [R, K, NS, G, D], [R, K, NS, G]
+    o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]
     # merge splits: weights exp(lse_s - max_s lse); empty splits carry NEG and weigh 0
     w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
     out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
