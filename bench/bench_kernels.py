@@ -200,7 +200,7 @@ def decode_bench(args, results):
                 best = None
                 for keys, warps, per_sm, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
                     bpi = keys // BLOCK
-                    ns = choose_splits(r, k, m, bpi, per_sm)
+                    ns = -per_sm if per_sm < 0 else choose_splits(r, k, m, bpi, per_sm)
 
                     def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages):
                         return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,
@@ -531,7 +531,8 @@ def main():
     ap.add_argument("--decode-configs", type=_configs, default=DECODE_CONFIGS,
                     help="decode configurations to sweep besides the default: "
                          "'keys,warps,programs_per_sm,stages' separated by ';' "
-                         "(choose_splits aims at programs_per_sm programs per SM)")
+                         "(choose_splits fits the programs in one wave of programs_per_sm per SM; "
+                         "a negative value -N asks for N splits)")
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
                     help="prefill configurations to sweep besides the op's default: "
                          "'block_m,block_k,warps,stages' separated by ';'")

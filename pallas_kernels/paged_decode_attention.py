@@ -29,10 +29,12 @@ from ._checks import validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 NUM_SMS = 132            # H100 SXM; only steers how many splits are made
-# Programs per SM the split count aims for. The fourth session's H100 sweep (one run, noisy): 16 beat 4 at
-# 16 sequences (llama3-8b 16 x 8k: 265 vs 352 us; 16 x 4k: 142 vs 163 us) and on qwen2-0.5b at
-# 256 x 8k with 4 warps (497 vs 706 us): short programs keep more loads in flight and even out the tail.
-PROGRAMS_PER_SM = 16
+# The split count fills one wave of PROGRAMS_PER_SM programs per SM and never spills into a second one.
+# The tenth session's H100 sweep (bench/results/h100/session10/01_*) showed wave quantisation: at
+# qwen2-0.5b 256 x 4k, 2 splits (1,024 programs) took 227 us, 3 splits (1,536) 281 us and 5 (2,560) 264 us;
+# 8 per SM is the largest count that 1,024 programs fit in. The earlier rule (16 per SM, rounded up) made
+# 5 splits there. Where the (request, head) pairs alone fill a wave, one split runs.
+PROGRAMS_PER_SM = 8
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -109,9 +111,12 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
 
 def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int,
                   programs_per_sm: int | None = None) -> int:
-    """Enough (request, head, split) programs for ~programs_per_sm per SM, never under a tile each."""
+    """The most splits whose (request, head, split) programs fit in one wave of programs_per_sm per SM.
+
+    Never more splits than tiles of the table, never fewer than one.
+    """
     max_splits = max(1, -(-max_blocks // blocks_per_iter))
-    want = -(-(programs_per_sm or PROGRAMS_PER_SM) * NUM_SMS // (num_reqs * num_kv_heads))
+    want = (programs_per_sm or PROGRAMS_PER_SM) * NUM_SMS // (num_reqs * num_kv_heads)
     return int(min(max(want, 1), max_splits))
 
 
