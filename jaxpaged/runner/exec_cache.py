@@ -13,6 +13,7 @@ warning (XLA:CPU cannot run some deserialized bf16 programs). On by default for 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import pathlib
@@ -47,6 +48,20 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(repr(items).encode()).hexdigest()[:24]
 
 
+def _ensure_mosaic_gpu_runtime() -> None:
+    """Importing Mosaic GPU points its custom call at libmosaic_gpu_runtime.so (MOSAIC_GPU_RUNTIME_LIB_PATH).
+
+    A deserialized executable holding a Mosaic GPU kernel, loaded before anything imported Mosaic GPU,
+    fails with "Symbols not found: mosaic_gpu_init_tma_desc" (seen on the H100, session 10): import first.
+    """
+    if jax.devices()[0].platform != "gpu":
+        return
+    try:
+        importlib.import_module("jax.experimental.mosaic.gpu")
+    except Exception:  # noqa: BLE001 - a jaxlib without Mosaic GPU has no such kernels to load
+        pass
+
+
 class ExecutableCache:
     def __init__(self, root: os.PathLike, fingerprint_: str):
         self.dir = pathlib.Path(root) / fingerprint_
@@ -61,6 +76,7 @@ class ExecutableCache:
         if not path.exists():
             self.misses += 1
             return None
+        _ensure_mosaic_gpu_runtime()
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
