@@ -183,6 +183,8 @@ def decode_bench(args, results):
     for name, (n, k, d) in _layouts(args):
         for r in DECODE_SEQS:
             for ctx in DECODE_CTX:
+                if args.decode_shapes and (r, ctx) not in args.decode_shapes:
+                    continue
                 if over_budget(args):
                     print("decode: out of time budget, stopping", flush=True)
                     results["decode"] = rows
@@ -289,6 +291,14 @@ def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
         t = _checked_time(f"mgpu:{label}", f, data, nrot, row, ref)
         if t is not None:
             row[f"mgpu_us[{label}]"], row[f"mgpu_tbps[{label}]"] = t * 1e6, kv_bytes / t / 1e12
+
+
+def _shapes(text: str) -> set[tuple[int, int]]:
+    """--decode-shapes: '16x1024,64x4096' -> {(16, 1024), (64, 4096)}."""
+    try:
+        return {tuple(int(x) for x in item.split("x")) for item in text.split(",") if item}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shapes are SEQSxCTX separated by ',': {text!r}") from None
 
 
 def _configs(text: str) -> list[tuple]:
@@ -536,6 +546,8 @@ def main():
     ap.add_argument("--prefill-configs", type=_configs, default=PREFILL_CONFIGS,
                     help="prefill configurations to sweep besides the op's default: "
                          "'block_m,block_k,warps,stages' separated by ';'")
+    ap.add_argument("--decode-shapes", type=_shapes, default=None,
+                    help="only these decode shapes, 'SEQSxCTX,...' (e.g. '16x1024,64x4096'); default all")
     ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
                     help="also time the Mosaic GPU ragged kernel on the decode batches: configurations as "
                          "--mgpu-configs (e.g. '128,2;64,4'); default none")
