@@ -272,12 +272,12 @@ def test_kernels_lower_to_triton():
 
 
 def test_decode_split_count_fills_one_wave():
-    """choose_splits: the most splits whose programs fit one wave (8 per SM on 132 SMs), capped by the
-    table's tiles, at least one (the H100 shapes of bench_kernels)."""
+    """choose_splits: the most splits whose programs fit one wave (8 per SM on 132 SMs), each split at
+    least two tiles of the table, at least one split (the H100 shapes of bench_kernels)."""
     from pallas_kernels.paged_decode_attention import choose_splits
     assert choose_splits(256, 2, 256, 4) == 2        # qwen2-0.5b 256 x 4k: 1,024 programs (3 would spill)
     assert choose_splits(64, 2, 256, 4) == 8         # qwen2-0.5b 64 x 4k
     assert choose_splits(16, 2, 512, 4) == 33        # qwen2-0.5b 16 x 8k
-    assert choose_splits(16, 2, 64, 4) == 16         # 16 x 1k: no more splits than 64-key tiles
+    assert choose_splits(16, 2, 64, 4) == 8          # 16 x 1k: two 64-key tiles per split at least
     assert choose_splits(256, 8, 512, 4) == 1        # llama3-8b 256 x 8k: the pairs fill the GPU
     assert choose_splits(64, 8, 256, 4, programs_per_sm=16) == 4
