@@ -22,7 +22,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          and with the Mosaic GPU ragged kernel (mosaic, the Hopper default), then the profiled run with
          mosaic when time is left
   mosaic-llama  llama3-8b ShareGPT 1000 with mosaic
-  serve-pallas  speed's server step (openqa at concurrency 1 and 10) with the Triton attention backend
+  serve-ab  speed's server step (openqa at concurrency 1 and 10) with the Triton attention backend, then
+         with the Mosaic one
   multistep16  qwen2-0.5b ShareGPT 1000 with 16 decode steps per program, then the server with 16 (warm
          start-up; openqa at concurrency 1 and 10)
 
@@ -175,11 +176,12 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(serve_qwen, name="serve-openqa-ms16", budget_s=300, server_args=(
                 ["--num-scheduler-steps", "16"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
         ],
-        # The speed part's server (one step per program) with the Triton kernel instead of the Mosaic one, to
-        # set beside speed's figures taken on the same machine.
-        "serve-pallas": [
-            dataclasses.replace(serve_qwen, name="serve-openqa-pallas", env={"JAXPAGED_ATTENTION_BACKEND": "pallas"},
-                                server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
+        # The speed part's server (one step per program) with the Triton attention backend, then with the
+        # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
+        "serve-ab": [
+            dataclasses.replace(serve_qwen, name=f"serve-openqa-{backend}", env={"JAXPAGED_ATTENTION_BACKEND": backend},
+                                server_args=[] if smoke else ["--max-num-batched-tokens", "16384"])
+            for backend in ("pallas", "mosaic")
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
         # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     table = parts(a.smoke)
     # speed repeats qwen and serve steps; multistep and mosaic are A/Bs of one option, multistep16 a variant
-    names = [n for n in table if n not in ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "serve-pallas")] if "all" in a.parts \
+    names = [n for n in table if n not in ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "serve-ab")] if "all" in a.parts \
         else a.parts
     for name in names:
         if name not in table:
