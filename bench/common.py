@@ -24,12 +24,12 @@ MODELS_DIR = Path(os.environ.get("JAXPAGED_BENCH_MODELS") or _CACHE / "bench_mod
 DATA_DIR = Path(os.environ.get("JAXPAGED_BENCH_DATA") or _CACHE / "bench_data")
 RESULTS_DIR = Path(os.environ.get("JAXPAGED_BENCH_RESULTS") or REPO_ROOT / "bench" / "results")
 _GIT_REV_ENV = os.environ.get("JAXPAGED_GIT_REV")
-_GIT_REV_FILE = REPO_ROOT / "bench" / "results" / "GIT_REV"   # written by prepare_gpu_suite.sh
+_GIT_REV_FILE = REPO_ROOT / ".cache" / "gpu" / "GIT_REV"   # written by prepare_gpu_suite.sh (carried to the GPU)
 
 
 def git_revision() -> str:
     """$JAXPAGED_GIT_REV (the GPU suite sets it: the device copy's .git, if any, is not this revision), else
-    `git rev-parse HEAD` (+ '-dirty'), else bench/results/GIT_REV, else 'unknown'."""
+    `git rev-parse HEAD` (+ '-dirty'), else .cache/gpu/GIT_REV, else 'unknown'."""
     if _GIT_REV_ENV:
         return _GIT_REV_ENV
     try:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # an installed jaxpaged wins
+
+from bench.common import git_revision  # noqa: E402
 
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Hi",
@@ -157,7 +158,7 @@ def main() -> None:
     from bench.models import ensure_model_dir
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "git_rev": os.environ.get("JAXPAGED_GIT_REV", "unknown")}
+              "git_rev": git_revision()}
     if not args.skip_smollm2:
         try:
             result["smollm2_greedy"] = smollm2_check(args.backends.split(","), layer_dispatch=args.layer_dispatch,
