@@ -49,10 +49,11 @@ _COMPUTE_WGS = ms.COMPUTE_WGS
 _INTERPRET_CTAS = 3              # the interpreter's default CTA count: several items per CTA
 
 
-def _kv_step(j, carry, *, masked, first_step, row_pos0, num_steps, q_smem, k_smem, v_smem, bars,
-             sched, qk_scale, interpret):
+def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_smem, k_smem, v_smem,
+             bars, sched, qk_scale, interpret):
     """Key step j of the item (the first_step + j-th of the CTA) of online softmax for one compute
-    warpgroup, in FA3's ping-pong order."""
+    warpgroup, in FA3's ping-pong order. Masked steps hide keys past each row's position (causal) or,
+    where key_last is given (not causal), past key_last for every row."""
     acc, m, l = carry                                # f32[BQ, D], f32[BQ], f32[BQ] (log2 domain)
     k_bar, v_bar, k_free, v_free = bars
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
@@ -60,9 +61,9 @@ def _kv_step(j, carry, *, masked, first_step, row_pos0, num_steps, q_smem, k_sme
     qk = ops.qk(q_smem, k_smem.at[slot], sched, interpret)            # f32[BQ, BKV]
     plgpu.barrier_arrive(k_free.at[slot])
     if masked:
-        rows = ops.iota(qk.shape, 0, interpret) + row_pos0
         cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
-        qk = jnp.where(cols <= rows, qk, -jnp.inf)
+        last = ops.iota(qk.shape, 0, interpret) + row_pos0 if key_last is None else key_last
+        qk = jnp.where(cols <= last, qk, -jnp.inf)
     m_new = jnp.maximum(m, qk.max(axis=1) * qk_scale)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
@@ -163,7 +164,7 @@ def _wg_tile(sched_ref, tile, wg, block_kv):
     return load, lo, rows, pos, jnp.minimum(steps, sched_ref[tile, ms.STEPS])
 
 
-def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, interpret):
+def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, causal, interpret):
     """Compute warpgroup wg: its half of each item's tile, online softmax over the item's keys."""
     q_smem2, qbuf2, obuf2, k_smem, v_smem = smem
     k_bar, v_bar, q_bar, k_free, v_free, sched_bar = bars
@@ -201,11 +202,14 @@ def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, interpr
         acc = ops.layout(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
         pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(first_step, num_slots)]))
         pl.when(wg == 1)(sched)                      # offset the two warpgroups by half a step
-        step = functools.partial(_kv_step, first_step=first_step, row_pos0=pos - lo, num_steps=num_steps,
-                                 q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=load_bars,
-                                 sched=sched, qk_scale=scale * _LOG2E, interpret=interpret)
-        # Steps whose keys all sit at or before the first written row's position need no causal mask.
-        num_full = jnp.clip((pos + 1) // block_kv, 0, num_steps)  # idle warpgroups have pos < 0
+        # Not causal: every row sees the keys up to the last written row's position (decode rows).
+        key_last = None if causal else pos + rows - 1
+        step = functools.partial(_kv_step, first_step=first_step, row_pos0=pos - lo, key_last=key_last,
+                                 num_steps=num_steps, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
+                                 bars=load_bars, sched=sched, qk_scale=scale * _LOG2E, interpret=interpret)
+        # Steps whose keys all sit at or before the first written row's position (causal; the last row's
+        # otherwise) need no mask.
+        num_full = jnp.clip((pos + 1 if causal else pos + rows) // block_kv, 0, num_steps)  # idle: pos < 0
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (acc, m, l))
         acc, m, l = lax.fori_loop(num_full, num_steps, functools.partial(step, masked=True), carry)
         lax.fori_loop(num_steps, item_steps, functools.partial(
@@ -263,7 +267,7 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
 
 
 def _kernel(sched_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, *scratch, scale, group, num_heads,
-            num_ctas, num_blocks, num_kv_heads, interpret):
+            num_ctas, num_blocks, num_kv_heads, causal, interpret):
     # sched_ref:  i32[NT, 10]                 see _mgpu_schedule.tile_schedule
     # meta_ref:   i32[2]                      layer, live tiles (the first rows of sched)
     # tables_ref: i32[R, Mp]                  Mp = M rounded up to P; padding is the null block 0
@@ -275,14 +279,14 @@ def _kernel(sched_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, *scratch, sca
     wg = lax.axis_index("wg")
     work = _Work(meta_ref[1], num_ctas, num_heads)
     pl.when(wg < _COMPUTE_WGS)(lambda: _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars,
-                                                   scale=scale, interpret=interpret))
+                                                   scale=scale, causal=causal, interpret=interpret))
     pl.when(wg == _COMPUTE_WGS)(functools.partial(
         _memory_wg, work, sched_ref, meta_ref, tables_ref, kv_ref, smem, bars, group=group,
         num_blocks=num_blocks, num_kv_heads=num_kv_heads))
 
 
 def _launch(sched, meta, tables, qp, kv_rows, *, num_ctas, scale, group, num_blocks, num_kv_heads,
-            block_q, block_kv, num_slots, interpret, lowering_semantics):
+            block_q, block_kv, num_slots, causal, interpret, lowering_semantics):
     _, num_heads, head_dim = qp.shape
     per_step = block_kv // kv_rows.shape[1]
     # 128-byte rows (64 bf16/fp16 columns) in 8-row tiles, swizzled: the layout wgmma reads.
@@ -301,7 +305,7 @@ def _launch(sched, meta, tables, qp, kv_rows, *, num_ctas, scale, group, num_blo
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                         # tensor-core ping-pong
     ]
     kernel = functools.partial(_kernel, scale=scale, group=group, num_heads=num_heads, num_ctas=num_ctas,
-                               num_blocks=num_blocks, num_kv_heads=num_kv_heads,
+                               num_blocks=num_blocks, num_kv_heads=num_kv_heads, causal=causal,
                                interpret=interpret is not None)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(qp.shape, qp.dtype), scratch_types=scratch,
@@ -364,19 +368,22 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_concurrent_steps",
-                                             "sliding_window", "soft_cap", "num_ctas", "interpret",
-                                             "lowering_semantics"))
+                                             "sliding_window", "soft_cap", "num_ctas", "causal",
+                                             "interpret", "lowering_semantics"))
 def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                 scale: float, block_q: int = 64, block_kv: int = 128,
                                 max_concurrent_steps: int = 2, sliding_window: int | None = None,
                                 soft_cap: float | None = None, num_ctas: int | None = None,
-                                interpret=None, lowering_semantics: str | None = None):
+                                causal: bool = True, interpret=None,
+                                lowering_semantics: str | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D].
 
     block_q: query tokens per compute warpgroup (a CTA holds 2 * block_q); block_kv: keys per pipeline
     step; max_concurrent_steps: K/V slots in flight; num_ctas: persistent CTAs (None: one per SM on the
-    GPU, 3 in the interpreter). interpret: None (CPU -> Mosaic GPU interpreter),
-    a bool, or an InterpretGPUParams. lowering_semantics: None (jax's default), "lane" or "warpgroup".
+    GPU, 3 in the interpreter). causal=False: every query row of a request sees all its seq_lens[r]
+    keys (the packed decode rows of paged_decode_attention_mgpu; q_len may then exceed seq_lens).
+    interpret: None (CPU -> Mosaic GPU interpreter), a bool, or an InterpretGPUParams.
+    lowering_semantics: None (jax's default), "lane" or "warpgroup".
     """
     _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, scale=scale,
               block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
@@ -401,6 +408,6 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     out = _launch(sched, meta, tables, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
                   scale=scale, group=num_heads // num_kv_heads, num_blocks=num_blocks,
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,
-                  num_slots=max_concurrent_steps, interpret=interpret,
+                  num_slots=max_concurrent_steps, causal=causal, interpret=interpret,
                   lowering_semantics=lowering_semantics)
     return out[:num_tokens]

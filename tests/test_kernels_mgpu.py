@@ -29,6 +29,8 @@ except ImportError:  # pragma: no cover - jax without the Mosaic GPU interpreter
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels._mgpu_schedule import tile_schedule  # noqa: E402
 from pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu  # noqa: E402
+from pallas_kernels.paged_decode_attention import paged_decode_attention_reference  # noqa: E402
+from pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu  # noqa: E402
 
 pytestmark = pytest.mark.skipif(InterpretGPUParams is None, reason="jax has no Mosaic GPU interpreter")
 # Started before this module could raise the pool size (another test module ran first) on a small box.
@@ -207,6 +209,40 @@ def test_no_races_with_slot_reuse(num_ctas):
     assert not mgpu_interpret.get_races().races_found
     assert np.isfinite(out).all() and (out[202:] == 0).all()
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-2
+
+
+@needs_pool
+@pytest.mark.parametrize("head_dim,group,block_kv,num_ctas", [(64, 7, 64, 3), (128, 4, 128, 2)])
+def test_decode_packed_heads_match_reference(head_dim, group, block_kv, num_ctas):
+    """paged_decode_attention_mgpu: the G heads of a kv head as one tile (not causal). Contexts of 1
+    (fewer keys than heads), 17, a whole 64-key step, 150 (three steps of 64 through two slots) and a
+    padding request (seq_len 0: zeros); two kv heads; output poisoned with NaN first, races detected."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
+    q_lens, ctx = [1] * 5, [0, 16, 63, 149, 0]
+    q, kv, layer, tables, seq_lens, _ = _batch(q_lens, ctx, num_heads=2 * group, num_kv_heads=2,
+                                               head_dim=head_dim, dtype=jnp.bfloat16, pad_tokens=0,
+                                               seed=head_dim + group)
+    seq_lens = seq_lens.at[4].set(0)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention_mgpu(q, kv, layer, tables, seq_lens, scale=scale, block_kv=block_kv,
+                                      num_ctas=num_ctas,
+                                      interpret=InterpretGPUParams(detect_races=True,
+                                                                   uninitialized_memory="nan"))
+    ref = paged_decode_attention_reference(q, kv, layer, tables, seq_lens, scale=scale)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not mgpu_interpret.get_races().races_found
+    assert out.shape == ref.shape and np.isfinite(out).all() and (out[4] == 0).all()
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-2
+
+
+def test_decode_packed_heads_lower_for_cuda():
+    """The packed decode call (llama3-8b's heads) lowers to a Mosaic GPU module for CUDA."""
+    sds = jax.ShapeDtypeStruct
+    args = (sds((64, 32, 128), jnp.bfloat16), sds((2, 2, 100, 8, 16, 128), jnp.bfloat16),
+            sds((), jnp.int32), sds((64, 32), jnp.int32), sds((64,), jnp.int32))
+    lowered = jax.jit(lambda *a: paged_decode_attention_mgpu(*a, scale=0.1, interpret=False)).trace(
+        *args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])

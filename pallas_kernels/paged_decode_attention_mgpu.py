@@ -1,0 +1,57 @@
+"""Paged decode attention on the persistent Mosaic GPU kernel (Hopper), GQA heads packed into one tile.
+
+The ragged Mosaic GPU kernel (ragged_paged_attention_mgpu.py) runs (tile of query tokens, query head)
+items, so on a decode batch each of a group's G query heads would stream the request's K/V again
+(session 10 run 12: 0.3-1.5 TB/s). Here the batch is re-labelled so that one item holds the G heads of
+one (request, kv head) pair as G rows of a tile, and K/V are streamed once per pair, as in the Triton
+decode kernel:
+
+  q        [R, N, D]              -> [R * K * G, 1, D]      (a free reshape: N = K * G, heads of a kv head
+                                                             are adjacent), "request" i = r * K + h
+  kv_cache [L, 2, B, K, S, D]     -> [L, 2, B * K, 1, S, D] (free: block b of kv head h is row b * K + h)
+  tables   [R, M]                 -> [R * K, M]             entry tables[r, j] * K + h
+  seq_lens [R]                    -> [R * K]                and query_start_loc = G * arange(R * K + 1)
+
+with the kernel's causal mask off (every row sees the request's seq_lens[r] keys). A padding request
+(seq_lens 0) gets no key steps and its rows are written as zeros. No split-K: the persistent CTAs take
+(request, kv head) items, so this suits batches with at least about one pair per SM.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ._checks import validate_q_and_cache
+from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "max_concurrent_steps", "num_ctas",
+                                             "interpret"))
+def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
+                                block_kv: int = 128, max_concurrent_steps: int = 2,
+                                num_ctas: int | None = None, interpret=None):
+    """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16, D 64/128,
+    G = N // K <= 64; no sliding window or soft cap: mgpu_supported says where it applies)."""
+    validate_q_and_cache(q, kv_cache, layer_idx)
+    num_reqs, num_heads, head_dim = q.shape
+    num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    reason = mgpu_supported(q, kv_cache, block_size)
+    if reason or group > 64:
+        raise ValueError(reason or f"{group} query heads per kv head: more than one 64-row tile")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
+        raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} do not match "
+                         f"{num_reqs} requests")
+    pairs = num_reqs * num_kv_heads
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
+    tables = (block_tables[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(pairs, -1)
+    out = ragged_paged_attention_mgpu(
+        q.reshape(pairs * group, 1, head_dim),
+        kv_cache.reshape(num_layers, 2, num_blocks * num_kv_heads, 1, block_size, head_dim),
+        layer_idx, tables, jnp.repeat(seq_lens, num_kv_heads),
+        jnp.arange(pairs + 1, dtype=jnp.int32) * group,
+        scale=scale, block_q=64, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
+        num_ctas=num_ctas, causal=False, interpret=interpret)
+    return out.reshape(num_reqs, num_heads, head_dim)
