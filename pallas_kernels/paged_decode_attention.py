@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from ._checks import validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
-NUM_SMS = 132            # H100 SXM; only steers how many splits are made
+NUM_SMS = 132            # H100 SXM: the SM count where no GPU says its own (lowering on the CPU)
 # The split count fills one wave of PROGRAMS_PER_SM programs per SM and never spills into a second one.
 # The tenth session's H100 sweep (bench/results/h100/session10/01_*) showed wave quantisation: at
 # qwen2-0.5b 256 x 4k, 2 splits (1,024 programs) took 227 us, 3 splits (1,536) 281 us and 5 (2,560) 264 us;
@@ -113,14 +113,19 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
 
 
-def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int,
-                  programs_per_sm: int | None = None) -> int:
-    """The most splits whose (request, head, split) programs fit in one wave of programs_per_sm per SM.
+def num_sms() -> int:
+    """The GPU's SM count (jax's core_count), NUM_SMS elsewhere."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or NUM_SMS) if device.platform == "gpu" else NUM_SMS
 
-    Never fewer than MIN_TILES_PER_SPLIT tiles of the table per split, never fewer than one split.
+
+def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_iter: int,
+                  programs_per_sm: int | None = None, sms: int = NUM_SMS) -> int:
+    """The most splits whose (request, head, split) programs fit in one wave of programs_per_sm on each
+    of `sms` SMs. Never fewer than MIN_TILES_PER_SPLIT tiles of the table per split, nor one split.
     """
     max_splits = max(1, -(-max_blocks // (blocks_per_iter * MIN_TILES_PER_SPLIT)))
-    want = (programs_per_sm or PROGRAMS_PER_SM) * NUM_SMS // (num_reqs * num_kv_heads)
+    want = (programs_per_sm or PROGRAMS_PER_SM) * sms // (num_reqs * num_kv_heads)
     return int(min(max(want, 1), max_splits))
 
 
@@ -180,7 +185,7 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         # on both layouts; 32 and 128 lost at >= 64 sequences
         blocks_per_iter = max(1, 64 // block_size)
     if num_splits is None:
-        num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter)
+        num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter, sms=num_sms())
     if num_warps is None:
         # Same sweep: 2 warps beat 4 for D 64 (qwen2-0.5b) at >= 4k tokens of context (256 x 4k: 237 vs
         # 350 us; 64 x 8k: 138 vs 167 us); for D 128 (llama3-8b) 4 warps were best or within noise.

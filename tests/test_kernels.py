@@ -281,3 +281,4 @@ def test_decode_split_count_fills_one_wave():
     assert choose_splits(16, 2, 64, 4) == 8          # 16 x 1k: two 64-key tiles per split at least
     assert choose_splits(256, 8, 512, 4) == 1        # llama3-8b 256 x 8k: the pairs fill the GPU
     assert choose_splits(64, 8, 256, 4, programs_per_sm=16) == 4
+    assert choose_splits(64, 2, 256, 4, sms=114) == 7          # an H100 PCIe's 114 SMs: 896 programs
