@@ -12,7 +12,8 @@ which implementation runs below them is chosen by `backend`:
                elsewhere. The default on Hopper (sm_90): on the H100 it reaches 0.85-1.23 of cuDNN's
                TFLOP/s on 1-16 prompts of 512-8k tokens where the Triton kernel reaches 0.58-0.79, and
                qwen2-0.5b ShareGPT 1000 ran 11% faster end to end (bench/results/h100/NOTES.md, ninth
-               session). Decodes stay on the Triton decode kernel.
+               session). Decodes stay on the Triton decode kernel (the Mosaic decode variant waits behind
+               MOSAIC_DECODE_MIN_PAIRS until it is measured).
 
 `default_backend()` picks by the JAX platform and the GPU's generation; JAXPAGED_ATTENTION_BACKEND
 overrides it (read in jaxpaged.envs, passed down as an argument: this package reads no environment).
@@ -28,6 +29,10 @@ from .ragged_paged_attention import ragged_paged_attention_reference, ragged_pag
 from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 
 BACKENDS = ("reference", "xla", "pallas", "mosaic")
+# Decode batches of at least this many (request, kv head) pairs run the Mosaic GPU decode kernel
+# (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic"; None: never.
+# Off until measured on the H100 against the Triton decode kernel (bench_kernels --decode-mgpu-configs).
+MOSAIC_DECODE_MIN_PAIRS: int | None = None
 
 __all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
@@ -57,6 +62,12 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend in ("pallas", "mosaic"):
         if decode_only:
+            if (backend == "mosaic" and jax.default_backend() == "gpu" and MOSAIC_DECODE_MIN_PAIRS is not None
+                    and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS):
+                from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
+                if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:
+                    return paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
+                                                       scale=scale)
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap)
         # On the CPU "mosaic" runs the Triton kernel (interpreted) like "pallas": the Mosaic GPU

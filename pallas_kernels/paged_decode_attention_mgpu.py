@@ -27,20 +27,28 @@ from ._checks import validate_q_and_cache
 from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
 
 
+def mgpu_decode_supported(q, kv_cache, *, sliding_window=None, soft_cap=None) -> str | None:
+    """None when paged_decode_attention_mgpu takes this call, else the reason (callers fall back)."""
+    group = q.shape[1] // kv_cache.shape[3]
+    if group > 64:
+        return f"{group} query heads per kv head: more than one 64-row tile"
+    return mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window, soft_cap=soft_cap)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "max_concurrent_steps", "num_ctas",
                                              "interpret"))
 def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                                 block_kv: int = 128, max_concurrent_steps: int = 2,
                                 num_ctas: int | None = None, interpret=None):
     """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16, D 64/128,
-    G = N // K <= 64; no sliding window or soft cap: mgpu_supported says where it applies)."""
+    G = N // K <= 64; no sliding window or soft cap: mgpu_decode_supported says where it applies)."""
     validate_q_and_cache(q, kv_cache, layer_idx)
     num_reqs, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    reason = mgpu_supported(q, kv_cache, block_size)
-    if reason or group > 64:
-        raise ValueError(reason or f"{group} query heads per kv head: more than one 64-row tile")
+    reason = mgpu_decode_supported(q, kv_cache)
+    if reason:
+        raise ValueError(reason)
     if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
         raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} do not match "
                          f"{num_reqs} requests")

@@ -188,7 +188,7 @@ def test_mosaic_backend_runs_triton_on_the_cpu():
 
 def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
     """Lowered for CUDA here (no GPU): bf16 ragged attention under backend="mosaic" becomes one Mosaic GPU
-    call, a soft cap sends it to Triton, and decodes stay on Triton. The kernel's numbers are checked on
+    call, a soft cap sends it to Triton, and decodes stay on Triton unless MOSAIC_DECODE_MIN_PAIRS is set. The kernel's numbers are checked on
     the H100 (bench/adhoc/mgpu_probe.py, bench/bench_kernels.py): it runs on Hopper only."""
     from jax import export
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
@@ -204,6 +204,12 @@ def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
         return text.count("mosaic_gpu_v2"), text.count("__gpu$xla.gpu.triton")
     assert calls(s((256, 14, 64), jnp.bfloat16)) == (1, 0)
     assert calls(s((256, 14, 64), jnp.bfloat16), soft_cap=30.0) == (0, 1)
+    assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
+    # the Mosaic decode kernel, where switched on: from MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
+    monkeypatch.setattr(pk, "MOSAIC_DECODE_MIN_PAIRS", 16)                 # 8 requests x 2 kv heads
+    assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (1, 0)
+    assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True, soft_cap=30.0) == (0, 1)
+    monkeypatch.setattr(pk, "MOSAIC_DECODE_MIN_PAIRS", 17)
     assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
 
 
