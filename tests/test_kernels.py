@@ -213,6 +213,27 @@ def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
     assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
 
 
+def test_mosaic_decode_lowers_inside_a_layer_scan(monkeypatch):
+    """The model calls attention() inside lax.scan over layers with a traced layer index: the Mosaic
+    decode route lowers there for CUDA too (one Mosaic GPU call in the scan body)."""
+    from jax import export
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pk, "MOSAIC_DECODE_MIN_PAIRS", 1)
+    s = jax.ShapeDtypeStruct
+
+    def step(q, pool, tables, lens, qsl):
+        def body(carry, layer):
+            o = pk.attention(carry, pool, layer, tables, lens, qsl, scale=0.1, decode_only=True,
+                             backend="mosaic")
+            return o, None
+        return jax.lax.scan(body, q, jnp.arange(pool.shape[0], dtype=jnp.int32))[0]
+    checks = [export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
+    text = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=checks)(
+        s((8, 32, 128), jnp.bfloat16), s((4, 2, 100, 8, 16, 128), jnp.bfloat16), s((8, 32), jnp.int32),
+        s((8,), jnp.int32), s((9,), jnp.int32)).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 1
+
+
 @pytest.mark.parametrize("platform,capability,expected", [
     ("cpu", None, "xla"), ("gpu", "9.0", "mosaic"), ("gpu", "8.0", "pallas"), ("gpu", "10.0", "pallas")])
 def test_default_backend_by_platform_and_gpu(monkeypatch, platform, capability, expected):
