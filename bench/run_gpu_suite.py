@@ -95,6 +95,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         ["--num-blocks", "256"] if smoke else [])
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
                                                             if smoke else []), kind="serve")
+    # the server with throughput's step shapes, so its start-up reads the compile cache throughput filled
+    speed_server = [] if smoke else ["--max-num-batched-tokens", "16384"]
     mosaic = {"JAXPAGED_ATTENTION_BACKEND": "mosaic"}
     return {
         "qwen": [
@@ -118,7 +120,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # then the profiled run (warm start-up again) with whatever time is left.
         "speed": [
             tput_qwen,
-            dataclasses.replace(serve_qwen, server_args=[] if smoke else ["--max-num-batched-tokens", "16384"]),
+            dataclasses.replace(serve_qwen, server_args=speed_server),
             profile_qwen,
         ],
         # The layer dispatch of a small model (qwen2-0.5b): the layer scan (the default for layers < 64 MiB)
@@ -147,7 +149,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                 argv=tput_qwen.argv + ["--num-scheduler-steps", "8", "--result-name",
                                                        f"throughput-{q}-sharegpt-ms8"]),
             dataclasses.replace(serve_qwen, name="serve-openqa-ms8", budget_s=240, server_args=(
-                ["--num-scheduler-steps", "8"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
+                ["--num-scheduler-steps", "8"] + speed_server)),
             dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=profile_qwen.argv + [   # (the last
                 "--num-scheduler-steps", "8", "--result-name", f"throughput-{q}-sharegpt-profile-ms8"]),  # name wins)
         ],
@@ -174,13 +176,13 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(tput_qwen, name="throughput-qwen-ms16", argv=tput_qwen.argv + [
                 "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-ms16"]),
             dataclasses.replace(serve_qwen, name="serve-openqa-ms16", budget_s=300, server_args=(
-                ["--num-scheduler-steps", "16"] + ([] if smoke else ["--max-num-batched-tokens", "16384"]))),
+                ["--num-scheduler-steps", "16"] + speed_server)),
         ],
         # The speed part's server (one step per program) with the Triton attention backend, then with the
         # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
         "serve-ab": [
             dataclasses.replace(serve_qwen, name=f"serve-openqa-{backend}", env={"JAXPAGED_ATTENTION_BACKEND": backend},
-                                server_args=[] if smoke else ["--max-num-batched-tokens", "16384"])
+                                server_args=speed_server)
             for backend in ("pallas", "mosaic")
         ],
         # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
@@ -359,17 +361,18 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
     return summ
 
 
+# Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
+NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "serve-ab")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="*", default=["all"], help="qwen | llama | serve | speed | host | gil | multistep | "
-                   "mosaic | mosaic-llama | multistep16 | all")
+    p.add_argument("parts", nargs="*", default=["all"], help=" | ".join([*parts(False), "all"]))
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device tool caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
     a = p.parse_args(argv)
     table = parts(a.smoke)
-    # speed repeats qwen and serve steps; multistep and mosaic are A/Bs of one option, multistep16 a variant
-    names = [n for n in table if n not in ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "serve-ab")] if "all" in a.parts \
-        else a.parts
+    names = [n for n in table if n not in NOT_IN_ALL] if "all" in a.parts else a.parts
     for name in names:
         if name not in table:
             p.error(f"unknown part {name!r}; choose from {list(table)} or all")

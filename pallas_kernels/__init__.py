@@ -61,8 +61,12 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         return ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend in ("pallas", "mosaic"):
+        # On the CPU "mosaic" runs the Triton kernels (interpreted) like "pallas": the Mosaic GPU
+        # interpreter runs the kernel on its own (tests/test_kernels_mgpu.py), but inside the engine's
+        # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
+        mosaic = backend == "mosaic" and jax.default_backend() == "gpu"
         if decode_only:
-            if (backend == "mosaic" and jax.default_backend() == "gpu" and MOSAIC_DECODE_MIN_PAIRS is not None
+            if (mosaic and MOSAIC_DECODE_MIN_PAIRS is not None
                     and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS):
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
                 if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:
@@ -70,10 +74,7 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
                                                        scale=scale)
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap)
-        # On the CPU "mosaic" runs the Triton kernel (interpreted) like "pallas": the Mosaic GPU
-        # interpreter runs the kernel on its own (tests/test_kernels_mgpu.py), but inside the engine's
-        # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
-        if backend == "mosaic" and jax.default_backend() == "gpu":
+        if mosaic:
             # imported here: only this backend needs Mosaic GPU's Pallas module
             from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
             if mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,

@@ -150,7 +150,8 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
     )(layer, seq_lens, block_tables, q3, kv_cache)
 
 
-def _validate(q, kv_cache, layer_idx, block_tables, seq_lens):
+def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
+    """The decode ops' shared checks of q, the cache, the tables and the lengths (ValueError)."""
     validate_q_and_cache(q, kv_cache, layer_idx)
     num_reqs = q.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
@@ -172,7 +173,7 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
     (context including this step's token, 0 for padding requests, whose output is zeros).
     """
-    _validate(q, kv_cache, layer_idx, block_tables, seq_lens)
+    validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_reqs, num_heads, head_dim = q.shape

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._checks import validate_q_and_cache
+from .paged_decode_attention import validate_decode_inputs
 from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
 
 
@@ -42,16 +42,13 @@ def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
                                 num_ctas: int | None = None, interpret=None):
     """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16, D 64/128,
     G = N // K <= 64; no sliding window or soft cap: mgpu_decode_supported says where it applies)."""
-    validate_q_and_cache(q, kv_cache, layer_idx)
+    validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
     num_reqs, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     reason = mgpu_decode_supported(q, kv_cache)
     if reason:
         raise ValueError(reason)
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
-        raise ValueError(f"block_tables {block_tables.shape} / seq_lens {seq_lens.shape} do not match "
-                         f"{num_reqs} requests")
     pairs = num_reqs * num_kv_heads
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
     tables = (block_tables[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(pairs, -1)

@@ -65,6 +65,7 @@ def _ensure_mosaic_gpu_runtime() -> None:
 class ExecutableCache:
     def __init__(self, root: os.PathLike, fingerprint_: str):
         self.dir = pathlib.Path(root) / fingerprint_
+        _ensure_mosaic_gpu_runtime()                 # before any load
         self.hits = self.misses = 0
 
     def _path(self, key: Any) -> pathlib.Path:
@@ -76,7 +77,6 @@ class ExecutableCache:
         if not path.exists():
             self.misses += 1
             return None
-        _ensure_mosaic_gpu_runtime()
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
