@@ -12,8 +12,9 @@ which implementation runs below them is chosen by `backend`:
                elsewhere. The default on Hopper (sm_90): on the H100 it reaches 0.85-1.23 of cuDNN's
                TFLOP/s on 1-16 prompts of 512-8k tokens where the Triton kernel reaches 0.58-0.79, and
                qwen2-0.5b ShareGPT 1000 ran 11% faster end to end (bench/results/h100/NOTES.md, ninth
-               session). Decodes stay on the Triton decode kernel (the Mosaic decode variant waits behind
-               MOSAIC_DECODE_MIN_PAIRS until it is measured).
+               session). Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs run
+               the Mosaic decode kernel (paged_decode_attention_mgpu), smaller ones the Triton split-K
+               decode kernel.
 
 `default_backend()` picks by the JAX platform and the GPU's generation; JAXPAGED_ATTENTION_BACKEND
 overrides it (read in jaxpaged.envs, passed down as an argument: this package reads no environment).
@@ -31,8 +32,12 @@ from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # Decode batches of at least this many (request, kv head) pairs run the Mosaic GPU decode kernel
 # (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic"; None: never.
-# Off until measured on the H100 against the Triton decode kernel (bench_kernels --decode-mgpu-configs).
-MOSAIC_DECODE_MIN_PAIRS: int | None = None
+# Measured on the H100 (bench/results/h100/NOTES.md, eleventh session, runs 01-02): from 128 pairs it is
+# 8-19% faster than the Triton decode kernel on every shape (llama3-8b 16 x 1k = 128 pairs: 34.4 against
+# 42.5 us; 256 x 8k: 3.00 against 2.59 TB/s; qwen2-0.5b 64 x 1k = 128 pairs: 24.4 against 28.8 us); at 32
+# pairs (qwen2-0.5b, 16 requests) it is 1.2-1.9x slower, since without split-K 32 CTAs leave most SMs idle.
+# One pair per SM (the H100 has 132) is where the persistent kernel has the machine to itself.
+MOSAIC_DECODE_MIN_PAIRS: int | None = 128
 
 __all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]

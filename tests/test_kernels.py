@@ -188,23 +188,26 @@ def test_mosaic_backend_runs_triton_on_the_cpu():
 
 def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
     """Lowered for CUDA here (no GPU): bf16 ragged attention under backend="mosaic" becomes one Mosaic GPU
-    call, a soft cap sends it to Triton, and decodes stay on Triton unless MOSAIC_DECODE_MIN_PAIRS is set. The kernel's numbers are checked on
+    call, a soft cap sends it to Triton, and decodes take the Mosaic decode kernel from MOSAIC_DECODE_MIN_PAIRS
+    (request, kv head) pairs, the Triton one below. The kernel's numbers are checked on
     the H100 (bench/adhoc/mgpu_probe.py, bench/bench_kernels.py): it runs on Hopper only."""
     from jax import export
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
     s = jax.ShapeDtypeStruct
     pool, layer = s((4, 2, 100, 2, 16, 64), jnp.bfloat16), s((), jnp.int32)
-    tables, lens, qsl = s((8, 32), jnp.int32), s((8,), jnp.int32), s((9,), jnp.int32)
     checks = [export.DisabledSafetyCheck.custom_call(n) for n in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
 
-    def calls(q, **kw):
+    def calls(q, reqs=8, **kw):
         fn = functools.partial(pk.attention, scale=0.1, backend="mosaic", **kw)
         text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
-            q, pool, layer, tables, lens, qsl).mlir_module()
+            q, pool, layer, s((reqs, 32), jnp.int32), s((reqs,), jnp.int32), s((reqs + 1,), jnp.int32)
+        ).mlir_module()
         return text.count("mosaic_gpu_v2"), text.count("__gpu$xla.gpu.triton")
     assert calls(s((256, 14, 64), jnp.bfloat16)) == (1, 0)
     assert calls(s((256, 14, 64), jnp.bfloat16), soft_cap=30.0) == (0, 1)
-    assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
+    assert pk.MOSAIC_DECODE_MIN_PAIRS == 128                              # the measured default
+    assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)  # 16 pairs: Triton
+    assert calls(s((64, 14, 64), jnp.bfloat16), reqs=64, decode_only=True) == (1, 0)   # 128 pairs: Mosaic
     # the Mosaic decode kernel, where switched on: from MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
     monkeypatch.setattr(pk, "MOSAIC_DECODE_MIN_PAIRS", 16)                 # 8 requests x 2 kv heads
     assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (1, 0)
