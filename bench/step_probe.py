@@ -5,6 +5,7 @@ for batch sizes 1..256, under the current XLA_FLAGS and the given scan unroll.
 """
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import json
 import sys
@@ -33,7 +34,6 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
     import numpy as np
 
     from jaxpaged.models import AttentionMetadata
-    from jaxpaged.models.decoder import RuntimeOptions
     from jaxpaged.runner.buckets import Bucket
     from jaxpaged.runner.model_runner import ModelInput
     from jaxpaged.runner.step_inputs import HostInputs, pack
@@ -53,7 +53,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
                         np.full(R, R, np.int32), np.zeros(R, np.int32), np.zeros(0, np.int32))
         _, si = runner._dummy_inputs(Bucket(R, R, True))
         si.temperature = np.ones(R, np.float32)
-        opts = RuntimeOptions(runner.attn_backend, True, unroll)
+        opts = dataclasses.replace(runner.options(Bucket(R, R, True), 1), scan_unroll=unroll)
 
         ints, floats, layout = pack((mi, si))
         dev = jax.devices()[0]

@@ -37,6 +37,9 @@ class RuntimeOptions:
     decode_only: bool = False
     scan_unroll: int = 1          # layers per scan iteration (num_layers: a straight-line program)
     num_steps: int = 1            # decode steps per program (the runner's multi-step loop; the model ignores it)
+    # The layers run inside a loop XLA executes as a while loop (the layer scan, or the multi-step loop):
+    # attention there keeps to kernels XLA's CUDA graphs capture (pallas_kernels.attention's in_loop).
+    in_loop: bool = True
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +85,7 @@ class Attention(nn.Module):
         kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend)
         o = pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale=c.head_dim ** -0.5,
-                                     decode_only=self.options.decode_only,
+                                     decode_only=self.options.decode_only, in_loop=self.options.in_loop,
                                      sliding_window=c.sliding_window, backend=backend)
         o = o.reshape(-1, c.num_heads * c.head_dim)
         return dense(c.hidden_size, False, "o_proj")(o), kv_cache

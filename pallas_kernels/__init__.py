@@ -12,9 +12,9 @@ which implementation runs below them is chosen by `backend`:
                elsewhere. The default on Hopper (sm_90): on the H100 it reaches 0.85-1.23 of cuDNN's
                TFLOP/s on 1-16 prompts of 512-8k tokens where the Triton kernel reaches 0.58-0.79, and
                qwen2-0.5b ShareGPT 1000 ran 11% faster end to end (bench/results/h100/NOTES.md, ninth
-               session). Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs run
-               the Mosaic decode kernel (paged_decode_attention_mgpu), smaller ones the Triton split-K
-               decode kernel.
+               session). Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
+               outside while loops (per-layer or unrolled dispatch, one step per program) run the Mosaic
+               decode kernel (paged_decode_attention_mgpu), other decodes the Triton split-K one.
 
 `default_backend()` picks by the JAX platform and the GPU's generation; JAXPAGED_ATTENTION_BACKEND
 overrides it (read in jaxpaged.envs, passed down as an argument: this package reads no environment).
@@ -31,7 +31,8 @@ from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 
 BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # Decode batches of at least this many (request, kv head) pairs run the Mosaic GPU decode kernel
-# (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic"; None: never.
+# (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic", outside
+# while loops (attention's in_loop); None: never.
 # Measured on the H100 (bench/results/h100/NOTES.md, eleventh session, runs 01-02): from 128 pairs it is
 # 8-19% faster than the Triton decode kernel on every shape (llama3-8b 16 x 1k = 128 pairs: 34.4 against
 # 42.5 us; 256 x 8k: 3.00 against 2.59 TB/s; qwen2-0.5b 64 x 1k = 128 pairs: 24.4 against 28.8 us); at 32
@@ -51,12 +52,18 @@ def default_backend() -> str:
 
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
-              decode_only: bool = False, sliding_window: int | None = None,
+              decode_only: bool = False, in_loop: bool = False, sliding_window: int | None = None,
               soft_cap: float | None = None, backend: str = "xla"):
     """Attention of a flat ragged batch over the paged cache; see ragged_paged_attention.py for shapes.
 
     decode_only: static promise that every request has exactly one query token (T == R), which lets the
     decode kernel run instead of the ragged one.
+    in_loop: static; the call sits in the body of a loop that XLA runs as a while loop (a scan over layers
+    or over decode steps). Decodes there keep to the Triton decode kernel: XLA does not capture the Mosaic
+    GPU custom call in the CUDA graphs it launches a loop body's kernels with, and on the H100 a 16-step
+    qwen2-0.5b decode program whose layer scan held the Mosaic decode kernel took 68.6 ms of host launch
+    against 29.7 ms (bench/results/h100/NOTES.md, eleventh session). The Mosaic prefill kernel stays: a
+    prefill step's kernels are long enough that the uncaptured launches don't show.
     """
     if backend == "reference":
         return ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens,
@@ -71,7 +78,7 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
         mosaic = backend == "mosaic" and jax.default_backend() == "gpu"
         if decode_only:
-            if (mosaic and MOSAIC_DECODE_MIN_PAIRS is not None
+            if (mosaic and not in_loop and MOSAIC_DECODE_MIN_PAIRS is not None
                     and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS):
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
                 if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:

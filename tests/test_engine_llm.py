@@ -91,6 +91,13 @@ def test_per_layer_dispatch_equals_the_layer_scan(model_dir, llm):
     """Seeded sampling, logprobs and prompt logprobs come out the same when each layer is its own dispatch."""
     per_layer = make_llm(model_dir, layer_dispatch="per_layer")
     assert per_layer.llm_engine.runner.layer_params is not None and llm.llm_engine.runner.layer_params is None
+    # attention may take kernels XLA's CUDA graphs can't capture only where no while loop holds the layers:
+    # per-layer programs of one step, not the layer scan nor a multi-step loop
+    from jaxpaged.runner.buckets import Bucket
+    decode = Bucket(8, 8, True)
+    assert not per_layer.llm_engine.runner.options(decode, 1).in_loop
+    assert per_layer.llm_engine.runner.options(decode, 4).in_loop
+    assert llm.llm_engine.runner.options(decode, 1).in_loop
     params = [SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, logprobs=2, prompt_logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
     a = llm.generate(PROMPTS[:2], params, use_tqdm=False)

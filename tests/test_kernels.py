@@ -208,6 +208,8 @@ def test_mosaic_backend_lowers_to_mosaic_gpu(monkeypatch):
     assert pk.MOSAIC_DECODE_MIN_PAIRS == 128                              # the measured default
     assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)  # 16 pairs: Triton
     assert calls(s((64, 14, 64), jnp.bfloat16), reqs=64, decode_only=True) == (1, 0)   # 128 pairs: Mosaic
+    # not inside a while loop, whose body's CUDA graphs XLA would have to break around the Mosaic call
+    assert calls(s((64, 14, 64), jnp.bfloat16), reqs=64, decode_only=True, in_loop=True) == (0, 1)
     # the Mosaic decode kernel, where switched on: from MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
     monkeypatch.setattr(pk, "MOSAIC_DECODE_MIN_PAIRS", 16)                 # 8 requests x 2 kv heads
     assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (1, 0)

@@ -380,13 +380,19 @@ class ModelRunner:
         """Prepare and launch one step without waiting for it (JAX dispatch is asynchronous)."""
         return self.launch(self.prepare(out, block_ids))
 
+    def options(self, bucket: Bucket, num_steps: int) -> RuntimeOptions:
+        """The static choices of a bucket's program. Its layers run inside a while loop under the layer
+        scan, and under any dispatch when the program loops over several decode steps."""
+        return RuntimeOptions(self.attn_backend, bucket.decode_only, num_steps=num_steps,
+                              in_loop=self.layer_params is None or num_steps > 1)
+
     def prepare(self, out: SchedulerOutput, block_ids: dict[str, list[int]]) -> tuple:
         """The host half of dispatch: the step's padded inputs (Python and numpy work)."""
         t0 = time.perf_counter()
         self._apply_block_moves(out)
         model_input, bucket, prompt_rows = self.prepare_inputs(out, block_ids)
         sampling, flags = self.prepare_sampling(out, bucket.padded_num_reqs)
-        options = RuntimeOptions(self.attn_backend, bucket.decode_only, num_steps=out.num_steps)
+        options = self.options(bucket, out.num_steps)
         self.compiled_keys.add((bucket, flags, out.num_steps))
         rids, _ = self._batch(out)
         if len(out.sampling_ids) == len(rids):      # every request samples a token (decode steps)
@@ -437,7 +443,7 @@ class ModelRunner:
         variants = [(b, 1) for b in buckets] + [(b, num_steps) for b in buckets if b.decode_only and num_steps > 1]
         for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
             mi, si = self._dummy_inputs(bucket)
-            options = RuntimeOptions(self.attn_backend, bucket.decode_only, num_steps=steps)
+            options = self.options(bucket, steps)
             loaded = self._load_or_compile(mi, si, options, flags) if self.exec_cache is not None else None
             for attempt in (0, 1):
                 try:
