@@ -9,7 +9,7 @@
 
     python3 bench/gpu_e2e.py --out DIR [--skip-throughput]
     python3 bench/gpu_e2e.py --out DIR --skip-qwen --smollm2-dtype bfloat16 --backends pallas,mosaic \
-        [--mosaic-decode-min-pairs 1]
+        [--mosaic-decode-min-pairs 1 --layer-dispatch per_layer]
 """
 from __future__ import annotations
 
@@ -155,7 +155,8 @@ def main() -> None:
     ap.add_argument("--mosaic-decode-min-pairs", type=int, default=None,
                     help="set pallas_kernels.MOSAIC_DECODE_MIN_PAIRS (e.g. 1: every decode batch of backend "
                     "'mosaic' runs the Mosaic decode kernel, which SmolLM2's 8 prompts x 3 kv heads are too "
-                    "few to reach at the default)")
+                    "few to reach at the default; with --layer-dispatch per_layer or unrolled, since decodes "
+                    "inside the layer scan keep to the Triton kernel)")
     ap.add_argument("--layer-dispatch", default=None, help="SmolLM2 check: scan | per_layer | unrolled "
                     "(default: the engine's choice)")
     args = ap.parse_args()
