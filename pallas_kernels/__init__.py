@@ -33,8 +33,8 @@ BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # Decode batches of at least this many (request, kv head) pairs run the Mosaic GPU decode kernel
 # (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic", outside
 # while loops (attention's in_loop); None: never.
-# Measured on the H100 (bench/results/h100/NOTES.md, eleventh session, runs 01-02): from 128 pairs it is
-# 8-19% faster than the Triton decode kernel on every shape (llama3-8b 16 x 1k = 128 pairs: 34.4 against
+# Measured on the H100 (bench/results/h100/NOTES.md, eleventh session, runs 01-02): from 128 pairs it takes
+# 8-19% less time than the Triton decode kernel on every shape (llama3-8b 16 x 1k = 128 pairs: 34.4 against
 # 42.5 us; 256 x 8k: 3.00 against 2.59 TB/s; qwen2-0.5b 64 x 1k = 128 pairs: 24.4 against 28.8 us); at 32
 # pairs (qwen2-0.5b, 16 requests) it is 1.2-1.9x slower, since without split-K 32 CTAs leave most SMs idle.
 # One pair per SM (the H100 has 132) is where the persistent kernel has the machine to itself.

@@ -17,8 +17,8 @@ with the kernel's causal mask off (every row sees the request's seq_lens[r] keys
 (request, kv head) items, so this suits batches with at least about one pair per SM.
 
 On the H100 (bench/results/h100/NOTES.md, eleventh session) it reads 2.5-3.0 TB/s of K/V from 64
-llama3-8b requests x 1k, and from 128 pairs on it is 8-19% faster than the Triton decode kernel on every
-measured shape; at 32 pairs it is 1.2-1.9x slower. attention() takes it from MOSAIC_DECODE_MIN_PAIRS pairs,
+llama3-8b requests x 1k, and from 128 pairs on it takes 8-19% less time than the Triton decode kernel on
+every measured shape; at 32 pairs it is 1.2-1.9x slower. attention() takes it from MOSAIC_DECODE_MIN_PAIRS pairs,
 outside while loops only (its custom call keeps XLA from capturing a loop body in CUDA graphs).
 """
 from __future__ import annotations
