@@ -314,3 +314,37 @@ def test_decode_split_count_fills_one_wave():
     assert choose_splits(256, 8, 512, 4) == 1        # llama3-8b 256 x 8k: the pairs fill the GPU
     assert choose_splits(64, 8, 256, 4, programs_per_sm=16) == 4
     assert choose_splits(64, 2, 256, 4, sms=114) == 7          # an H100 PCIe's 114 SMs: 896 programs
+
+
+def test_model_layer_takes_mosaic_decode_only_outside_loops(monkeypatch):
+    """The runner's in_loop reaches attention() through the model: a decoder layer lowered for CUDA on a
+    decode batch of 128 (request, kv head) pairs holds the Mosaic decode call with in_loop=False (per-layer
+    programs of one step) and the Triton decode kernel with in_loop=True (layer scan, multi-step)."""
+    from jax import export
+
+    from jaxpaged.models.config import decoder_config_from_hf
+    from jaxpaged.models.decoder import AttentionMetadata, DecoderLayer, RuntimeOptions, layer_phase
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = decoder_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+                                  "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                  "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 512})
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    r, m = 128, 8                                                     # 128 requests x 1 kv head
+    meta = AttentionMetadata(s((r,), jnp.int32), s((r,), jnp.int32), s((r, m), jnp.int32), s((r,), jnp.int32),
+                             s((r + 1,), jnp.int32))
+    h, cos, sin = s((r, 128), bf), s((r, 32), jnp.float32), s((r, 32), jnp.float32)
+    pool = s((2, 2, 64, 1, 16, 64), bf)
+    checks = [export.DisabledSafetyCheck.custom_call(n) for n in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
+
+    def calls(in_loop):
+        options = RuntimeOptions("mosaic", True, in_loop=in_loop)
+        params = jax.eval_shape(lambda: DecoderLayer(cfg, bf, options).init(
+            jax.random.PRNGKey(0), (jnp.zeros((r, 128), bf), jnp.zeros(pool.shape, bf), jnp.int32(0)),
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), meta), jnp.zeros((r, 32)), jnp.zeros((r, 32))))["params"]
+        fn = lambda p, h, kv, meta, cos, sin: layer_phase(cfg, bf, options, p, h, kv, jnp.int32(0), meta, cos, sin)
+        text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            params, h, pool, meta, cos, sin).mlir_module()
+        return text.count("mosaic_gpu_v2"), text.count("__gpu$xla.gpu.triton")
+    mosaic_calls, triton_calls = calls(in_loop=False)
+    assert mosaic_calls == 1                       # the decode; KV write stays the Triton kernel
+    assert calls(in_loop=True) == (0, triton_calls + 1)
