@@ -26,6 +26,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          with the Mosaic one
   multistep16  qwen2-0.5b ShareGPT 1000 with 16 decode steps per program, then the server with 16 (warm
          start-up; openqa at concurrency 1 and 10)
+  multistep32  qwen2-0.5b offline with 32 decode steps per program against the default 16 on one machine:
+         ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
 
 Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
 installed jaxpaged, not the repo's ./jaxpaged folder, is imported); its log goes to
@@ -177,6 +179,17 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                 "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-ms16"]),
             dataclasses.replace(serve_qwen, name="serve-openqa-ms16", budget_s=300, server_args=(
                 ["--num-scheduler-steps", "16"] + speed_server)),
+        ],
+        # Offline with 32 decode steps per program against the default 16, on one machine: the device idles in
+        # the gaps between programs (host work per program), which 32 steps halve per token. ShareGPT 1000 and
+        # the profiled run with 32 (cold compile, then warm), then the profiled run with 16.
+        "multistep32": [
+            dataclasses.replace(tput_qwen, name="throughput-qwen-ms32", argv=tput_qwen.argv + [
+                "--num-scheduler-steps", "32", "--result-name", f"throughput-{q}-sharegpt-ms32"]),
+            dataclasses.replace(profile_qwen, name="profile-qwen-ms32", argv=profile_qwen.argv + [
+                "--num-scheduler-steps", "32", "--result-name", f"throughput-{q}-sharegpt-profile-ms32"]),
+            dataclasses.replace(profile_qwen, name="profile-qwen-ms16", budget_s=200, argv=profile_qwen.argv + [
+                "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-profile-ms16"]),
         ],
         # The speed part's server (one step per program) with the Triton attention backend, then with the
         # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
@@ -362,7 +375,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 
 # Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
-NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "serve-ab")
+NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab")
 
 
 def main(argv: list[str] | None = None) -> None:

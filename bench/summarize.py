@@ -84,6 +84,12 @@ def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     busy = _metric(results, "throughput-qwen2-0.5b-sharegpt-profile", "trace", "device_busy_ms")
     idle = _metric(results, "throughput-qwen2-0.5b-sharegpt-profile", "trace", "device_idle_ms")
     h["host idle / device busy, qwen2-0.5b profile (max)"] = idle / busy if busy else None
+    # variants of the profiled run (e.g. -ms32: another step count), each beside the default's figure
+    prefix = "throughput-qwen2-0.5b-sharegpt-profile-"
+    for name in sorted(k for k in results if k.startswith(prefix)):
+        busy = _metric(results, name, "trace", "device_busy_ms")
+        idle = _metric(results, name, "trace", "device_idle_ms")
+        h[f"host idle / device busy, qwen2-0.5b profile {name[len(prefix):]}"] = idle / busy if busy else None
     return h
 
 

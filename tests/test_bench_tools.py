@@ -137,8 +137,14 @@ def test_results_files_and_summary(tmp_path):
     assert data["meta"]["device"] == "NVIDIA H100 80GB HBM3" and data["metrics"]["nested"] == {"a": 1}
     md = (tmp_path / "throughput-qwen2-0.5b-sharegpt.md").read_text()
     assert "| nested.a | 1 |" in md and "git_revision: `abc`" in md and "latencies" not in md
+    for name, idle in (("throughput-qwen2-0.5b-sharegpt-profile", 140.0),        # the default and a variant
+                       ("throughput-qwen2-0.5b-sharegpt-profile-ms32", 70.0)):
+        write_result(name, {"trace": {"device_busy_ms": 1000.0, "device_idle_ms": idle}}, meta=meta,
+                     results_dir=tmp_path)
     s = summarize.summarize(sorted(tmp_path.glob("*.json")), tmp_path, "sum")
     assert s["headline"]["qwen2-0.5b / best HF (same run)"] == pytest.approx(30.0)
+    assert s["headline"]["host idle / device busy, qwen2-0.5b profile (max)"] == pytest.approx(0.14)
+    assert s["headline"]["host idle / device busy, qwen2-0.5b profile ms32"] == pytest.approx(0.07)
     met = {row["target"]: row["met"] for row in s["targets"]}
     assert met["qwen2-0.5b sharegpt output tok/s"] == "yes" and met["qwen2-0.5b / best HF (same run)"] == "yes"
     assert met["openqa c1 median TPOT ms (max)"] == "yes" and met["llama3-8b sharegpt output tok/s"] == "n/a"
