@@ -22,4 +22,9 @@ if [ -f $STASH/models.tar.xz ] && [ ! -f /tmp/bench_models/qwen2-0.5b/config.jso
   mkdir -p /tmp/bench_models && tar xJf $STASH/models.tar.xz -C /tmp/bench_models --strip-components=1
 fi
 export JAXPAGED_BENCH_MODELS=/tmp/bench_models
+# The revision results are stamped with: the device's copy of .git can be stale, so the carried GIT_REV
+# (bench/prepare_gpu_suite.sh writes it; carry ".cache/gpu" or just ".cache/gpu/GIT_REV") wins.
+if [ -z "${JAXPAGED_GIT_REV:-}" ] && [ -f .cache/gpu/GIT_REV ]; then
+  export JAXPAGED_GIT_REV=$(cat .cache/gpu/GIT_REV)
+fi
 set +e
