@@ -5,8 +5,8 @@ for batch sizes 1..256, under the current XLA_FLAGS and the given scan unroll.
 """
 from __future__ import annotations
 
-import dataclasses
 import argparse
+import dataclasses
 import json
 import sys
 import time

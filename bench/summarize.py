@@ -81,16 +81,18 @@ def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     h["openqa c1 output tok/s"] = _metric(results, "serve-openqa-c1", "output_throughput")
     h["openqa c10 output tok/s"] = _metric(results, "serve-openqa-c10", "output_throughput")
     h["openqa c10 median TPOT ms"] = _metric(results, "serve-openqa-c10", "median_tpot_ms")
-    busy = _metric(results, "throughput-qwen2-0.5b-sharegpt-profile", "trace", "device_busy_ms")
-    idle = _metric(results, "throughput-qwen2-0.5b-sharegpt-profile", "trace", "device_idle_ms")
-    h["host idle / device busy, qwen2-0.5b profile (max)"] = idle / busy if busy else None
+    profile = "throughput-qwen2-0.5b-sharegpt-profile"
+    h["host idle / device busy, qwen2-0.5b profile (max)"] = _idle_over_busy(results, profile)
     # variants of the profiled run (e.g. -ms32: another step count), each beside the default's figure
-    prefix = "throughput-qwen2-0.5b-sharegpt-profile-"
-    for name in sorted(k for k in results if k.startswith(prefix)):
-        busy = _metric(results, name, "trace", "device_busy_ms")
-        idle = _metric(results, name, "trace", "device_idle_ms")
-        h[f"host idle / device busy, qwen2-0.5b profile {name[len(prefix):]}"] = idle / busy if busy else None
+    for name in sorted(k for k in results if k.startswith(profile + "-")):
+        h[f"host idle / device busy, qwen2-0.5b profile {name[len(profile) + 1:]}"] = _idle_over_busy(results, name)
     return h
+
+
+def _idle_over_busy(results, name):
+    busy = _metric(results, name, "trace", "device_busy_ms")
+    idle = _metric(results, name, "trace", "device_idle_ms")
+    return idle / busy if busy else None
 
 
 def check_targets(h: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,7 +13,6 @@ warning (XLA:CPU cannot run some deserialized bf16 programs). On by default for 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import os
 import pathlib
@@ -57,7 +56,7 @@ def _ensure_mosaic_gpu_runtime() -> None:
     if jax.devices()[0].platform != "gpu":
         return
     try:
-        importlib.import_module("jax.experimental.mosaic.gpu")
+        from jax.experimental.mosaic import gpu  # noqa: F401 - imported for its side effect
     except Exception:  # noqa: BLE001 - a jaxlib without Mosaic GPU has no such kernels to load
         pass
 
