@@ -28,6 +28,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          start-up; openqa at concurrency 1 and 10)
   multistep32  qwen2-0.5b offline with 32 decode steps per program against the default 16 on one machine:
          ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
+  launch-thread  qwen2-0.5b offline at 16 steps per program with and without the launch thread on one
+         machine: ShareGPT 1000 without, the profiled run with / without twice over, ShareGPT 1000 with
 
 Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
 installed jaxpaged, not the repo's ./jaxpaged folder, is imported); its log goes to
@@ -100,6 +102,9 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     # the server with throughput's step shapes, so its start-up reads the compile cache throughput filled
     speed_server = [] if smoke else ["--max-num-batched-tokens", "16384"]
     mosaic = {"JAXPAGED_ATTENTION_BACKEND": "mosaic"}
+
+    def lt(v: int) -> dict[str, str]:
+        return {"JAXPAGED_LAUNCH_THREAD": str(v)}
     return {
         "qwen": [
             tput_qwen,
@@ -190,6 +195,19 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                 "--num-scheduler-steps", "32", "--result-name", f"throughput-{q}-sharegpt-profile-ms32"]),
             dataclasses.replace(profile_qwen, name="profile-qwen-ms16", budget_s=200, argv=profile_qwen.argv + [
                 "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-profile-ms16"]),
+        ],
+        # The launch thread (JAXPAGED_LAUNCH_THREAD=1: step N's JAX launch on a second thread while the engine
+        # thread processes step N-1's tokens and schedules N+1) against none, at the default 16 decode steps per
+        # program, on one machine: ShareGPT 1000 without (cold compile), then the profiled run with and without
+        # it twice over (the host gap moved between 0.14 and 0.24 from run to run), ShareGPT 1000 with it.
+        "launch-thread": [
+            tput_qwen,
+            *[dataclasses.replace(profile_qwen, name=f"profile-qwen-lt{v}{rep}", budget_s=90, env=lt(v),
+                                  argv=profile_qwen.argv + ["--result-name",
+                                                            f"throughput-{q}-sharegpt-profile-lt{v}{rep}"])
+              for rep, v in (("a", 1), ("a", 0), ("b", 1), ("b", 0))],
+            dataclasses.replace(tput_qwen, name="throughput-qwen-lt1", budget_s=120, env=lt(1), argv=tput_qwen.argv + [
+                "--result-name", f"throughput-{q}-sharegpt-lt1"]),
         ],
         # The speed part's server (one step per program) with the Triton attention backend, then with the
         # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
@@ -375,7 +393,8 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 
 # Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
-NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab")
+NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
+              "launch-thread")
 
 
 def main(argv: list[str] | None = None) -> None:
