@@ -28,6 +28,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          start-up; openqa at concurrency 1 and 10)
   multistep32  qwen2-0.5b offline with 32 decode steps per program against the default 16 on one machine:
          ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
+  unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile),
+         then ShareGPT 1000
   launch-thread  qwen2-0.5b offline at 16 steps per program with and without the launch thread on one
          machine: ShareGPT 1000 without, the profiled run with / without twice over, ShareGPT 1000 with
 
@@ -102,6 +104,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     # the server with throughput's step shapes, so its start-up reads the compile cache throughput filled
     speed_server = [] if smoke else ["--max-num-batched-tokens", "16384"]
     mosaic = {"JAXPAGED_ATTENTION_BACKEND": "mosaic"}
+
+    unrolled = {"JAXPAGED_LAYER_DISPATCH": "unrolled"}
 
     def lt(v: int) -> dict[str, str]:
         return {"JAXPAGED_LAUNCH_THREAD": str(v)}
@@ -208,6 +212,15 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
               for rep, v in (("a", 1), ("a", 0), ("b", 1), ("b", 0))],
             dataclasses.replace(tput_qwen, name="throughput-qwen-lt1", budget_s=120, env=lt(1), argv=tput_qwen.argv + [
                 "--result-name", f"throughput-{q}-sharegpt-lt1"]),
+        ],
+        # Every layer unrolled into the step (JAXPAGED_LAYER_DISPATCH=unrolled) at 16 decode steps per program:
+        # one CUDA graph per decode step instead of one per layer, and no weight-slice copies. The profiled
+        # run first (cold compile, about twice the scan's), then ShareGPT 1000 (warm start-up).
+        "unrolled": [
+            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled", budget_s=400, env=unrolled,
+                                argv=profile_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-profile-unrolled"]),
+            dataclasses.replace(tput_qwen, name="throughput-qwen-unrolled", budget_s=170, env=unrolled,
+                                argv=tput_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-unrolled"]),
         ],
         # The speed part's server (one step per program) with the Triton attention backend, then with the
         # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
@@ -394,7 +407,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 # Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
 NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
-              "launch-thread")
+              "launch-thread", "unrolled")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -264,7 +264,8 @@ def test_steps_read_their_inputs_from_persistent_pinned_buffers(model_dir):
 
     runner.run_packed = run_packed
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (5, 19, 33)]
+    # prompts long enough that a prefill step's packed inputs outgrow a decode step's (two packed sizes)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (5, 90, 100)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     pinned = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     slots = runner.host_inputs._slots
@@ -303,3 +304,38 @@ def test_host_inputs_reuse_a_slot_only_after_its_step_finished():
         np.testing.assert_allclose(np.asarray(out[1]), floats + 1, rtol=1e-6)
     assert waited == [2, 3, 4, 5]                              # the first two turns found empty slots
     assert len(host._slots[(256, 512)]) == 2
+
+
+def test_packed_inputs_start_on_the_256_byte_grid_and_round_trip():
+    """pack / unpack give back every input exactly, each cut from its buffer at a multiple of ALIGN elements
+    (256 bytes): XLA may pass a slice of the packed buffer to a custom call as a pointer into it, and the
+    Mosaic GPU custom call rejects pointers off that grid (the unrolled dispatch's failure on the H100)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxpaged.runner import step_inputs as si
+    rng = np.random.default_rng()
+    tree = {"a": rng.integers(-9, 9, (3, 5)).astype(np.int32), "b": rng.standard_normal(7).astype(np.float32),
+            "c": rng.integers(0, 2**32, 3, dtype=np.uint32), "d": rng.integers(-9, 9, 130).astype(np.int64),
+            "e": rng.standard_normal((2, 33)).astype(np.float32), "f": np.int32(rng.integers(1, 99))}
+    ints, floats, layout = si.pack(tree)
+    assert ints.dtype == np.int32 and floats.dtype == np.float32
+    # where each leaf starts: found by its values in the packed buffers
+    starts = []
+    for kind, shape, dtype in layout[1]:
+        starts.append((kind, int(np.prod(shape))))
+    off = {"i": 0, "f": 0}
+    for kind, size in starts:
+        start = -(-off[kind] // si.ALIGN) * si.ALIGN
+        assert start % si.ALIGN == 0 and start * 4 % 256 == 0
+        off[kind] = start + size
+    got = jax.jit(lambda i, f: si.unpack(i, f, layout))(jnp.asarray(ints), jnp.asarray(floats))
+    for k, want in tree.items():
+        want = np.asarray(want)
+        dtype = {np.dtype(np.int64): np.int32}.get(want.dtype, want.dtype)
+        np.testing.assert_array_equal(np.asarray(got[k]), want.astype(dtype))
+    # the pieces HostInputs writes lay out the same buffer as pack
+    pieces_i, pieces_f, layout2 = si.flatten(tree)
+    assert layout2 == layout
+    np.testing.assert_array_equal(np.concatenate(pieces_i), ints[:sum(map(len, pieces_i))])
+    np.testing.assert_array_equal(np.concatenate(pieces_f), floats[:sum(map(len, pieces_f))])
+    assert sum(map(len, pieces_i)) == off["i"] and sum(map(len, pieces_f)) == off["f"]

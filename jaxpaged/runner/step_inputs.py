@@ -81,25 +81,49 @@ class HostInputSlot:
 
 _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
 _PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
+# Every piece starts at a multiple of this many elements (256 bytes) of its packed buffer. XLA may hand a
+# custom call a slice of the buffer as a pointer into it (no copy), and the Mosaic GPU custom call rejects
+# inputs off the 256-byte grid: on the H100 (eleventh session) the unrolled dispatch failed its bucket
+# warm-up with "Input buffer 2 is not 256-byte aligned [jit_whole_step]", buffer 2 of the Mosaic ragged
+# kernel being the block tables, cut from the packed ints at an arbitrary offset.
+ALIGN = 64
+_ZEROS = {np.int32: [np.zeros(i, np.int32) for i in range(ALIGN)],
+          np.float32: [np.zeros(i, np.float32) for i in range(ALIGN)]}
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def flatten(tree) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
     """All host inputs of a step as flat int32 and float32 pieces, and the `layout` (static, hashable) that
-    says how to cut the concatenated buffers apart again (unpack)."""
+    says how to cut the concatenated buffers apart again (unpack). Zero pieces between them start each
+    input at a multiple of ALIGN elements of its buffer."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
+    n_ints = n_floats = 0
+    zi, zf = _ZEROS[np.int32], _ZEROS[np.float32]
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
         a = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
         dt = a.dtype
         if dt == _F32:
+            if n_floats % ALIGN:                 # the piece starts on the 256-byte grid (ALIGN)
+                floats.append(zf[ALIGN - n_floats % ALIGN])
+                n_floats = _align_up(n_floats)
             floats.append(a.ravel())
+            n_floats += a.size
             spec.append(("f", a.shape, "float32"))
-        elif dt == _U32:     # uint32 seeds, reinterpreted bit for bit
+            continue
+        if n_ints % ALIGN:
+            ints.append(zi[ALIGN - n_ints % ALIGN])
+            n_ints = _align_up(n_ints)
+        if dt == _U32:     # uint32 seeds, reinterpreted bit for bit
             ints.append(a.view(np.int32).ravel())
             spec.append(("i", a.shape, "uint32"))
         else:
             ints.append(a.astype(np.int32, copy=False).ravel())
             spec.append(("i", a.shape, "int32"))
+        n_ints += a.size
     return ints, floats, (treedef, tuple(spec))
 
 
@@ -135,8 +159,9 @@ def unpack(ints, floats, layout):
     for kind, shape, dtype in spec:
         size = int(np.prod(shape, dtype=np.int64))
         buf = ints if kind == "i" else floats
-        x = jax.lax.slice_in_dim(buf, offsets[kind], offsets[kind] + size).reshape(shape)
-        offsets[kind] += size
+        start = _align_up(offsets[kind])          # as flatten laid the pieces out
+        x = jax.lax.slice_in_dim(buf, start, start + size).reshape(shape)
+        offsets[kind] = start + size
         if dtype == "uint32":
             x = jax.lax.bitcast_convert_type(x, jnp.uint32)
         leaves.append(x)
