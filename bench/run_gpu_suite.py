@@ -28,8 +28,10 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          start-up; openqa at concurrency 1 and 10)
   multistep32  qwen2-0.5b offline with 32 decode steps per program against the default 16 on one machine:
          ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
-  unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile),
-         then ShareGPT 1000
+  unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile;
+         CUPTI tracing whole graph launches), ShareGPT 1000, the profiled run again, and with kernel-level tracing
+  graph-trace  qwen2-0.5b offline (layer scan): ShareGPT 1000, then the profiled run with graph-level and
+         kernel-level tracing, twice over
   launch-thread  qwen2-0.5b offline at 16 steps per program with and without the launch thread on one
          machine: ShareGPT 1000 without, the profiled run with / without twice over, ShareGPT 1000 with
 
@@ -215,12 +217,28 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         ],
         # Every layer unrolled into the step (JAXPAGED_LAYER_DISPATCH=unrolled) at 16 decode steps per program:
         # one CUDA graph per decode step instead of one per layer, and no weight-slice copies. The profiled
-        # run first (cold compile, about twice the scan's), then ShareGPT 1000 (warm start-up).
+        # run first (cold compile, about twice the scan's; CUPTI tracing whole graph launches), ShareGPT 1000
+        # (warm start-up), the profiled run again, then with kernel-level tracing (as the other parts).
         "unrolled": [
-            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled", budget_s=400, env=unrolled,
-                                argv=profile_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-profile-unrolled"]),
-            dataclasses.replace(tput_qwen, name="throughput-qwen-unrolled", budget_s=170, env=unrolled,
+            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled-gt", budget_s=400, env=unrolled,
+                                argv=profile_qwen.argv + ["--profile-graph-trace", "--result-name",
+                                                          f"throughput-{q}-sharegpt-profile-unrolled-gt"]),
+            dataclasses.replace(tput_qwen, name="throughput-qwen-unrolled", budget_s=120, env=unrolled,
                                 argv=tput_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-unrolled"]),
+            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled-gt2", budget_s=90, env=unrolled,
+                                argv=profile_qwen.argv + ["--profile-graph-trace", "--result-name",
+                                                          f"throughput-{q}-sharegpt-profile-unrolled-gt2"]),
+            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled", budget_s=90, env=unrolled,
+                                argv=profile_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-profile-unrolled"]),
+        ],
+        # The layer scan (the default) profiled with CUPTI tracing whole graph launches against kernel-level
+        # tracing, on one machine: ShareGPT 1000 (cold compile), then the profiled run each way, twice.
+        "graph-trace": [
+            tput_qwen,
+            *[dataclasses.replace(profile_qwen, name=f"profile-qwen-{tag}{rep}", budget_s=80, argv=profile_qwen.argv + (
+                ["--profile-graph-trace"] if tag == "gt" else []) + ["--result-name",
+                                                                      f"throughput-{q}-sharegpt-profile-{tag}{rep}"])
+              for rep, tag in (("a", "gt"), ("a", "kt"), ("b", "gt"), ("b", "kt"))],
         ],
         # The speed part's server (one step per program) with the Triton attention backend, then with the
         # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
@@ -407,7 +425,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 # Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
 NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
-              "launch-thread", "unrolled")
+              "launch-thread", "unrolled", "graph-trace")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Runtime properties of the engine: nothing recompiles after warm-up, and a deleted LLM frees its device
 memory (no runner is kept alive by JAX's caches)."""
 import gc
+import threading
 
 import jax
 import numpy as np
@@ -79,9 +80,21 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
     del cold
     counter = CompileCounter()
     counter.active = True
-    warm = LLM(**kw)
+    from jaxpaged.runner.exec_cache import ExecutableCache
+    threads, real_load_file = [], ExecutableCache._load_file
+
+    def load_file(self, key):
+        threads.append(threading.current_thread().name)
+        return real_load_file(self, key)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ExecutableCache, "_load_file", load_file)
+        warm = LLM(**kw)
     counter.active = False
     assert warm.llm_engine.runner.exec_cache.hits == n
+    # read ahead on the loader threads (JAXPAGED_EXEC_CACHE_THREADS), each file once, each taken by its bucket
+    assert len(threads) == n and all(t.startswith("exec-cache") for t in threads)
+    assert not warm.llm_engine.runner.exec_cache._prefetched
     assert counter.count < n          # the step itself is not compiled again (small helpers may be)
     assert [o.outputs[0].token_ids for o in warm.generate(prompts, sp, use_tqdm=False)] == want
     other = LLM(**{**kw, "num_gpu_blocks_override": 80})

@@ -101,7 +101,8 @@ class LLMEngine:
             secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=self.num_scheduler_steps)
             cache = self.runner.exec_cache
             logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
-                        f" ({cache.hits} loaded from {cache.dir})" if cache is not None and cache.hits else "")
+                        f" ({cache.hits} loaded from {cache.dir}, {cache.load_s:.1f} s of it reading them)"
+                        if cache is not None and cache.hits else "")
         # As vLLM after start-up: what exists now (weights' host objects, the tokenizer and its byte table,
         # JAX's caches) lives as long as the engine, so it leaves the collector's generations. A full
         # collection then walks only the requests' objects: admitting 1000 ShareGPT prompts took 0.29 s

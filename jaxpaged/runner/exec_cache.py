@@ -12,11 +12,14 @@ warning (XLA:CPU cannot run some deserialized bf16 programs). On by default for 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
 import pathlib
 import pickle
+import threading
+import time
 from typing import Any
 
 import jax
@@ -66,26 +69,52 @@ class ExecutableCache:
         self.dir = pathlib.Path(root) / fingerprint_
         _ensure_mosaic_gpu_runtime()                 # before any load
         self.hits = self.misses = 0
+        self.load_s = 0.0                            # wall seconds spent reading and deserializing
+        self._lock = threading.Lock()                # counters, when load_many's threads load
+        self._prefetched: dict[Any, Any] = {}
+
+    def load_many(self, keys: list, threads: int) -> None:
+        """Read and deserialize the executables of `keys` on `threads` threads, ahead of the `load` calls
+        that then take them in turn. XLA's deserialization runs without the GIL, so a warm start-up's
+        loads overlap instead of queueing behind each other and behind each bucket's first run."""
+        if threads <= 1 or len(keys) <= 1:
+            return
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(keys)), thread_name_prefix="exec-cache") as ex:
+            for key, compiled in zip(keys, ex.map(self._load_file, keys)):
+                self._prefetched[repr(key)] = compiled
+        self.load_s += time.perf_counter() - t0
 
     def _path(self, key: Any) -> pathlib.Path:
         return self.dir / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".bin")
 
     def load(self, key: Any):
+        """The executable stored under `key` (load_many's, when it fetched it), else None (a miss)."""
+        if repr(key) in self._prefetched:
+            compiled = self._prefetched.pop(repr(key))
+        else:
+            t0 = time.perf_counter()
+            compiled = self._load_file(key)
+            self.load_s += time.perf_counter() - t0
+        with self._lock:
+            if compiled is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+        return compiled
+
+    def _load_file(self, key: Any):
         from jax.experimental import serialize_executable
         path = self._path(key)
         if not path.exists():
-            self.misses += 1
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as e:  # noqa: BLE001 - a stale or broken entry must never stop the engine
             logger.warning("Cached executable %s did not load (%s: %s); compiling instead", path.name,
                            type(e).__name__, e)
-            self.misses += 1
             return None
-        self.hits += 1
-        return compiled
 
     def discard(self, key: Any) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -441,6 +441,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         flags = SamplerFlags()
         variants = [(b, 1) for b in buckets] + [(b, num_steps) for b in buckets if b.decode_only and num_steps > 1]
+        if self.exec_cache is not None:      # the cached executables, deserialized on several threads at once
+            self.exec_cache.load_many([self._cache_key(*self._dummy_inputs(b), self.options(b, steps), flags)
+                                       for b, steps in variants], envs.JAXPAGED_EXEC_CACHE_THREADS)
         for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
             mi, si = self._dummy_inputs(bucket)
             options = self.options(bucket, steps)
@@ -464,6 +467,11 @@ class ModelRunner:
                     self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)
             self.compiled_keys.add((bucket, flags, steps))
         return time.perf_counter() - t0
+
+    @staticmethod
+    def _cache_key(mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
+        """What a step's executable is stored under: its inputs' layout, runtime options and sampler flags."""
+        return (flatten((mi, si))[2], options, flags)
 
     def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
         """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
