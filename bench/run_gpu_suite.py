@@ -95,7 +95,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     quick = ["--dataset", "random", "--input-len", "32", "--output-len", "16"] if smoke else ["--dataset", "sharegpt"]
     tput = [str(BENCH / "throughput.py"), "--no-tqdm"]
     hf = [str(BENCH / "hf_baseline.py")]
-    tput_qwen = Step("throughput-qwen", 240, tput + ["--dataset", "sharegpt", "--model", q] + n + small)
+    tput_qwen = Step("throughput-qwen", 420, tput + ["--dataset", "sharegpt", "--model", q] + n + small)
     profile_qwen = Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
                                                              "8" if smoke else "64", "--result-name",
                                                              f"throughput-{q}-sharegpt-profile"] + small)

@@ -66,7 +66,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
     attention_backend: str | None = None      # reference | xla | pallas | mosaic; default by platform
-    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size
+    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default_dispatch: by layer size and use
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default_scheduler_steps
     disable_log_stats: bool = True

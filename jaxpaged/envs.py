@@ -8,7 +8,8 @@ import pathlib
 JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib.Path.home() / ".cache" / "jaxpaged"))
 # Override the attention implementation: reference | xla | pallas | mosaic (default: by platform and GPU).
 JAXPAGED_ATTENTION_BACKEND = os.environ.get("JAXPAGED_ATTENTION_BACKEND") or None
-# How a step runs the layers: scan | per_layer | unrolled (default: by a layer's size).
+# How a step runs the layers: scan | per_layer | unrolled (default: by a layer's size, platform and usage:
+# runner/layerwise.py default_dispatch).
 JAXPAGED_LAYER_DISPATCH = os.environ.get("JAXPAGED_LAYER_DISPATCH") or None
 # Per-layer dispatch: layers per dispatched program (default: runner/layerwise.py LAYERS_PER_DISPATCH).
 JAXPAGED_LAYER_GROUP = int(os.environ.get("JAXPAGED_LAYER_GROUP") or 0) or None
@@ -23,9 +24,9 @@ JAXPAGED_PINNED_INPUTS = os.environ.get("JAXPAGED_PINNED_INPUTS", "1") != "0"
 # off on the CPU, where XLA:CPU cannot run some deserialized bf16 programs (they would fall back anyway).
 _exec_cache = os.environ.get("JAXPAGED_EXEC_CACHE")
 JAXPAGED_EXEC_CACHE: bool | None = None if _exec_cache in (None, "") else _exec_cache == "1"
-# Threads that read and deserialize the cached executables at start-up, all at once before the warm-up runs
-# them one by one (1: one at a time, as each bucket's turn comes).
-JAXPAGED_EXEC_CACHE_THREADS = max(1, int(os.environ.get("JAXPAGED_EXEC_CACHE_THREADS") or 8))
+# Start-up threads with the executable cache on: they deserialize the cached steps and XLA-compile the
+# others, all before the warm-up runs them one by one (1: each bucket loaded or compiled in its turn).
+JAXPAGED_STARTUP_THREADS = max(1, int(os.environ.get("JAXPAGED_STARTUP_THREADS") or 8))
 # The server's engine thread shares the GIL with the HTTP event loop: how long (ms) a thread may hold it
 # while another waits. Python's 5 ms is longer than a small model's whole step: on an H100, qwen2-0.5b
 # openqa at concurrency 10 gave 3,031 output tok/s with it and 3,574 with 0.5 ms. Empty: Python's.

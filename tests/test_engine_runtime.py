@@ -73,8 +73,19 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
     rng = np.random.default_rng(1)
     prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (3, 40, 90, 7)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    cold = LLM(**kw)
+    compile_threads = []
+    real_compile = jax.stages.Lowered.compile
+
+    def compile_(self, *a, **k):
+        compile_threads.append(threading.current_thread().name)
+        return real_compile(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.stages.Lowered, "compile", compile_)
+        cold = LLM(**kw)
     n = len(cold.llm_engine.buckets.all_buckets())
+    # every bucket's step compiled by XLA on the start-up threads (JAXPAGED_STARTUP_THREADS)
+    assert sum(t.startswith("jaxpaged-compile") for t in compile_threads) == n
     assert cold.llm_engine.runner.exec_cache.misses == n and cold.llm_engine.runner.exec_cache.hits == 0
     want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp, use_tqdm=False)]
     del cold

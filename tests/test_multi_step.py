@@ -1,6 +1,7 @@
 """Multi-step scheduling (num_scheduler_steps, vLLM V0's flag): several decode steps per device program give
 the same tokens as one step at a time, for greedy and seeded sampling, with every stop condition, parallel
 samples, preemption, and requests whose sampling needs the host (which fall back to single steps)."""
+import jax
 import numpy as np
 import pytest
 
@@ -134,3 +135,16 @@ def test_offline_default_runs_multi_step_and_async_keeps_one(model_dir, monkeypa
         assert alm.engine.num_scheduler_steps == 1
     finally:
         alm.shutdown()
+
+
+@pytest.mark.parametrize("platform, usage, layer_mib, expected", [
+    ("gpu", "llm_class", 8, "unrolled"),              # offline on a GPU: one graph per decode step
+    ("gpu", "openai_api_server", 8, "scan"),          # the server: one step per program, the scan's launch
+    ("cpu", "llm_class", 8, "scan"),
+    ("gpu", "llm_class", 64, "per_layer"),            # large layers: a few layers per program, whatever the use
+    ("gpu", "openai_api_server", 64, "per_layer"),
+])
+def test_default_layer_dispatch(platform, usage, layer_mib, expected):
+    from jaxpaged.runner.layerwise import default_dispatch
+    params = {"layers": {"w": jax.ShapeDtypeStruct((4, layer_mib << 20), np.int8)}, "embed": np.zeros(3)}
+    assert default_dispatch(params, platform, usage) == expected

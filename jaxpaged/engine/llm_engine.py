@@ -127,7 +127,7 @@ class LLMEngine:
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
         self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
         self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
-                               or layerwise.default_dispatch(loaded.params))
+                               or layerwise.default_dispatch(loaded.params, jax.default_backend(), args.usage_context))
         self.num_scheduler_steps = (args.num_scheduler_steps if args.num_scheduler_steps is not None else
                                     default_scheduler_steps(jax.default_backend(), args.usage_context,
                                                             self.layer_dispatch))

@@ -88,6 +88,10 @@ class ExecutableCache:
     def _path(self, key: Any) -> pathlib.Path:
         return self.dir / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".bin")
 
+    def prefetched(self, key: Any) -> bool:
+        """Whether load_many read `key`'s executable (False for a miss or a file that failed to load)."""
+        return self._prefetched.get(repr(key)) is not None
+
     def load(self, key: Any):
         """The executable stored under `key` (load_many's, when it fetched it), else None (a miss)."""
         if repr(key) in self._prefetched:

@@ -38,17 +38,21 @@ PER_LAYER_MIN_BYTES = 64 << 20      # auto: per-layer dispatch when one layer's 
 LAYERS_PER_DISPATCH = 4
 
 
-def default_dispatch(params) -> str:
-    """per_layer where a layer's weights are large (>= PER_LAYER_MIN_BYTES), else the layer scan.
+def default_dispatch(params, platform: str = "cpu", usage_context: str = "llm_class") -> str:
+    """per_layer where a layer's weights are large (>= PER_LAYER_MIN_BYTES); else, for the offline LLM class
+    on a GPU, every layer unrolled into the step; else the layer scan.
 
-    "unrolled" (the whole step one program, each layer on its own weights) is opt-in. On qwen2-0.5b on an
-    H100 (NOTES.md, sixth session) it takes 25-35% less device time per decode step at 16-256 requests
-    (1.15/1.52/2.61 ms against the scan's 1.90/2.26/3.35: no weight-slice copies) and ShareGPT 1000 gained
-    4.4% (34,981 against 33,502 output tok/s, one machine), but its one CUDA graph of ~500 kernels costs
-    1.7-2.1 ms of host to launch, so small batches are host-bound: openqa over HTTP at concurrency 1 had a
-    median TPOT of 3.50 ms against the scan's 1.95 ms, and 2,336 against 2,889 output tok/s at concurrency
-    10. Its cold compile is also ~2x the scan's."""
-    return "per_layer" if layer_bytes(params) >= PER_LAYER_MIN_BYTES else "scan"
+    Unrolled layers make a decode step one CUDA graph on per-layer weights: no weight-slice copies and one
+    graph launch per step instead of one per layer. On the H100 (bench/results/h100/NOTES.md, twelfth
+    session), qwen2-0.5b ShareGPT 1000 at 16 decode steps per program: 48,191.72 and 48,408.17 output tok/s
+    on two machines against the scan's 36,029.93 (35,992-36,314 over earlier sessions); warm start-up
+    22.5-28.4 s. Its cold compile is about twice the scan's (~300 s against ~160 s for 50 programs).
+    The server keeps the scan: with one step per program a small batch is host-bound, and the one large
+    graph cost more to launch than the scan's (sixth session, openqa at concurrency 1: median TPOT 3.50 ms
+    against 1.95 ms)."""
+    if layer_bytes(params) >= PER_LAYER_MIN_BYTES:
+        return "per_layer"
+    return "unrolled" if platform == "gpu" and usage_context == "llm_class" else "scan"
 
 
 def layer_bytes(params) -> int:

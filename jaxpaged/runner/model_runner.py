@@ -2,6 +2,7 @@
 KV pool donated), and fetches the sampled ids with one device_get."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -141,6 +142,7 @@ class ModelRunner:
         # with the same fingerprint made them before (exec_cache.py). Single-program steps only (the
         # layer scan, unrolled layers): per-layer dispatch runs several programs a step.
         self._compiled: dict = {}
+        self._compiling: dict = {}           # key -> future of its XLA compile (warmup, executable cache on)
         self.exec_cache = None
         if exec_cache_root is not None and self._single_program:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_params))
@@ -441,9 +443,30 @@ class ModelRunner:
         t0 = time.perf_counter()
         flags = SamplerFlags()
         variants = [(b, 1) for b in buckets] + [(b, num_steps) for b in buckets if b.decode_only and num_steps > 1]
-        if self.exec_cache is not None:      # the cached executables, deserialized on several threads at once
-            self.exec_cache.load_many([self._cache_key(*self._dummy_inputs(b), self.options(b, steps), flags)
-                                       for b, steps in variants], envs.JAXPAGED_EXEC_CACHE_THREADS)
+        threads = envs.JAXPAGED_STARTUP_THREADS
+        pool = None
+        if self.exec_cache is not None and threads > 1 and len(variants) > 1:
+            # The cached executables are deserialized on several threads at once; the others are traced and
+            # lowered here (Python, one at a time) and compiled by XLA on the threads, while this one lowers
+            # the next. The loop below then runs each bucket once, in order, taking what the threads made.
+            keys = [self._cache_key(*self._dummy_inputs(b), self.options(b, steps), flags) for b, steps in variants]
+            self.exec_cache.load_many(keys, threads)
+            missing = [(v, k) for v, k in zip(variants, keys) if not self.exec_cache.prefetched(k)]
+            if missing:
+                pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxpaged-compile")
+                for (bucket, steps), key in tqdm(missing, desc="Lowering buckets", disable=not progress):
+                    _, lowered = self._lower(*self._dummy_inputs(bucket), self.options(bucket, steps), flags)
+                    self._compiling[key] = pool.submit(lowered.compile)
+        try:
+            self._warm(variants, flags, progress)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            self._compiling.clear()
+        return time.perf_counter() - t0
+
+    def _warm(self, variants, flags: SamplerFlags, progress: bool) -> None:
+        from tqdm.auto import tqdm
         for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
             mi, si = self._dummy_inputs(bucket)
             options = self.options(bucket, steps)
@@ -466,7 +489,6 @@ class ModelRunner:
                                               device=self._device)
                     self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)
             self.compiled_keys.add((bucket, flags, steps))
-        return time.perf_counter() - t0
 
     @staticmethod
     def _cache_key(mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
@@ -476,23 +498,29 @@ class ModelRunner:
     def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
         """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
         Returns its key when it came from disk (it has not run yet), else None."""
-        ints, floats, layout = pack((mi, si))
-        if self.host_inputs is not None:     # compiled for inputs in pinned host memory, as the steps pass them
-            ints, floats = self.host_inputs.write(ints, floats).arrays
-        key = (layout, options, flags)
+        key = self._cache_key(mi, si, options, flags)
         compiled = self.exec_cache.load(key)
         from_disk = compiled is not None
         if not from_disk:
-            kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
-            if self.layer_params is None:
-                traced = _packed_step.trace(self.params, self.kv_cache, self.prev_sampled, ints, floats, **kw)
-            else:
-                traced = layerwise.whole_step.trace(self.params, self._layer_groups[0][0], self.kv_cache,
-                                                    self.prev_sampled, ints, floats, **kw)
-            compiled = traced.lower().compile()
+            future = self._compiling.pop(key, None)          # compiled on warmup's threads
+            compiled = future.result() if future is not None else self._lower(mi, si, options, flags)[1].compile()
             self.exec_cache.store(key, compiled)
         self._compiled[key] = compiled
         return key if from_disk else None
+
+    def _lower(self, mi, si, options: RuntimeOptions, flags: SamplerFlags):
+        """(key, the step traced and lowered for these inputs), as the steps are called: inputs packed, in
+        pinned host memory when HostInputs is on."""
+        ints, floats, layout = pack((mi, si))
+        if self.host_inputs is not None:     # compiled for inputs in pinned host memory, as the steps pass them
+            ints, floats = self.host_inputs.write(ints, floats).arrays
+        kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
+        if self.layer_params is None:
+            traced = _packed_step.trace(self.params, self.kv_cache, self.prev_sampled, ints, floats, **kw)
+        else:
+            traced = layerwise.whole_step.trace(self.params, self._layer_groups[0][0], self.kv_cache,
+                                                self.prev_sampled, ints, floats, **kw)
+        return (layout, options, flags), traced.lower()
 
     def _dummy_inputs(self, bucket: Bucket):
         T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
