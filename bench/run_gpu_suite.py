@@ -30,7 +30,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
   unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile;
          CUPTI tracing whole graph launches), ShareGPT 1000, the profiled run again, and with kernel-level tracing
-  graph-trace  qwen2-0.5b offline (layer scan): ShareGPT 1000, then the profiled run with graph-level and
+  speed-gt  speed with the profiled run traced by whole graph launches, executable cache off
+  graph-trace  qwen2-0.5b offline: ShareGPT 1000, then the profiled run with graph-level and
          kernel-level tracing, twice over
   launch-thread  qwen2-0.5b offline at 16 steps per program with and without the launch thread on one
          machine: ShareGPT 1000 without, the profiled run with / without twice over, ShareGPT 1000 with
@@ -231,8 +232,19 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(profile_qwen, name="profile-qwen-unrolled", budget_s=90, env=unrolled,
                                 argv=profile_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-profile-unrolled"]),
         ],
-        # The layer scan (the default) profiled with CUPTI tracing whole graph launches against kernel-level
-        # tracing, on one machine: ShareGPT 1000 (cold compile), then the profiled run each way, twice.
+        # speed's throughput and server, then the profiled run with CUPTI tracing whole graph launches (kernel-
+        # level tracing holds the host ~1 ms in each launch of an unrolled step's graph) and the executable
+        # cache off: on the H100 the graph-level trace crashed (SIGSEGV) in every run that loaded its steps
+        # from the cache (3 of 3) and in none that compiled them (1 of 1).
+        "speed-gt": [
+            tput_qwen,
+            dataclasses.replace(serve_qwen, server_args=speed_server),
+            dataclasses.replace(profile_qwen, name="profile-qwen-gt-nocache", budget_s=200,
+                                env={"JAXPAGED_EXEC_CACHE": "0"}, argv=profile_qwen.argv + [
+                                    "--profile-graph-trace", "--result-name", f"throughput-{q}-sharegpt-profile-gt-nocache"]),
+        ],
+        # The offline default profiled with CUPTI tracing whole graph launches against kernel-level tracing, on
+        # one machine: ShareGPT 1000 (cold compile), then the profiled run each way, twice.
         "graph-trace": [
             tput_qwen,
             *[dataclasses.replace(profile_qwen, name=f"profile-qwen-{tag}{rep}", budget_s=80, argv=profile_qwen.argv + (
@@ -425,7 +437,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 # Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
 NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
-              "launch-thread", "unrolled", "graph-trace")
+              "launch-thread", "unrolled", "graph-trace", "speed-gt")
 
 
 def main(argv: list[str] | None = None) -> None:
