@@ -30,6 +30,7 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
   unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile;
          CUPTI tracing whole graph launches), ShareGPT 1000, the profiled run again, and with kernel-level tracing
+  serve-align  speed's server with the packed inputs back to back, then aligned (the default)
   speed-gt  speed with the profiled run traced by whole graph launches, executable cache off
   graph-trace  qwen2-0.5b offline: ShareGPT 1000, then the profiled run with graph-level and
          kernel-level tracing, twice over
@@ -231,6 +232,13 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                                           f"throughput-{q}-sharegpt-profile-unrolled-gt2"]),
             dataclasses.replace(profile_qwen, name="profile-qwen-unrolled", budget_s=90, env=unrolled,
                                 argv=profile_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-profile-unrolled"]),
+        ],
+        # speed's server (the layer scan, one step per program) with the packed inputs back to back
+        # (JAXPAGED_INPUT_ALIGN=1), then on the 256-byte grid (the default): openqa at concurrency 1 and 10.
+        "serve-align": [
+            dataclasses.replace(serve_qwen, name=f"serve-openqa-align{a}", budget_s=260, server_args=speed_server,
+                                env={"JAXPAGED_INPUT_ALIGN": str(a)})
+            for a in (1, 64)
         ],
         # speed's throughput and server, then the profiled run with CUPTI tracing whole graph launches (kernel-
         # level tracing holds the host ~1 ms in each launch of an unrolled step's graph) and the executable
@@ -437,7 +445,7 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
 
 # Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
 NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
-              "launch-thread", "unrolled", "graph-trace", "speed-gt")
+              "launch-thread", "unrolled", "graph-trace", "speed-gt", "serve-align")
 
 
 def main(argv: list[str] | None = None) -> None:

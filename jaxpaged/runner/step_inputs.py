@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged import envs
 from jaxpaged.runner.buckets import _round_up_pow2
 
 
@@ -86,13 +87,14 @@ _PACK_MIN = 256      # packed buffers are at least this long, then powers of two
 # inputs off the 256-byte grid: on the H100 (eleventh session) the unrolled dispatch failed its bucket
 # warm-up with "Input buffer 2 is not 256-byte aligned [jit_whole_step]", buffer 2 of the Mosaic ragged
 # kernel being the block tables, cut from the packed ints at an arbitrary offset.
-ALIGN = 64
+# (JAXPAGED_INPUT_ALIGN overrides, for measuring; 1 packs the pieces back to back. The layout carries it.)
+ALIGN = envs.JAXPAGED_INPUT_ALIGN
 _ZEROS = {np.int32: [np.zeros(i, np.int32) for i in range(ALIGN)],
           np.float32: [np.zeros(i, np.float32) for i in range(ALIGN)]}
 
 
-def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _align_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
 
 
 def flatten(tree) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
@@ -124,7 +126,7 @@ def flatten(tree) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
             ints.append(a.astype(np.int32, copy=False).ravel())
             spec.append(("i", a.shape, "int32"))
         n_ints += a.size
-    return ints, floats, (treedef, tuple(spec))
+    return ints, floats, (treedef, tuple(spec), ALIGN)
 
 
 def pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -154,12 +156,12 @@ def unpack(ints, floats, layout):
     the device first (the step's first copy when they come in pinned host memory, HostInputs; nothing when
     they are already there)."""
     ints, floats = (jax.device_put(x, jax.memory.Space.Device) for x in (ints, floats))
-    treedef, spec = layout
+    treedef, spec, align = layout
     leaves, offsets = [], {"i": 0, "f": 0}
     for kind, shape, dtype in spec:
         size = int(np.prod(shape, dtype=np.int64))
         buf = ints if kind == "i" else floats
-        start = _align_up(offsets[kind])          # as flatten laid the pieces out
+        start = _align_up(offsets[kind], align)   # as flatten laid the pieces out
         x = jax.lax.slice_in_dim(buf, start, start + size).reshape(shape)
         offsets[kind] = start + size
         if dtype == "uint32":
