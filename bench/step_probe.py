@@ -55,7 +55,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, unroll: int
         si.temperature = np.ones(R, np.float32)
         opts = dataclasses.replace(runner.options(Bucket(R, R, True), 1), scan_unroll=unroll)
 
-        ints, floats, layout = pack((mi, si))
+        ints, floats, layout = pack((mi, si), runner.input_align)
         dev = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")

@@ -19,10 +19,10 @@ JAXPAGED_LAUNCH_THREAD = os.environ.get("JAXPAGED_LAUNCH_THREAD", "0") == "1"
 # the device itself, instead of handing it new host arrays (a transfer call per array, which held the
 # host for about a device step on the H100; runner/step_inputs.py, HostInputs). "0": new arrays.
 JAXPAGED_PINNED_INPUTS = os.environ.get("JAXPAGED_PINNED_INPUTS", "1") != "0"
-# Elements (4 bytes each) that every piece of a step's packed inputs is aligned to (runner/step_inputs.py
-# ALIGN; 64 = 256 bytes, what the Mosaic GPU custom call needs). For measuring only: 1 breaks the
-# unrolled dispatch's start-up on GPUs.
-JAXPAGED_INPUT_ALIGN = max(1, int(os.environ.get("JAXPAGED_INPUT_ALIGN") or 64))
+# Elements (4 bytes each) that every piece of a step's packed inputs starts at a multiple of (unset: 64 for
+# unrolled layers, whose Mosaic GPU calls need the 256-byte grid, else 1; runner/step_inputs.py). For
+# measuring: 1 breaks the unrolled dispatch's start-up on GPUs.
+JAXPAGED_INPUT_ALIGN = max(1, int(os.environ.get("JAXPAGED_INPUT_ALIGN"))) if os.environ.get("JAXPAGED_INPUT_ALIGN") else None
 # Keep each bucket's compiled step on disk and load it at start-up, skipping tracing (runner/exec_cache.py).
 # "1" / "0"; unset: on for GPUs (warm start-up of qwen2-0.5b on an H100: 17.3 s against 30.7 s without it),
 # off on the CPU, where XLA:CPU cannot run some deserialized bf16 programs (they would fall back anyway).

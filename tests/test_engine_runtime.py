@@ -103,6 +103,8 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
         warm = LLM(**kw)
     counter.active = False
     assert warm.llm_engine.runner.exec_cache.hits == n
+    # unrolled layers' packed inputs on the 256-byte grid (their Mosaic GPU calls get slices of them)
+    assert warm.llm_engine.runner.input_align == (64 if layer_dispatch == "unrolled" else 1)
     # read ahead on the loader threads (JAXPAGED_EXEC_CACHE_THREADS), each file once, each taken by its bucket
     assert len(threads) == n and all(t.startswith("exec-cache") for t in threads)
     assert not warm.llm_engine.runner.exec_cache._prefetched

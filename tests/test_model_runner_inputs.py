@@ -306,10 +306,12 @@ def test_host_inputs_reuse_a_slot_only_after_its_step_finished():
     assert len(host._slots[(256, 512)]) == 2
 
 
-def test_packed_inputs_start_on_the_256_byte_grid_and_round_trip():
-    """pack / unpack give back every input exactly, each cut from its buffer at a multiple of ALIGN elements
-    (256 bytes): XLA may pass a slice of the packed buffer to a custom call as a pointer into it, and the
-    Mosaic GPU custom call rejects pointers off that grid (the unrolled dispatch's failure on the H100)."""
+@pytest.mark.parametrize("align", [1, 64])
+def test_packed_inputs_round_trip_and_start_on_their_grid(align):
+    """pack / unpack give back every input exactly, each cut from its buffer at a multiple of `align`
+    elements: 64 (256 bytes) for unrolled layers, where XLA may pass a slice of the packed buffer to the
+    Mosaic GPU custom call as a pointer into it and the call rejects pointers off that grid (the unrolled
+    dispatch's failure on the H100); 1 (back to back) elsewhere."""
     import jax
     import jax.numpy as jnp
     from jaxpaged.runner import step_inputs as si
@@ -317,25 +319,24 @@ def test_packed_inputs_start_on_the_256_byte_grid_and_round_trip():
     tree = {"a": rng.integers(-9, 9, (3, 5)).astype(np.int32), "b": rng.standard_normal(7).astype(np.float32),
             "c": rng.integers(0, 2**32, 3, dtype=np.uint32), "d": rng.integers(-9, 9, 130).astype(np.int64),
             "e": rng.standard_normal((2, 33)).astype(np.float32), "f": np.int32(rng.integers(1, 99))}
-    ints, floats, layout = si.pack(tree)
-    assert ints.dtype == np.int32 and floats.dtype == np.float32
-    # where each leaf starts: found by its values in the packed buffers
-    starts = []
-    for kind, shape, dtype in layout[1]:
-        starts.append((kind, int(np.prod(shape))))
+    ints, floats, layout = si.pack(tree, align)
+    assert ints.dtype == np.int32 and floats.dtype == np.float32 and layout[2] == align
     off = {"i": 0, "f": 0}
-    for kind, size in starts:
-        start = -(-off[kind] // si.ALIGN) * si.ALIGN
-        assert start % si.ALIGN == 0 and start * 4 % 256 == 0
-        off[kind] = start + size
+    for kind, shape, dtype in layout[1]:
+        start = -(-off[kind] // align) * align
+        if align == si.MOSAIC_ALIGN:
+            assert start * 4 % 256 == 0
+        off[kind] = start + int(np.prod(shape))
     got = jax.jit(lambda i, f: si.unpack(i, f, layout))(jnp.asarray(ints), jnp.asarray(floats))
     for k, want in tree.items():
         want = np.asarray(want)
         dtype = {np.dtype(np.int64): np.int32}.get(want.dtype, want.dtype)
         np.testing.assert_array_equal(np.asarray(got[k]), want.astype(dtype))
     # the pieces HostInputs writes lay out the same buffer as pack
-    pieces_i, pieces_f, layout2 = si.flatten(tree)
+    pieces_i, pieces_f, layout2 = si.flatten(tree, align)
     assert layout2 == layout
     np.testing.assert_array_equal(np.concatenate(pieces_i), ints[:sum(map(len, pieces_i))])
     np.testing.assert_array_equal(np.concatenate(pieces_f), floats[:sum(map(len, pieces_f))])
     assert sum(map(len, pieces_i)) == off["i"] and sum(map(len, pieces_f)) == off["f"]
+    if align == 1:
+        assert off["i"] == 15 + 3 + 130 + 1 and off["f"] == 7 + 66      # nothing between the pieces

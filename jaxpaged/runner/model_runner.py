@@ -23,7 +23,7 @@ from jaxpaged.runner.buckets import Bucket, BucketPolicy
 from jaxpaged.runner import layerwise
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
 from jaxpaged.runner.multi_step import decode_steps
-from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, pack, unpack
+from jaxpaged.runner.step_inputs import MOSAIC_ALIGN, HostInputs, fill_input_tokens, flatten, pack, unpack
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger("jaxpaged.runner")
@@ -129,6 +129,9 @@ class ModelRunner:
         self.max_rows = buckets.max_rows
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)   # donated to each step
         self.host_inputs = HostInputs() if envs.JAXPAGED_PINNED_INPUTS else None
+        # Packed inputs on the 256-byte grid where XLA hands the Mosaic GPU calls slices of them (unrolled
+        # layers); elsewhere back to back (step_inputs.MOSAIC_ALIGN says why).
+        self.input_align = envs.JAXPAGED_INPUT_ALIGN or (MOSAIC_ALIGN if layer_dispatch == "unrolled" else 1)
         self.prev_rows: dict[str, int] = {}      # rows of the last dispatched step's samples
         # Each request's static sampler row (SAMPLING_COLUMNS), written once into a persistent table
         # and gathered by slot every step. Slots are keyed by the Request object (a reused request id
@@ -173,11 +176,11 @@ class ModelRunner:
               options: RuntimeOptions, flags: SamplerFlags):
         slot = None
         if self.host_inputs is not None:     # the pieces go straight into a pinned slot: one copy
-            int_pieces, float_pieces, layout = flatten((model_input, sampling))
+            int_pieces, float_pieces, layout = flatten((model_input, sampling), self.input_align)
             slot = self.host_inputs.write(int_pieces, float_pieces)
             ints, floats = slot.arrays
         else:
-            ints, floats, layout = pack((model_input, sampling))
+            ints, floats, layout = pack((model_input, sampling), self.input_align)
         out = self.run_packed(params, kv_cache, prev_sampled, ints, floats, layout=layout, options=options,
                               flags=flags)
         if slot is not None:
@@ -490,10 +493,9 @@ class ModelRunner:
                     self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)
             self.compiled_keys.add((bucket, flags, steps))
 
-    @staticmethod
-    def _cache_key(mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
+    def _cache_key(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
         """What a step's executable is stored under: its inputs' layout, runtime options and sampler flags."""
-        return (flatten((mi, si))[2], options, flags)
+        return (flatten((mi, si), self.input_align)[2], options, flags)
 
     def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
         """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
@@ -511,7 +513,7 @@ class ModelRunner:
     def _lower(self, mi, si, options: RuntimeOptions, flags: SamplerFlags):
         """(key, the step traced and lowered for these inputs), as the steps are called: inputs packed, in
         pinned host memory when HostInputs is on."""
-        ints, floats, layout = pack((mi, si))
+        ints, floats, layout = pack((mi, si), self.input_align)
         if self.host_inputs is not None:     # compiled for inputs in pinned host memory, as the steps pass them
             ints, floats = self.host_inputs.write(ints, floats).arrays
         kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged import envs
 from jaxpaged.runner.buckets import _round_up_pow2
 
 
@@ -82,43 +81,48 @@ class HostInputSlot:
 
 _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
 _PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
-# Every piece starts at a multiple of this many elements (256 bytes) of its packed buffer. XLA may hand a
+# Pieces that start on the 256-byte grid of their packed buffer: MOSAIC_ALIGN elements. XLA may hand a
 # custom call a slice of the buffer as a pointer into it (no copy), and the Mosaic GPU custom call rejects
-# inputs off the 256-byte grid: on the H100 (eleventh session) the unrolled dispatch failed its bucket
-# warm-up with "Input buffer 2 is not 256-byte aligned [jit_whole_step]", buffer 2 of the Mosaic ragged
-# kernel being the block tables, cut from the packed ints at an arbitrary offset.
-# (JAXPAGED_INPUT_ALIGN overrides, for measuring; 1 packs the pieces back to back. The layout carries it.)
-ALIGN = envs.JAXPAGED_INPUT_ALIGN
-_ZEROS = {np.int32: [np.zeros(i, np.int32) for i in range(ALIGN)],
-          np.float32: [np.zeros(i, np.float32) for i in range(ALIGN)]}
+# inputs off that grid: on the H100 (eleventh session) the unrolled dispatch failed its bucket warm-up with
+# "Input buffer 2 is not 256-byte aligned [jit_whole_step]", buffer 2 of the Mosaic ragged kernel being the
+# block tables, cut from the packed ints at an arbitrary offset. The runner aligns only where that happens
+# (unrolled layers): the scan's server measured slower with aligned pieces on the H100 (twelfth session,
+# one machine: openqa median TPOT 2.04 against 1.89 ms at concurrency 1, 2,896 against 3,203 output tok/s
+# at 10). JAXPAGED_INPUT_ALIGN overrides the runner's choice; the layout carries the alignment.
+MOSAIC_ALIGN = 64
+_ZEROS = {np.int32: [np.zeros(i, np.int32) for i in range(MOSAIC_ALIGN)],
+          np.float32: [np.zeros(i, np.float32) for i in range(MOSAIC_ALIGN)]}
 
 
-def _align_up(n: int, align: int = ALIGN) -> int:
+def _align_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def flatten(tree) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
+def _pad(dtype, n: int) -> np.ndarray:
+    return _ZEROS[dtype][n] if n < MOSAIC_ALIGN else np.zeros(n, dtype)
+
+
+def flatten(tree, align: int = 1) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
     """All host inputs of a step as flat int32 and float32 pieces, and the `layout` (static, hashable) that
-    says how to cut the concatenated buffers apart again (unpack). Zero pieces between them start each
-    input at a multiple of ALIGN elements of its buffer."""
+    says how to cut the concatenated buffers apart again (unpack). With align > 1, zero pieces between them
+    start each input at a multiple of `align` elements of its buffer."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
     n_ints = n_floats = 0
-    zi, zf = _ZEROS[np.int32], _ZEROS[np.float32]
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
         a = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
         dt = a.dtype
         if dt == _F32:
-            if n_floats % ALIGN:                 # the piece starts on the 256-byte grid (ALIGN)
-                floats.append(zf[ALIGN - n_floats % ALIGN])
-                n_floats = _align_up(n_floats)
+            if n_floats % align:
+                floats.append(_pad(np.float32, align - n_floats % align))
+                n_floats = _align_up(n_floats, align)
             floats.append(a.ravel())
             n_floats += a.size
             spec.append(("f", a.shape, "float32"))
             continue
-        if n_ints % ALIGN:
-            ints.append(zi[ALIGN - n_ints % ALIGN])
-            n_ints = _align_up(n_ints)
+        if n_ints % align:
+            ints.append(_pad(np.int32, align - n_ints % align))
+            n_ints = _align_up(n_ints, align)
         if dt == _U32:     # uint32 seeds, reinterpreted bit for bit
             ints.append(a.view(np.int32).ravel())
             spec.append(("i", a.shape, "uint32"))
@@ -126,14 +130,14 @@ def flatten(tree) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
             ints.append(a.astype(np.int32, copy=False).ravel())
             spec.append(("i", a.shape, "int32"))
         n_ints += a.size
-    return ints, floats, (treedef, tuple(spec), ALIGN)
+    return ints, floats, (treedef, tuple(spec), align)
 
 
-def pack(tree) -> tuple[np.ndarray, np.ndarray, tuple]:
+def pack(tree, align: int = 1) -> tuple[np.ndarray, np.ndarray, tuple]:
     """All host inputs of a step in two flat buffers (int32, float32): two host-to-device copies per step
     instead of one per array, and `layout` (see flatten). Each buffer is zero-padded to padded_len: few
     distinct sizes, so few compiled shapes and HostInputs slots."""
-    ints, floats, layout = flatten(tree)
+    ints, floats, layout = flatten(tree, align)
     return _padded(ints, np.int32), _padded(floats, np.float32), layout
 
 
