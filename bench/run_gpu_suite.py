@@ -5,8 +5,9 @@
   python3 bench/run_gpu_suite.py --smoke all  # the same steps on the CPU: tiny-llama, 8 prompts
 
 Parts and their steps (budget in seconds; a step that no longer fits the part's deadline is skipped):
-  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 64 prompts, --profile; HF static (first 100
-         of the same sample, <= 45 s of batches) + HF continuous (first 48)
+  qwen   throughput qwen2-0.5b sharegpt 1000; the same, 64 prompts, --profile (kernel-level trace), then
+         traced by whole graph launches (executable cache off: compiles); HF static (first 100 of the same
+         sample, <= 45 s of batches) + HF continuous (first 48) when time is left
   llama  throughput llama3-8b sharegpt 1000 (390 s: a cold start compiles 46 shapes in ~190 s);
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
@@ -17,7 +18,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
   multistep  qwen2-0.5b ShareGPT 1000 with 1 and 8 decode steps per program, the server with 8 (openqa
          at concurrency 1 and 10), the profiled run with 8
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
-         concurrency 1 and 10 + the profiled run (warm start-up): issue 6's figures in one command
+         concurrency 1 and 10 + the profiled run traced by whole graph launches (compiles), then by
+         kernels (warm start-up) when time is left: issue 6's figures in one command
   mosaic  qwen2-0.5b ShareGPT 1000 with the Triton attention backend (JAXPAGED_ATTENTION_BACKEND=pallas)
          and with the Mosaic GPU ragged kernel (mosaic, the Hopper default), then the profiled run with
          mosaic when time is left
@@ -101,6 +103,14 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     profile_qwen = Step("profile-qwen", 120, tput + quick + ["--model", q, "--profile", "--num-prompts",
                                                              "8" if smoke else "64", "--result-name",
                                                              f"throughput-{q}-sharegpt-profile"] + small)
+    # The same run traced by whole CUDA-graph launches (the bar's figure, bench/summarize.py): kernel-level
+    # tracing holds the host ~1 ms in each launch of an unrolled step's graph. The executable cache is off:
+    # on the H100 the graph-level trace crashed (SIGSEGV) in every run that loaded its steps from the cache
+    # (3 of 3) and in none that compiled them (2 of 2), so this step compiles (~100 s on 8 threads).
+    profile_graphs = dataclasses.replace(
+        profile_qwen, name="profile-qwen-graphs", budget_s=240, env={"JAXPAGED_EXEC_CACHE": "0"},
+        argv=tput + quick + ["--model", q, "--profile", "--profile-graph-trace", "--num-prompts", "8" if smoke else "64",
+                             "--result-name", f"throughput-{q}-sharegpt-profile-graphs"] + small)
     probe = [str(BENCH / "step_probe.py"), "--model", q, "--batches", "1,4" if smoke else "1,16,64,256"] + (
         ["--num-blocks", "256"] if smoke else [])
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
@@ -117,6 +127,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         "qwen": [
             tput_qwen,
             profile_qwen,
+            profile_graphs,
             Step("hf-qwen", 170, hf + quick + ["--model", q, "--num-prompts", "8" if smoke else "100",
                                                "--cb-num-prompts", "8" if smoke else "48",
                                                "--max-time-s", "10" if smoke else "45"]),
@@ -136,6 +147,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         "speed": [
             tput_qwen,
             dataclasses.replace(serve_qwen, server_args=speed_server),
+            profile_graphs,
             profile_qwen,
         ],
         # The layer dispatch of a small model (qwen2-0.5b): the layer scan (the default for layers < 64 MiB)

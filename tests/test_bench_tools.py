@@ -145,6 +145,15 @@ def test_results_files_and_summary(tmp_path):
     assert s["headline"]["qwen2-0.5b / best HF (same run)"] == pytest.approx(30.0)
     assert s["headline"]["host idle / device busy, qwen2-0.5b profile (max)"] == pytest.approx(0.14)
     assert s["headline"]["host idle / device busy, qwen2-0.5b profile ms32"] == pytest.approx(0.07)
+    assert s["headline"]["host idle / device busy, qwen2-0.5b profile, traced by"] == "kernels"
+    # with a run traced by whole graph launches, the bar reads that one; the kernel-level figure stays beside it
+    write_result(summarize.GRAPHS_PROFILE, {"trace": {"device_busy_ms": 1000.0, "device_idle_ms": 10.0}}, meta=meta,
+                 results_dir=tmp_path)
+    h = summarize.summarize(sorted(tmp_path.glob("*.json")), tmp_path, "sum")["headline"]
+    assert h["host idle / device busy, qwen2-0.5b profile (max)"] == pytest.approx(0.01)
+    assert h["host idle / device busy, qwen2-0.5b profile, traced by"] == "whole graph launches"
+    assert h["host idle / device busy, qwen2-0.5b profile, kernel-level trace"] == pytest.approx(0.14)
+    assert "host idle / device busy, qwen2-0.5b profile graphs" not in h
     met = {row["target"]: row["met"] for row in s["targets"]}
     assert met["qwen2-0.5b sharegpt output tok/s"] == "yes" and met["qwen2-0.5b / best HF (same run)"] == "yes"
     assert met["openqa c1 median TPOT ms (max)"] == "yes" and met["llama3-8b sharegpt output tok/s"] == "n/a"
