@@ -46,7 +46,7 @@ def default_dispatch(params, platform: str = "cpu", usage_context: str = "llm_cl
     graph launch per step instead of one per layer. On the H100 (bench/results/h100/NOTES.md, twelfth
     session), qwen2-0.5b ShareGPT 1000 at 16 decode steps per program: 48,191-48,938 output tok/s in five
     runs on four machines against the scan's 36,030 (35,992-36,314 over earlier sessions); warm start-up
-    22.4-28.6 s. Its programs take about three times the scan's to compile one by one (304-318 s for 50),
+    22.4-28.6 s. Its programs take about twice the scan's to compile one by one (304-318 s for 50),
     so start-up compiles them on threads (101 s; ModelRunner.warmup).
     The server keeps the scan: with one step per program a small batch is host-bound, and the one large
     graph cost more to launch than the scan's (sixth session, openqa at concurrency 1: median TPOT 3.50 ms
