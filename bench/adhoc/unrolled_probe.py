@@ -1,6 +1,9 @@
 """Which unrolled-dispatch program fails on the GPU, with its traceback (session 11: a ShareGPT run with
 JAXPAGED_LAYER_DISPATCH=unrolled stopped on "Input buffer 2 is not 256-byte aligned [jit_whole_step]";
-the same model generated fine with no bucket warm-up, no executable cache and 0.3 of memory).
+the same model generated fine with no bucket warm-up, no executable cache and 0.3 of memory). Fixed in the
+twelfth session: buffer 2 of the Mosaic ragged kernel is the block tables, a slice of the packed step
+inputs that XLA passed as a pointer off the 256-byte grid; unrolled layers now align their packed inputs
+(runner/step_inputs.py MOSAIC_ALIGN). JAXPAGED_INPUT_ALIGN=1 brings the failure back, for checking.
 
     python3 bench/adhoc/unrolled_probe.py [--steps 1,16] [--compile-buckets] [--mem 0.9] [--small]
     python3 bench/adhoc/unrolled_probe.py --steps 16 --small --each-bucket   # warm buckets one by one
