@@ -33,7 +33,7 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
   unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile;
          CUPTI tracing whole graph launches), ShareGPT 1000, the profiled run again, and with kernel-level tracing
   serve-align  speed's server with the packed inputs back to back, then aligned (the default)
-  speed-gt  speed with the profiled run traced by whole graph launches, executable cache off
+  speed-gt  speed without its kernel-level profile
   graph-trace  qwen2-0.5b offline: ShareGPT 1000, then the profiled run with graph-level and
          kernel-level tracing, twice over
   launch-thread  qwen2-0.5b offline at 16 steps per program with and without the launch thread on one
@@ -252,17 +252,9 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                 env={"JAXPAGED_INPUT_ALIGN": str(a)})
             for a in (1, 64)
         ],
-        # speed's throughput and server, then the profiled run with CUPTI tracing whole graph launches (kernel-
-        # level tracing holds the host ~1 ms in each launch of an unrolled step's graph) and the executable
-        # cache off: on the H100 the graph-level trace crashed (SIGSEGV) in every run that loaded its steps
-        # from the cache (3 of 3) and in none that compiled them (1 of 1).
-        "speed-gt": [
-            tput_qwen,
-            dataclasses.replace(serve_qwen, server_args=speed_server),
-            dataclasses.replace(profile_qwen, name="profile-qwen-gt-nocache", budget_s=200,
-                                env={"JAXPAGED_EXEC_CACHE": "0"}, argv=profile_qwen.argv + [
-                                    "--profile-graph-trace", "--result-name", f"throughput-{q}-sharegpt-profile-gt-nocache"]),
-        ],
+        # speed without its kernel-level profile (run once in the twelfth session, before speed had the
+        # graph-level one)
+        "speed-gt": [tput_qwen, dataclasses.replace(serve_qwen, server_args=speed_server), profile_graphs],
         # The offline default profiled with CUPTI tracing whole graph launches against kernel-level tracing, on
         # one machine: ShareGPT 1000 (cold compile), then the profiled run each way, twice.
         "graph-trace": [

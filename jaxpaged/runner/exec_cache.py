@@ -18,7 +18,6 @@ import logging
 import os
 import pathlib
 import pickle
-import threading
 import time
 from typing import Any
 
@@ -64,21 +63,21 @@ def _ensure_mosaic_gpu_runtime() -> None:
         pass
 
 
+_NOT_READ = object()        # load: no load_many entry for the key
+
+
 class ExecutableCache:
     def __init__(self, root: os.PathLike, fingerprint_: str):
         self.dir = pathlib.Path(root) / fingerprint_
         _ensure_mosaic_gpu_runtime()                 # before any load
         self.hits = self.misses = 0
         self.load_s = 0.0                            # wall seconds spent reading and deserializing
-        self._lock = threading.Lock()                # counters, when load_many's threads load
-        self._prefetched: dict[Any, Any] = {}
+        self._prefetched: dict[str, Any] = {}        # repr(key) -> load_many's executable (None: none)
 
     def load_many(self, keys: list, threads: int) -> None:
         """Read and deserialize the executables of `keys` on `threads` threads, ahead of the `load` calls
         that then take them in turn. XLA's deserialization runs without the GIL, so a warm start-up's
         loads overlap instead of queueing behind each other and behind each bucket's first run."""
-        if threads <= 1 or len(keys) <= 1:
-            return
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(min(threads, len(keys)), thread_name_prefix="exec-cache") as ex:
             for key, compiled in zip(keys, ex.map(self._load_file, keys)):
@@ -94,17 +93,15 @@ class ExecutableCache:
 
     def load(self, key: Any):
         """The executable stored under `key` (load_many's, when it fetched it), else None (a miss)."""
-        if repr(key) in self._prefetched:
-            compiled = self._prefetched.pop(repr(key))
-        else:
+        compiled = self._prefetched.pop(repr(key), _NOT_READ)
+        if compiled is _NOT_READ:
             t0 = time.perf_counter()
             compiled = self._load_file(key)
             self.load_s += time.perf_counter() - t0
-        with self._lock:
-            if compiled is None:
-                self.misses += 1
-            else:
-                self.hits += 1
+        if compiled is None:
+            self.misses += 1
+        else:
+            self.hits += 1
         return compiled
 
     def _load_file(self, key: Any):

@@ -145,7 +145,6 @@ class ModelRunner:
         # with the same fingerprint made them before (exec_cache.py). Single-program steps only (the
         # layer scan, unrolled layers): per-layer dispatch runs several programs a step.
         self._compiled: dict = {}
-        self._compiling: dict = {}           # key -> future of its XLA compile (warmup, executable cache on)
         self.exec_cache = None
         if exec_cache_root is not None and self._single_program:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_params))
@@ -447,7 +446,7 @@ class ModelRunner:
         flags = SamplerFlags()
         variants = [(b, 1) for b in buckets] + [(b, num_steps) for b in buckets if b.decode_only and num_steps > 1]
         threads = envs.JAXPAGED_STARTUP_THREADS
-        pool = None
+        pool, compiling = None, {}          # compiling: key -> the future of its XLA compile
         if self.exec_cache is not None and threads > 1 and len(variants) > 1:
             # The cached executables are deserialized on several threads at once; the others are traced and
             # lowered here (Python, one at a time) and compiled by XLA on the threads, while this one lowers
@@ -458,22 +457,21 @@ class ModelRunner:
             if missing:
                 pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxpaged-compile")
                 for (bucket, steps), key in tqdm(missing, desc="Lowering buckets", disable=not progress):
-                    _, lowered = self._lower(*self._dummy_inputs(bucket), self.options(bucket, steps), flags)
-                    self._compiling[key] = pool.submit(lowered.compile)
+                    lowered = self._lower(*self._dummy_inputs(bucket), self.options(bucket, steps), flags)
+                    compiling[key] = pool.submit(lowered.compile)
         try:
-            self._warm(variants, flags, progress)
+            self._warm(variants, flags, progress, compiling)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-            self._compiling.clear()
         return time.perf_counter() - t0
 
-    def _warm(self, variants, flags: SamplerFlags, progress: bool) -> None:
+    def _warm(self, variants, flags: SamplerFlags, progress: bool, compiling: dict) -> None:
         from tqdm.auto import tqdm
         for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
             mi, si = self._dummy_inputs(bucket)
             options = self.options(bucket, steps)
-            loaded = self._load_or_compile(mi, si, options, flags) if self.exec_cache is not None else None
+            loaded = self._load_or_compile(mi, si, options, flags, compiling) if self.exec_cache is not None else None
             for attempt in (0, 1):
                 try:
                     self.kv_cache, self.prev_sampled, res = self._step(
@@ -497,22 +495,24 @@ class ModelRunner:
         """What a step's executable is stored under: its inputs' layout, runtime options and sampler flags."""
         return (flatten((mi, si), self.input_align)[2], options, flags)
 
-    def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple | None:
-        """The bucket's executable from the on-disk cache, else traced, compiled and stored there.
-        Returns its key when it came from disk (it has not run yet), else None."""
+    def _load_or_compile(self, mi, si, options: RuntimeOptions, flags: SamplerFlags,
+                         compiling: dict) -> tuple | None:
+        """The bucket's executable from the on-disk cache, else from `compiling` (key -> the future of the
+        XLA compile warmup started on a thread), else traced and compiled here; stored on disk. Returns its
+        key when it came from disk (it has not run yet), else None."""
         key = self._cache_key(mi, si, options, flags)
         compiled = self.exec_cache.load(key)
         from_disk = compiled is not None
         if not from_disk:
-            future = self._compiling.pop(key, None)          # compiled on warmup's threads
-            compiled = future.result() if future is not None else self._lower(mi, si, options, flags)[1].compile()
+            future = compiling.pop(key, None)
+            compiled = future.result() if future is not None else self._lower(mi, si, options, flags).compile()
             self.exec_cache.store(key, compiled)
         self._compiled[key] = compiled
         return key if from_disk else None
 
     def _lower(self, mi, si, options: RuntimeOptions, flags: SamplerFlags):
-        """(key, the step traced and lowered for these inputs), as the steps are called: inputs packed, in
-        pinned host memory when HostInputs is on."""
+        """The step traced and lowered for these inputs, as the steps are called: inputs packed, in pinned
+        host memory when HostInputs is on."""
         ints, floats, layout = pack((mi, si), self.input_align)
         if self.host_inputs is not None:     # compiled for inputs in pinned host memory, as the steps pass them
             ints, floats = self.host_inputs.write(ints, floats).arrays
@@ -522,7 +522,7 @@ class ModelRunner:
         else:
             traced = layerwise.whole_step.trace(self.params, self._layer_groups[0][0], self.kv_cache,
                                                 self.prev_sampled, ints, floats, **kw)
-        return (layout, options, flags), traced.lower()
+        return traced.lower()
 
     def _dummy_inputs(self, bucket: Bucket):
         T, R = bucket.padded_num_tokens, bucket.padded_num_reqs

@@ -108,29 +108,33 @@ def flatten(tree, align: int = 1) -> tuple[list[np.ndarray], list[np.ndarray], t
     start each input at a multiple of `align` elements of its buffer."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
-    n_ints = n_floats = 0
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)
         a = leaf if type(leaf) is np.ndarray else np.asarray(leaf)
         dt = a.dtype
         if dt == _F32:
-            if n_floats % align:
-                floats.append(_pad(np.float32, align - n_floats % align))
-                n_floats = _align_up(n_floats, align)
             floats.append(a.ravel())
-            n_floats += a.size
             spec.append(("f", a.shape, "float32"))
-            continue
-        if n_ints % align:
-            ints.append(_pad(np.int32, align - n_ints % align))
-            n_ints = _align_up(n_ints, align)
-        if dt == _U32:     # uint32 seeds, reinterpreted bit for bit
+        elif dt == _U32:     # uint32 seeds, reinterpreted bit for bit
             ints.append(a.view(np.int32).ravel())
             spec.append(("i", a.shape, "uint32"))
         else:
             ints.append(a.astype(np.int32, copy=False).ravel())
             spec.append(("i", a.shape, "int32"))
-        n_ints += a.size
+    if align > 1:
+        ints, floats = _aligned(ints, align, np.int32), _aligned(floats, align, np.float32)
     return ints, floats, (treedef, tuple(spec), align)
+
+
+def _aligned(pieces: list[np.ndarray], align: int, dtype) -> list[np.ndarray]:
+    """The pieces with zero pieces between them, so that each starts at a multiple of `align`."""
+    out, n = [], 0
+    for piece in pieces:
+        if n % align:
+            out.append(_pad(dtype, align - n % align))
+            n = _align_up(n, align)
+        out.append(piece)
+        n += len(piece)
+    return out
 
 
 def pack(tree, align: int = 1) -> tuple[np.ndarray, np.ndarray, tuple]:
