@@ -39,6 +39,11 @@ PROGRAMS_PER_SM = 8
 # partial output and log-sum-exp stores, its share of the merge) for 64 keys. Session 10 run 06, qwen2-0.5b
 # 16 x 1k on the H100: 8 splits of two tiles 13.9 us against 16 splits of one 15.3 us.
 MIN_TILES_PER_SPLIT = 2
+# Split-K partials are merged by an XLA epilogue ("jnp") or inside the kernel by the last split of each
+# (request, kv head) to finish ("kernel", _merge_if_last); the merge reads MERGE_ROWS partial rows at a time.
+MERGES = ("jnp", "kernel")
+DEFAULT_MERGE = "jnp"
+MERGE_ROWS = 64
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -47,8 +52,8 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, *lse_refs,
-                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad):
+def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *refs,
+                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad, merge, interpret):
     # layer_ref:        i32[1]
     # seq_lens_ref:     i32[R]
     # block_tables_ref: i32[R, M]
@@ -60,6 +65,17 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     #   o_ref:          f32[R, K, NS, G, D]   this split's output, already divided by its softmax sum
     #   lse_refs[0]:    f32[R, K, NS, G]      this split's log-sum-exp (NEG when the split is empty)
     #   (only the G real rows of the [Gp, D] tile are stored: the merge reads no padding)
+    # several splits, merged in the kernel (merge="kernel"; refs: counts_in, o, part, lse, counts):
+    #   counts_in:      i32[R, K]             zeros, aliased to counts
+    #   o_ref:          dtype[R, N, D]        final output, written by the last split of (r, h) to finish
+    #   part_ref:       f32[R, K, NSG, D]     split s's G rows at rows s*G .. s*G+G-1 (NSG >= NS*G)
+    #   lse_ref:        f32[R, K, NSG]        their log-sum-exps, same rows
+    #   counts:         i32[R, K]             splits of (r, h) finished so far
+    if merge == "kernel":
+        _, o_ref, part_ref, lse_ref, counts_ref = refs
+        lse_refs = ()
+    else:
+        o_ref, *lse_refs = refs
     r, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     group = q_ref.shape[2]
@@ -103,7 +119,14 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
-    if not lse_refs:
+    if merge == "kernel":
+        lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
+        real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+        plgpu.store(part_ref.at[r, h, pl.ds(split * group, group_pad), :], out, mask=row < group)
+        plgpu.store(lse_ref.at[r, h, pl.ds(split * group, group_pad)], lse, mask=real)
+        _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, num_splits=pl.num_programs(2),
+                       group=group, group_pad=group_pad, interpret=interpret)
+    elif not lse_refs:
         plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(o_ref.dtype),
                     mask=row < group)
     else:
@@ -111,6 +134,60 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
         real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
         plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
+
+
+def _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, *, num_splits, group, group_pad, interpret):
+    """Split-K merge inside the decode kernel: the last split of (r, h) to finish merges all of them.
+
+    Every program counts itself into counts[r, h] with one acq_rel atomic at GPU scope after a CTA
+    barrier (the pattern of a cooperative grid sync), so its partial rows are visible to whichever program
+    reads the count NS - 1. That program reads the NS * G partial rows from L2 (volatile loads: never a stale L1
+    line) in chunks of MERGE_ROWS and forms out[g] = sum_s w[s, g] o[s, g] / sum_s w[s, g], with w =
+    exp(lse - max_s lse), as one dot per chunk: W[g, i] = w_i where row i belongs to head g (i % G == g).
+    Interpret mode runs the grid in order, so the last split is the one with index NS - 1 there.
+    """
+    if not interpret:
+        plgpu.debug_barrier()            # every thread's partial stores precede the release below
+    done = plgpu.atomic_add(counts_ref, (r, h), jnp.int32(1))
+    rows = num_splits * group
+    num_chunks = part_ref.shape[2] // MERGE_ROWS
+
+    @pl.when(done == num_splits - 1)
+    def _():
+        g_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 0)
+        i_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 1)
+        lane = jax.lax.broadcasted_iota(jnp.int32, (MERGE_ROWS,), 0)
+
+        def chunk(c):
+            i = c * MERGE_ROWS + i_of
+            mine = (i % group == g_of) & (i < rows)                  # [Gp, C]: row i is head g's
+            lse = plgpu.load(lse_ref.at[r, h, pl.ds(c * MERGE_ROWS, MERGE_ROWS)],
+                             mask=c * MERGE_ROWS + lane < rows, other=NEG, volatile=True)
+            return mine, lse
+
+        def max_body(c, m):
+            mine, lse = chunk(c)
+            return jnp.maximum(m, jnp.max(jnp.where(mine, lse[None, :], NEG), axis=1))
+
+        m = jax.lax.fori_loop(0, num_chunks, max_body, jnp.full((group_pad,), NEG, jnp.float32))
+
+        def sum_body(c, carry):
+            acc, den = carry
+            mine, lse = chunk(c)
+            w = jnp.where(mine, jnp.exp(lse[None, :] - m[:, None]), 0.0)              # [Gp, C]
+            part = plgpu.load(part_ref.at[r, h, pl.ds(c * MERGE_ROWS, MERGE_ROWS), :],
+                              mask=(c * MERGE_ROWS + lane < rows)[:, None], other=0.0,
+                              volatile=True)                                     # [C, D]
+            acc = acc + plgpu.dot(w, part, precision=jax.lax.Precision.HIGHEST)
+            return acc, den + jnp.sum(w, axis=1)
+
+        head_dim = part_ref.shape[3]
+        acc, den = jax.lax.fori_loop(0, num_chunks, sum_body,
+                                     (jnp.zeros((group_pad, head_dim), jnp.float32),
+                                      jnp.zeros((group_pad,), jnp.float32)))
+        row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
+        plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], (acc / den[:, None]).astype(o_ref.dtype),
+                    mask=row < group)
 
 
 def num_sms() -> int:
@@ -130,12 +207,28 @@ def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_
 
 
 def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_window, soft_cap,
-            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, interpret):
+            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, merge, interpret):
     num_reqs, num_kv_heads, group, head_dim = q3.shape
-    kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad)
     if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
+        merge = None
+    kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad,
+                               merge=merge, interpret=interpret)
+    operands = [layer, seq_lens, block_tables, q3, kv_cache]
+    aliases = {}
+    final = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
+    if merge is None:
+        out_shape = final
+    elif merge == "kernel":
+        # rows for every split's [Gp, D] store (masked past G), rounded up to whole merge chunks
+        rows = -(-((num_splits - 1) * group + group_pad) // MERGE_ROWS) * MERGE_ROWS
+        counts = jnp.zeros((num_reqs, num_kv_heads), jnp.int32)
+        operands.append(counts)
+        aliases = {len(operands) - 1: 3}
+        out_shape = (final,
+                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows), jnp.float32),
+                     counts)
     else:
         out_shape = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group, head_dim),
                                           jnp.float32),
@@ -144,10 +237,11 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
         kernel,
         grid=(num_reqs, num_kv_heads, num_splits),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(layer, seq_lens, block_tables, q3, kv_cache)
+    )(*operands)
 
 
 def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
@@ -162,18 +256,24 @@ def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
-                                             "blocks_per_iter", "num_warps", "num_stages", "interpret"))
+                                             "blocks_per_iter", "num_warps", "num_stages", "merge",
+                                             "interpret"))
 def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            num_splits: int | None = None, blocks_per_iter: int | None = None,
-                           num_warps: int | None = None, num_stages: int = 2,
+                           num_warps: int | None = None, num_stages: int = 2, merge: str | None = None,
                            interpret: bool | None = None):
     """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
 
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
     (context including this step's token, 0 for padding requests, whose output is zeros).
+    merge: how split-K partials are combined, "jnp" (an XLA epilogue after the kernel) or "kernel" (the
+    last split of each (request, kv head) to finish merges them, _merge_if_last); None: DEFAULT_MERGE.
     """
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
+    merge = DEFAULT_MERGE if merge is None else merge
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_reqs, num_heads, head_dim = q.shape
@@ -196,9 +296,12 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
                   blocks_per_iter=blocks_per_iter,
-                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, merge=merge,
+                  interpret=interpret)
     if num_splits == 1:
         return res                                                     # written by the kernel
+    if merge == "kernel":
+        return res[0]                                                  # merged by the kernel
     o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]
     # merge splits: weights exp(lse_s - max_s lse); empty splits carry NEG and weigh 0
     w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
