@@ -41,7 +41,7 @@ PROGRAMS_PER_SM = 8
 MIN_TILES_PER_SPLIT = 2
 # Split-K partials are merged by an XLA epilogue ("jnp") or inside the kernel by the last split of each
 # (request, kv head) to finish ("kernel", _merge_if_last); the merge reads MERGE_ROWS partial rows at a time.
-MERGES = ("jnp", "kernel")
+MERGES = ("jnp", "pallas", "kernel")
 DEFAULT_MERGE = "jnp"
 MERGE_ROWS = 64
 _LOG2E = 1.4426950408889634
@@ -73,6 +73,9 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
     #   counts:         i32[R, K]             splits of (r, h) finished so far
     if merge == "kernel":
         _, o_ref, part_ref, lse_ref, counts_ref = refs
+        lse_refs = ()
+    elif merge == "pallas":
+        part_ref, lse_ref = refs
         lse_refs = ()
     else:
         o_ref, *lse_refs = refs
@@ -119,13 +122,14 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
-    if merge == "kernel":
+    if merge in ("kernel", "pallas"):
         lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
         real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
         plgpu.store(part_ref.at[r, h, pl.ds(split * group, group_pad), :], out, mask=row < group)
         plgpu.store(lse_ref.at[r, h, pl.ds(split * group, group_pad)], lse, mask=real)
-        _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, num_splits=pl.num_programs(2),
-                       group=group, group_pad=group_pad, interpret=interpret)
+        if merge == "kernel":
+            _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, num_splits=pl.num_programs(2),
+                           group=group, group_pad=group_pad, interpret=interpret)
     elif not lse_refs:
         plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(o_ref.dtype),
                     mask=row < group)
@@ -136,58 +140,69 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
         plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
 
 
+def _merge_rows(o_ref, part_ref, lse_ref, r, h, *, num_splits, group, group_pad, volatile):
+    """out[g] = sum_s w[s, g] o[s, g] / sum_s w[s, g], w = exp(lse - max_s lse), for (request r, kv head h).
+
+    part_ref f32[R, K, NSG, D] / lse_ref f32[R, K, NSG] hold split s's head g at row s*G + g. One pass over
+    chunks of MERGE_ROWS rows with a running maximum per head (chunks rescale what came before, as in
+    online softmax), so every chunk's loads are independent of the last chunk's results; each chunk is
+    one dot W[Gp, C] @ part[C, D], with W[g, i] = w_i where row i is head g's (i % G == g). Splits left
+    empty carry NEG and weigh 0; a request whose every split is empty (seq_len 0) gets zeros.
+    """
+    rows = num_splits * group
+    head_dim = part_ref.shape[3]
+    g_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 0)
+    i_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 1)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (MERGE_ROWS,), 0)
+    # f32 partials: an exact dot where the output is f32, TF32 where it is rounded to 16 bits anyway
+    precision = jax.lax.Precision.HIGHEST if o_ref.dtype == jnp.float32 else None
+
+    def body(c, carry):
+        m, acc, den = carry
+        first = c * MERGE_ROWS
+        mine = ((first + i_of) % group == g_of) & (first + i_of < rows)        # [Gp, C]
+        lse = plgpu.load(lse_ref.at[r, h, pl.ds(first, MERGE_ROWS)], mask=first + lane < rows,
+                         other=NEG, volatile=volatile)
+        part = plgpu.load(part_ref.at[r, h, pl.ds(first, MERGE_ROWS), :],
+                          mask=(first + lane < rows)[:, None], other=0.0, volatile=volatile)   # [C, D]
+        lse = jnp.where(mine, lse[None, :], NEG)                                # [Gp, C]
+        m_new = jnp.maximum(m, jnp.max(lse, axis=1))
+        alpha = jnp.exp(m - m_new)
+        w = jnp.where(mine, jnp.exp(lse - m_new[:, None]), 0.0)
+        acc = acc * alpha[:, None] + plgpu.dot(w, part, precision=precision)
+        return m_new, acc, den * alpha + jnp.sum(w, axis=1)
+
+    _, acc, den = jax.lax.fori_loop(
+        0, pl.cdiv(rows, MERGE_ROWS), body,
+        (jnp.full((group_pad,), NEG, jnp.float32), jnp.zeros((group_pad, head_dim), jnp.float32),
+         jnp.zeros((group_pad,), jnp.float32)))
+    row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
+    plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], (acc / den[:, None]).astype(o_ref.dtype),
+                mask=row < group)
+
+
 def _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, *, num_splits, group, group_pad, interpret):
-    """Split-K merge inside the decode kernel: the last split of (r, h) to finish merges all of them.
+    """merge="kernel": the last split of (r, h) to finish merges all of them (_merge_rows).
 
     Every program counts itself into counts[r, h] with one acq_rel atomic at GPU scope after a CTA
-    barrier (the pattern of a cooperative grid sync), so its partial rows are visible to whichever program
-    reads the count NS - 1. That program reads the NS * G partial rows from L2 (volatile loads: never a stale L1
-    line) in chunks of MERGE_ROWS and forms out[g] = sum_s w[s, g] o[s, g] / sum_s w[s, g], with w =
-    exp(lse - max_s lse), as one dot per chunk: W[g, i] = w_i where row i belongs to head g (i % G == g).
+    barrier (the pattern of a cooperative grid sync), so its partial rows are visible to whichever
+    program reads the count NS - 1; that one reads them with volatile loads (never a stale L1 line).
     Interpret mode runs the grid in order, so the last split is the one with index NS - 1 there.
     """
     if not interpret:
         plgpu.debug_barrier()            # every thread's partial stores precede the release below
     done = plgpu.atomic_add(counts_ref, (r, h), jnp.int32(1))
-    rows = num_splits * group
-    num_chunks = part_ref.shape[2] // MERGE_ROWS
 
     @pl.when(done == num_splits - 1)
     def _():
-        g_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 0)
-        i_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 1)
-        lane = jax.lax.broadcasted_iota(jnp.int32, (MERGE_ROWS,), 0)
+        _merge_rows(o_ref, part_ref, lse_ref, r, h, num_splits=num_splits, group=group,
+                    group_pad=group_pad, volatile=True)
 
-        def chunk(c):
-            i = c * MERGE_ROWS + i_of
-            mine = (i % group == g_of) & (i < rows)                  # [Gp, C]: row i is head g's
-            lse = plgpu.load(lse_ref.at[r, h, pl.ds(c * MERGE_ROWS, MERGE_ROWS)],
-                             mask=c * MERGE_ROWS + lane < rows, other=NEG, volatile=True)
-            return mine, lse
 
-        def max_body(c, m):
-            mine, lse = chunk(c)
-            return jnp.maximum(m, jnp.max(jnp.where(mine, lse[None, :], NEG), axis=1))
-
-        m = jax.lax.fori_loop(0, num_chunks, max_body, jnp.full((group_pad,), NEG, jnp.float32))
-
-        def sum_body(c, carry):
-            acc, den = carry
-            mine, lse = chunk(c)
-            w = jnp.where(mine, jnp.exp(lse[None, :] - m[:, None]), 0.0)              # [Gp, C]
-            part = plgpu.load(part_ref.at[r, h, pl.ds(c * MERGE_ROWS, MERGE_ROWS), :],
-                              mask=(c * MERGE_ROWS + lane < rows)[:, None], other=0.0,
-                              volatile=True)                                     # [C, D]
-            acc = acc + plgpu.dot(w, part, precision=jax.lax.Precision.HIGHEST)
-            return acc, den + jnp.sum(w, axis=1)
-
-        head_dim = part_ref.shape[3]
-        acc, den = jax.lax.fori_loop(0, num_chunks, sum_body,
-                                     (jnp.zeros((group_pad, head_dim), jnp.float32),
-                                      jnp.zeros((group_pad,), jnp.float32)))
-        row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
-        plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], (acc / den[:, None]).astype(o_ref.dtype),
-                    mask=row < group)
+def _merge_kernel(part_ref, lse_ref, o_ref, *, num_splits, group, group_pad):
+    """merge="pallas": one program per (request, kv head) after the decode kernel (_merge_rows)."""
+    _merge_rows(o_ref, part_ref, lse_ref, pl.program_id(0), pl.program_id(1), num_splits=num_splits,
+                group=group, group_pad=group_pad, volatile=False)
 
 
 def num_sms() -> int:
@@ -217,23 +232,24 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
     operands = [layer, seq_lens, block_tables, q3, kv_cache]
     aliases = {}
     final = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
+    # merge "kernel" / "pallas": rows for every split's [Gp, D] store (masked past G), in whole merge chunks
+    rows = -(-((num_splits - 1) * group + group_pad) // MERGE_ROWS) * MERGE_ROWS
+    part_shapes = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows), jnp.float32))
     if merge is None:
         out_shape = final
     elif merge == "kernel":
-        # rows for every split's [Gp, D] store (masked past G), rounded up to whole merge chunks
-        rows = -(-((num_splits - 1) * group + group_pad) // MERGE_ROWS) * MERGE_ROWS
         counts = jnp.zeros((num_reqs, num_kv_heads), jnp.int32)
         operands.append(counts)
         aliases = {len(operands) - 1: 3}
-        out_shape = (final,
-                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows), jnp.float32),
-                     counts)
+        out_shape = (final, *part_shapes, counts)
+    elif merge == "pallas":
+        out_shape = part_shapes
     else:
         out_shape = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group, head_dim),
                                           jnp.float32),
                      jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group), jnp.float32))
-    return pl.pallas_call(
+    res = pl.pallas_call(
         kernel,
         grid=(num_reqs, num_kv_heads, num_splits),
         out_shape=out_shape,
@@ -242,6 +258,16 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
         interpret=interpret,
         name="paged_decode_attention",
     )(*operands)
+    if merge != "pallas":
+        return res
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=num_splits, group=group, group_pad=group_pad),
+        grid=(num_reqs, num_kv_heads),
+        out_shape=final,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_merge",
+    )(*res)
 
 
 def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
@@ -302,6 +328,8 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         return res                                                     # written by the kernel
     if merge == "kernel":
         return res[0]                                                  # merged by the kernel
+    if merge == "pallas":
+        return res                                                     # merged by _merge_kernel
     o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]
     # merge splits: weights exp(lse_s - max_s lse); empty splits carry NEG and weigh 0
     w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))

@@ -36,7 +36,7 @@ def variants(d):
     def ours(merge):
         return lambda i, q, pool, kp, vp, tables, lens: pk.paged_decode_attention(
             q, pool, jnp.int32(0), tables[i], lens, scale=d ** -0.5, merge=merge)
-    return {"ours_jnp_merge": ours("jnp"), "ours_kernel_merge": ours("kernel"),
+    return {"ours_jnp_merge": ours("jnp"), "ours_pallas_merge": ours("pallas"), "ours_kernel_merge": ours("kernel"),
             "jax_paged_attention": lambda i, q, pool, kp, vp, tables, lens: jax_pa.paged_attention(
                 q, kp, vp, tables[i], lens)}
 
