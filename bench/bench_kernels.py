@@ -119,10 +119,7 @@ def check(args, results):
         lens = jnp.asarray(rng.integers(1, ctx + 1, r).astype(np.int32))
         lens = lens.at[3].set(0)
         q = jax.random.normal(jax.random.PRNGKey(int(rng.integers(1 << 30))), (r, n, d)).astype(jnp.bfloat16)
-        # split-K merged by the XLA epilogue and inside the kernel (the default splits at 64 requests
-        # here, 16 splits besides; the window and soft cap with the default merge)
-        for kw in ({"merge": "jnp"}, {"merge": "kernel"}, {"merge": "kernel", "num_splits": 16},
-                   {"sliding_window": 1000, "soft_cap": 30.0}):
+        for kw in ({}, {"sliding_window": 1000, "soft_cap": 30.0}, *args.decode_variants):
             o = pk.paged_decode_attention(q, pool, jnp.int32(1), tables, lens, scale=d ** -0.5, **kw)
             ref_kw = {k_: v for k_, v in kw.items() if k_ in ("sliding_window", "soft_cap")}
             ref = pk.paged_decode_attention_reference(q, pool, 1, tables, lens, scale=d ** -0.5, **ref_kw)
@@ -229,7 +226,7 @@ def decode_bench(args, results):
                     row["default_tbps"] = kv_bytes / t / 1e12
                 except Exception as e:  # noqa: BLE001
                     print(f"decode default failed: {type(e).__name__}: {str(e)[:300]}")
-                _time_decode_merges(args, row, (q, pool, tables, lens), nrot, d ** -0.5)
+                _time_decode_variants(args, row, (q, pool, tables, lens), nrot, d ** -0.5)
                 if best:
                     row["ours_us"], row["ours_cfg"], row["ours_wall_us"] = best[0] * 1e6, best[1], best[2] * 1e6
                     row["ours_tbps"] = kv_bytes / best[0] / 1e12
@@ -254,20 +251,23 @@ def decode_bench(args, results):
     results["decode"] = rows
 
 
-def _time_decode_merges(args, row, data, nrot, scale):
-    """The default decode configuration with each split-K merge of --decode-merges ("jnp": the XLA
-    epilogue, "kernel": inside the kernel), paired in one sample loop each and checked against the default
-    output first: row['merge_us[<merge>]']."""
-    if SMOKE or not args.decode_merges:
+def _variant_label(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(kw.items()))
+
+
+def _time_decode_variants(args, row, data, nrot, scale):
+    """The default decode configuration with each keyword set of --decode-variants, checked against the
+    default's output first: row['variant_us[<k=v,...>]']."""
+    if SMOKE or not args.decode_variants:
         return
     q, pool, tables, lens = data
     ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
-    for merge in args.decode_merges:
-        def f(i, q, pool, tables, lens, merge=merge):
-            return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens, scale=scale, merge=merge)
-        t = _checked_time(f"merge:{merge}", f, data, nrot, row, ref)
+    for kw in args.decode_variants:
+        def f(i, q, pool, tables, lens, kw=kw):
+            return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
+        t = _checked_time(f"variant:{_variant_label(kw)}", f, data, nrot, row, ref)
         if t is not None:
-            row[f"merge_us[{merge}]"] = t * 1e6
+            row[f"variant_us[{_variant_label(kw)}]"] = t * 1e6
 
 
 def _mgpu_variant(cfg: tuple) -> tuple[str, dict]:
@@ -337,6 +337,24 @@ PREFILL_SHAPES = [(1, 512), (16, 512), (1, 2048), (4, 2048), (1, 8192), (4, 8192
 PREFILL_CONFIGS = [  # (block_m, block_k, num_warps, num_stages), swept besides the op's own default
     (128, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 2),
 ]
+
+
+def _variants(text: str) -> list[dict]:
+    """--decode-variants: 'a=1,b=True;c=None' -> [{'a': 1, 'b': True}, {'c': None}]."""
+    import ast
+    out = []
+    for item in (t for t in text.split(";") if t):
+        kw = {}
+        for pair in item.split(","):
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise argparse.ArgumentTypeError(f"each variant is k=v pairs separated by ',': {text!r}")
+            try:
+                kw[key.strip()] = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                raise argparse.ArgumentTypeError(f"{value!r} is not a Python literal") from None
+        out.append(kw)
+    return out
 
 
 def _mgpu_configs(text: str) -> list[tuple]:
@@ -500,15 +518,15 @@ def write_outputs(args, results):
                      f"{r.get('mgpu_us', float('nan')):.1f} | {r.get('mgpu_tbps', float('nan')):.2f} | "
                      f"{r.get('mgpu_cfg', '')} | "
                      f"{r.get('jax_us', float('nan')) / r.get('mgpu_us', float('nan')):.2f} |")
-    merged = [r for r in results.get("decode", []) if any(k.startswith("merge_us[") for k in r)]
-    if merged:
-        names = sorted({k[9:-1] for r in merged for k in r if k.startswith("merge_us[")})
-        lines += ["", "## Decode split-K merge (default configuration; µs)", "",
-                  "| layout | seqs x ctx | " + " | ".join(names) + " | JAX µs |",
-                  "|---|---|" + "---|" * (len(names) + 1)]
-        for r in merged:
-            lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | "
-                         + " | ".join(f"{r.get(f'merge_us[{n}]', float('nan')):.1f}" for n in names)
+    varied = [r for r in results.get("decode", []) if any(k.startswith("variant_us[") for k in r)]
+    if varied:
+        names = sorted({k[11:-1] for r in varied for k in r if k.startswith("variant_us[")})
+        lines += ["", "## Decode variants of the default configuration (µs)", "",
+                  "| layout | seqs x ctx | default | " + " | ".join(names) + " | JAX |",
+                  "|---|---|---|" + "---|" * (len(names) + 1)]
+        for r in varied:
+            lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | {r.get('default_us', float('nan')):.1f} | "
+                         + " | ".join(f"{r.get(f'variant_us[{n}]', float('nan')):.1f}" for n in names)
                          + f" | {r.get('jax_us', float('nan')):.1f} |")
     lines += ["", "## Prefill (causal, TFLOP/s counting the causal half)", "",
               "'default' = the Triton kernel as the model calls it; 'best' = best of it and the swept Triton "
@@ -585,9 +603,10 @@ def main():
                          "'block_m,block_k,warps,stages' separated by ';'")
     ap.add_argument("--decode-shapes", type=_shapes, default=None,
                     help="only these decode shapes, 'SEQSxCTX,...' (e.g. '16x1024,64x4096'); default all")
-    ap.add_argument("--decode-merges", type=lambda t: [m for m in t.split(",") if m], default=[],
-                    help="also time the default decode configuration with each of these split-K merges "
-                         "('jnp,kernel'); default none")
+    ap.add_argument("--decode-variants", type=_variants, default=[],
+                    help="also check and time the default decode configuration with each of these keyword "
+                         "sets of paged_decode_attention, 'k=v,k=v;k=v' (values as Python literals, e.g. "
+                         "'table_prefetch=True'); default none")
     ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
                     help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode batches: configurations as "
                          "--mgpu-configs (e.g. '128,2;64,4'); default none")

@@ -39,11 +39,6 @@ PROGRAMS_PER_SM = 8
 # partial output and log-sum-exp stores, its share of the merge) for 64 keys. Session 10 run 06, qwen2-0.5b
 # 16 x 1k on the H100: 8 splits of two tiles 13.9 us against 16 splits of one 15.3 us.
 MIN_TILES_PER_SPLIT = 2
-# Split-K partials are merged by an XLA epilogue ("jnp") or inside the kernel by the last split of each
-# (request, kv head) to finish ("kernel", _merge_if_last); the merge reads MERGE_ROWS partial rows at a time.
-MERGES = ("jnp", "pallas", "kernel")
-DEFAULT_MERGE = "jnp"
-MERGE_ROWS = 64
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -52,8 +47,8 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *refs,
-                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad, merge, interpret):
+def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, *lse_refs,
+                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad, table_prefetch):
     # layer_ref:        i32[1]
     # seq_lens_ref:     i32[R]
     # block_tables_ref: i32[R, M]
@@ -65,20 +60,6 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
     #   o_ref:          f32[R, K, NS, G, D]   this split's output, already divided by its softmax sum
     #   lse_refs[0]:    f32[R, K, NS, G]      this split's log-sum-exp (NEG when the split is empty)
     #   (only the G real rows of the [Gp, D] tile are stored: the merge reads no padding)
-    # several splits, merged in the kernel (merge="kernel"; refs: counts_in, o, part, lse, counts):
-    #   counts_in:      i32[R, K]             zeros, aliased to counts
-    #   o_ref:          dtype[R, N, D]        final output, written by the last split of (r, h) to finish
-    #   part_ref:       f32[R, K, NSG, D]     split s's G rows at rows s*G .. s*G+G-1 (NSG >= NS*G)
-    #   lse_ref:        f32[R, K, NSG]        their log-sum-exps, same rows
-    #   counts:         i32[R, K]             splits of (r, h) finished so far
-    if merge == "kernel":
-        _, o_ref, part_ref, lse_ref, counts_ref = refs
-        lse_refs = ()
-    elif merge == "pallas":
-        part_ref, lse_ref = refs
-        lse_refs = ()
-    else:
-        o_ref, *lse_refs = refs
     r, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     group = q_ref.shape[2]
@@ -97,6 +78,13 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
     key_end = jnp.minimum(seq_len, end_block * block_size)
     row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
     q = plgpu.load(q_ref.at[r, h, pl.ds(0, group_pad), :], mask=row < group, other=0.0)   # [Gp, D]
+    if table_prefetch:
+        # the request's whole table row, loaded alongside seq_len instead of after it: the first K/V
+        # loads then wait on one memory round trip, not two; each tile picks its P entries out of it
+        width = _next_pow2(max_blocks)
+        col = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+        table_row = plgpu.load(block_tables_ref.at[r, pl.ds(0, width)], mask=col < max_blocks, other=0)
+        pick = jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter, width), 1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
@@ -104,8 +92,11 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
     def body(i, carry):
         block0 = first_block + i * blocks_per_iter
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
-        blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
-                            mask=idx < max_blocks, other=0)                  # [P]; past M -> null
+        if table_prefetch:
+            blocks = jnp.sum(jnp.where(pick == idx[:, None], table_row[None, :], 0), axis=1)   # [P]
+        else:
+            blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
+                                mask=idx < max_blocks, other=0)              # [P]; past M -> null
         k = kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         v = kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale    # [Gp, P*S] f32
@@ -122,15 +113,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
-    if merge in ("kernel", "pallas"):
-        lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
-        real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
-        plgpu.store(part_ref.at[r, h, pl.ds(split * group, group_pad), :], out, mask=row < group)
-        plgpu.store(lse_ref.at[r, h, pl.ds(split * group, group_pad)], lse, mask=real)
-        if merge == "kernel":
-            _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, num_splits=pl.num_programs(2),
-                           group=group, group_pad=group_pad, interpret=interpret)
-    elif not lse_refs:
+    if not lse_refs:
         plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(o_ref.dtype),
                     mask=row < group)
     else:
@@ -138,71 +121,6 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, *re
         lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
         real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
         plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
-
-
-def _merge_rows(o_ref, part_ref, lse_ref, r, h, *, num_splits, group, group_pad, volatile):
-    """out[g] = sum_s w[s, g] o[s, g] / sum_s w[s, g], w = exp(lse - max_s lse), for (request r, kv head h).
-
-    part_ref f32[R, K, NSG, D] / lse_ref f32[R, K, NSG] hold split s's head g at row s*G + g. One pass over
-    chunks of MERGE_ROWS rows with a running maximum per head (chunks rescale what came before, as in
-    online softmax), so every chunk's loads are independent of the last chunk's results; each chunk is
-    one dot W[Gp, C] @ part[C, D], with W[g, i] = w_i where row i is head g's (i % G == g). Splits left
-    empty carry NEG and weigh 0; a request whose every split is empty (seq_len 0) gets zeros.
-    """
-    rows = num_splits * group
-    head_dim = part_ref.shape[3]
-    g_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 0)
-    i_of = jax.lax.broadcasted_iota(jnp.int32, (group_pad, MERGE_ROWS), 1)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (MERGE_ROWS,), 0)
-    # f32 partials: an exact dot where the output is f32, TF32 where it is rounded to 16 bits anyway
-    precision = jax.lax.Precision.HIGHEST if o_ref.dtype == jnp.float32 else None
-
-    def body(c, carry):
-        m, acc, den = carry
-        first = c * MERGE_ROWS
-        mine = ((first + i_of) % group == g_of) & (first + i_of < rows)        # [Gp, C]
-        lse = plgpu.load(lse_ref.at[r, h, pl.ds(first, MERGE_ROWS)], mask=first + lane < rows,
-                         other=NEG, volatile=volatile)
-        part = plgpu.load(part_ref.at[r, h, pl.ds(first, MERGE_ROWS), :],
-                          mask=(first + lane < rows)[:, None], other=0.0, volatile=volatile)   # [C, D]
-        lse = jnp.where(mine, lse[None, :], NEG)                                # [Gp, C]
-        m_new = jnp.maximum(m, jnp.max(lse, axis=1))
-        alpha = jnp.exp(m - m_new)
-        w = jnp.where(mine, jnp.exp(lse - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + plgpu.dot(w, part, precision=precision)
-        return m_new, acc, den * alpha + jnp.sum(w, axis=1)
-
-    _, acc, den = jax.lax.fori_loop(
-        0, pl.cdiv(rows, MERGE_ROWS), body,
-        (jnp.full((group_pad,), NEG, jnp.float32), jnp.zeros((group_pad, head_dim), jnp.float32),
-         jnp.zeros((group_pad,), jnp.float32)))
-    row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
-    plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], (acc / den[:, None]).astype(o_ref.dtype),
-                mask=row < group)
-
-
-def _merge_if_last(o_ref, part_ref, lse_ref, counts_ref, r, h, *, num_splits, group, group_pad, interpret):
-    """merge="kernel": the last split of (r, h) to finish merges all of them (_merge_rows).
-
-    Every program counts itself into counts[r, h] with one acq_rel atomic at GPU scope after a CTA
-    barrier (the pattern of a cooperative grid sync), so its partial rows are visible to whichever
-    program reads the count NS - 1; that one reads them with volatile loads (never a stale L1 line).
-    Interpret mode runs the grid in order, so the last split is the one with index NS - 1 there.
-    """
-    if not interpret:
-        plgpu.debug_barrier()            # every thread's partial stores precede the release below
-    done = plgpu.atomic_add(counts_ref, (r, h), jnp.int32(1))
-
-    @pl.when(done == num_splits - 1)
-    def _():
-        _merge_rows(o_ref, part_ref, lse_ref, r, h, num_splits=num_splits, group=group,
-                    group_pad=group_pad, volatile=True)
-
-
-def _merge_kernel(part_ref, lse_ref, o_ref, *, num_splits, group, group_pad):
-    """merge="pallas": one program per (request, kv head) after the decode kernel (_merge_rows)."""
-    _merge_rows(o_ref, part_ref, lse_ref, pl.program_id(0), pl.program_id(1), num_splits=num_splits,
-                group=group, group_pad=group_pad, volatile=False)
 
 
 def num_sms() -> int:
@@ -222,52 +140,25 @@ def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_
 
 
 def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_window, soft_cap,
-            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, merge, interpret):
+            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, table_prefetch, interpret):
     num_reqs, num_kv_heads, group, head_dim = q3.shape
-    if num_splits == 1:
-        merge = None
     kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad,
-                               merge=merge, interpret=interpret)
-    operands = [layer, seq_lens, block_tables, q3, kv_cache]
-    aliases = {}
-    final = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
-    # merge "kernel" / "pallas": rows for every split's [Gp, D] store (masked past G), in whole merge chunks
-    rows = -(-((num_splits - 1) * group + group_pad) // MERGE_ROWS) * MERGE_ROWS
-    part_shapes = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((num_reqs, num_kv_heads, rows), jnp.float32))
-    if merge is None:
-        out_shape = final
-    elif merge == "kernel":
-        counts = jnp.zeros((num_reqs, num_kv_heads), jnp.int32)
-        operands.append(counts)
-        aliases = {len(operands) - 1: 3}
-        out_shape = (final, *part_shapes, counts)
-    elif merge == "pallas":
-        out_shape = part_shapes
+                               table_prefetch=table_prefetch)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
     else:
         out_shape = (jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group, head_dim),
                                           jnp.float32),
                      jax.ShapeDtypeStruct((num_reqs, num_kv_heads, num_splits, group), jnp.float32))
-    res = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(num_reqs, num_kv_heads, num_splits),
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(*operands)
-    if merge != "pallas":
-        return res
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, num_splits=num_splits, group=group, group_pad=group_pad),
-        grid=(num_reqs, num_kv_heads),
-        out_shape=final,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="paged_decode_merge",
-    )(*res)
+    )(layer, seq_lens, block_tables, q3, kv_cache)
 
 
 def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
@@ -282,24 +173,19 @@ def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
-                                             "blocks_per_iter", "num_warps", "num_stages", "merge",
-                                             "interpret"))
+                                             "blocks_per_iter", "num_warps", "num_stages",
+                                             "table_prefetch", "interpret"))
 def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            num_splits: int | None = None, blocks_per_iter: int | None = None,
-                           num_warps: int | None = None, num_stages: int = 2, merge: str | None = None,
-                           interpret: bool | None = None):
+                           num_warps: int | None = None, num_stages: int = 2,
+                           table_prefetch: bool | None = None, interpret: bool | None = None):
     """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
 
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
     (context including this step's token, 0 for padding requests, whose output is zeros).
-    merge: how split-K partials are combined, "jnp" (an XLA epilogue after the kernel) or "kernel" (the
-    last split of each (request, kv head) to finish merges them, _merge_if_last); None: DEFAULT_MERGE.
     """
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
-    merge = DEFAULT_MERGE if merge is None else merge
-    if merge not in MERGES:
-        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_reqs, num_heads, head_dim = q.shape
@@ -317,19 +203,17 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         # Same sweep: 2 warps beat 4 for D 64 (qwen2-0.5b) at >= 4k tokens of context (256 x 4k: 237 vs
         # 350 us; 64 x 8k: 138 vs 167 us); for D 128 (llama3-8b) 4 warps were best or within noise.
         num_warps = 2 if head_dim <= 64 else 4
+    if table_prefetch is None:
+        table_prefetch = False
     q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
     res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
                   blocks_per_iter=blocks_per_iter,
-                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, merge=merge,
-                  interpret=interpret)
+                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages,
+                  table_prefetch=table_prefetch, interpret=interpret)
     if num_splits == 1:
         return res                                                     # written by the kernel
-    if merge == "kernel":
-        return res[0]                                                  # merged by the kernel
-    if merge == "pallas":
-        return res                                                     # merged by _merge_kernel
     o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]
     # merge splits: weights exp(lse_s - max_s lse); empty splits carry NEG and weigh 0
     w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
