@@ -244,6 +244,7 @@ def decode_bench(args, results):
                 except Exception as e:  # noqa: BLE001
                     print(f"jax paged_attention failed: {type(e).__name__}: {str(e)[:300]}")
                 _time_decode_mgpu(args, row, (q, pool, tables, lens), nrot, kv_bytes, d ** -0.5)
+                _routed(row, r * k)
                 del kp, vp, pool
                 print("decode", json.dumps({k_: (round(v, 3) if isinstance(v, float) else v)
                                             for k_, v in row.items()}), flush=True)
@@ -268,6 +269,34 @@ def _time_decode_variants(args, row, data, nrot, scale):
         t = _checked_time(f"variant:{_variant_label(kw)}", f, data, nrot, row, ref)
         if t is not None:
             row[f"variant_us[{_variant_label(kw)}]"] = t * 1e6
+
+
+# JAX's paged_attention in BENCHMARKS.md's kernel anchor table (H100, jax 0.11.2, measured 2026-11-22), us
+JAX_ANCHOR_US = {
+    ("qwen2-0.5b", 16, 1024): 118, ("qwen2-0.5b", 64, 1024): 145, ("qwen2-0.5b", 64, 4096): 201,
+    ("qwen2-0.5b", 256, 1024): 252, ("qwen2-0.5b", 256, 4096): 522, ("qwen2-0.5b", 16, 8192): 174,
+    ("llama3-8b", 16, 1024): 354, ("llama3-8b", 64, 1024): 348, ("llama3-8b", 64, 4096): 715,
+    ("llama3-8b", 256, 1024): 866, ("llama3-8b", 256, 4096): 2281, ("llama3-8b", 16, 8192): 397,
+}
+
+
+def _routed(row, pairs):
+    """The kernel attention() runs for this decode outside while loops: the Mosaic decode kernel from
+    MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs where it was timed (its default configuration,
+    '128,2'), else the Triton kernel's default; with its ratio to JAX's op in this run and in the
+    BENCHMARKS.md anchor table."""
+    mosaic = (pk.MOSAIC_DECODE_MIN_PAIRS is not None and pairs >= pk.MOSAIC_DECODE_MIN_PAIRS
+              and "mgpu_us[128,2]" in row)
+    us = row["mgpu_us[128,2]"] if mosaic else row.get("default_us")
+    if us is None:
+        return
+    row["routed_us"], row["routed_kernel"] = us, "mosaic" if mosaic else "triton"
+    row["routed_tbps"] = row["kv_bytes"] / us / 1e6
+    if "jax_us" in row:
+        row["routed_vs_jax"] = row["jax_us"] / us
+    anchor = JAX_ANCHOR_US.get((row["layout"], row["seqs"], row["ctx"]))
+    if anchor:
+        row["routed_vs_anchor"] = anchor / us
 
 
 def _mgpu_variant(cfg: tuple) -> tuple[str, dict]:
@@ -528,6 +557,19 @@ def write_outputs(args, results):
             lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | {r.get('default_us', float('nan')):.1f} | "
                          + " | ".join(f"{r.get(f'variant_us[{n}]', float('nan')):.1f}" for n in names)
                          + f" | {r.get('jax_us', float('nan')):.1f} |")
+    routed = [r for r in results.get("decode", []) if "routed_us" in r]
+    if routed:
+        nan = float("nan")
+        lines += ["", "## Decode as the model routes it (attention() outside while loops)", "",
+                  f"Mosaic decode kernel from {pk.MOSAIC_DECODE_MIN_PAIRS} (request, kv head) pairs, the Triton "
+                  "kernel below; ratios to JAX's op in this run and to BENCHMARKS.md's anchor table.", "",
+                  "| layout | seqs x ctx | kernel | µs | TB/s | JAX µs (this run) | x JAX | JAX anchor µs | x anchor |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in routed:
+            anchor = JAX_ANCHOR_US.get((r["layout"], r["seqs"], r["ctx"]))
+            lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | {r['routed_kernel']} | {r['routed_us']:.1f} | "
+                         f"{r['routed_tbps']:.2f} | {r.get('jax_us', nan):.1f} | {r.get('routed_vs_jax', nan):.2f} | "
+                         f"{anchor or ''} | {r.get('routed_vs_anchor', nan):.2f} |")
     lines += ["", "## Prefill (causal, TFLOP/s counting the causal half)", "",
               "'default' = the Triton kernel as the model calls it; 'best' = best of it and the swept Triton "
               "configs (cfg = block_m, block_k, warps, stages); 'mgpu' = the best Mosaic GPU configuration "

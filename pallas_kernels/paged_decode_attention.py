@@ -48,7 +48,7 @@ def _next_pow2(x: int) -> int:
 
 
 def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, *lse_refs,
-                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad, table_prefetch):
+                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad):
     # layer_ref:        i32[1]
     # seq_lens_ref:     i32[R]
     # block_tables_ref: i32[R, M]
@@ -78,13 +78,6 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     key_end = jnp.minimum(seq_len, end_block * block_size)
     row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
     q = plgpu.load(q_ref.at[r, h, pl.ds(0, group_pad), :], mask=row < group, other=0.0)   # [Gp, D]
-    if table_prefetch:
-        # the request's whole table row, loaded alongside seq_len instead of after it: the first K/V
-        # loads then wait on one memory round trip, not two; each tile picks its P entries out of it
-        width = _next_pow2(max_blocks)
-        col = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-        table_row = plgpu.load(block_tables_ref.at[r, pl.ds(0, width)], mask=col < max_blocks, other=0)
-        pick = jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter, width), 1)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
@@ -92,11 +85,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     def body(i, carry):
         block0 = first_block + i * blocks_per_iter
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
-        if table_prefetch:
-            blocks = jnp.sum(jnp.where(pick == idx[:, None], table_row[None, :], 0), axis=1)   # [P]
-        else:
-            blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
-                                mask=idx < max_blocks, other=0)              # [P]; past M -> null
+        blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
+                            mask=idx < max_blocks, other=0)                  # [P]; past M -> null
         k = kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         v = kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale    # [Gp, P*S] f32
@@ -140,11 +130,10 @@ def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_
 
 
 def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_window, soft_cap,
-            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, table_prefetch, interpret):
+            num_splits, blocks_per_iter, group_pad, num_warps, num_stages, interpret):
     num_reqs, num_kv_heads, group, head_dim = q3.shape
     kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad,
-                               table_prefetch=table_prefetch)
+                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
     else:
@@ -173,13 +162,12 @@ def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
-                                             "blocks_per_iter", "num_warps", "num_stages",
-                                             "table_prefetch", "interpret"))
+                                             "blocks_per_iter", "num_warps", "num_stages", "interpret"))
 def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            num_splits: int | None = None, blocks_per_iter: int | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
-                           table_prefetch: bool | None = None, interpret: bool | None = None):
+                           interpret: bool | None = None):
     """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
 
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
@@ -203,15 +191,12 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         # Same sweep: 2 warps beat 4 for D 64 (qwen2-0.5b) at >= 4k tokens of context (256 x 4k: 237 vs
         # 350 us; 64 x 8k: 138 vs 167 us); for D 128 (llama3-8b) 4 warps were best or within noise.
         num_warps = 2 if head_dim <= 64 else 4
-    if table_prefetch is None:
-        table_prefetch = False
     q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
     res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
                   blocks_per_iter=blocks_per_iter,
-                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages,
-                  table_prefetch=table_prefetch, interpret=interpret)
+                  group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if num_splits == 1:
         return res                                                     # written by the kernel
     o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]

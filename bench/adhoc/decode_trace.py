@@ -2,9 +2,9 @@
 
   python3 bench/adhoc/decode_trace.py --out DIR [--shapes 16x1024,16x4096] [--layouts qwen2-0.5b] [-n 16]
 
-For each shape and variant (our default; with the table row prefetched; with every request empty, the
-floor of launch, length and q loads and stores; JAX's own paged_attention) it runs one jitted call of n ops on n different block tables, under
-jax.profiler, and reports from the device's events: the kernels by name (count, mean us), the device-busy
+For each shape and variant (our default; the same with every request empty, the floor of launch, length
+and q loads and stores; JAX's own paged_attention) it runs one jitted call of n ops on n different block
+tables, under jax.profiler, and reports from the device's events: the kernels by name (count, mean us), the device-busy
 time per op, and the span per op (first kernel's start to last kernel's end, divided by n): the second
 includes the gaps between kernels in the stream, what bench_kernels' paired timing sees.
 Writes decode_trace.json under --out and prints it.
@@ -37,8 +37,7 @@ def variants(d):
         # zero_lens: every request empty, so each program loads q and its length and stores: the floor
         return lambda i, q, pool, kp, vp, tables, lens: pk.paged_decode_attention(
             q, pool, jnp.int32(0), tables[i], lens * 0 if zero_lens else lens, scale=d ** -0.5, **kw)
-    return {"ours": ours(), "ours_table_prefetch": ours(table_prefetch=True),
-            "ours_empty_requests": ours(zero_lens=True),
+    return {"ours": ours(), "ours_empty_requests": ours(zero_lens=True),
             "jax_paged_attention": lambda i, q, pool, kp, vp, tables, lens: jax_pa.paged_attention(
                 q, kp, vp, tables[i], lens)}
 
