@@ -187,3 +187,28 @@ def test_stamp_with_and_without_jax(monkeypatch):
         s = common.stamp(["bench/x.py", "--flag"], with_device=with_device)
         assert s["git_revision"] == "abc1234" and "bench/x.py --flag" in s["command"]
         assert s["device"] and s["date"]
+
+
+def test_kernel_bench_variants_and_routing(monkeypatch):
+    """bench_kernels: --decode-variants parses keyword sets; the routed decode figure takes the Mosaic
+    kernel's time from MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs and the Triton default below, with
+    its ratios to JAX's op in the run and to the BENCHMARKS.md anchor."""
+    import argparse
+
+    from bench import bench_kernels as bk
+    assert bk._variants("num_stages=3,table=True;merge='jnp'") == [{"num_stages": 3, "table": True},
+                                                                  {"merge": "jnp"}]
+    for bad in ("num_stages", "x=not a literal"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bk._variants(bad)
+    monkeypatch.setattr(bk.pk, "MOSAIC_DECODE_MIN_PAIRS", 128)
+    small = {"layout": "qwen2-0.5b", "seqs": 16, "ctx": 1024, "kv_bytes": 8 << 20, "default_us": 10.0,
+             "jax_us": 15.0, "mgpu_us[128,2]": 20.0}
+    bk._routed(small, 16 * 2)
+    assert small["routed_kernel"] == "triton" and small["routed_us"] == 10.0
+    assert small["routed_vs_jax"] == pytest.approx(1.5) and small["routed_vs_anchor"] == pytest.approx(11.8)
+    big = {"layout": "llama3-8b", "seqs": 16, "ctx": 4096, "kv_bytes": 1 << 28, "default_us": 130.0,
+           "mgpu_us[128,2]": 100.0}
+    bk._routed(big, 16 * 8)
+    assert big["routed_kernel"] == "mosaic" and big["routed_us"] == 100.0
+    assert "routed_vs_jax" not in big and "routed_vs_anchor" not in big     # no JAX run, no anchor shape
