@@ -648,7 +648,7 @@ def main():
     ap.add_argument("--decode-variants", type=_variants, default=[],
                     help="also check and time the default decode configuration with each of these keyword "
                          "sets of paged_decode_attention, 'k=v,k=v;k=v' (values as Python literals, e.g. "
-                         "'table_prefetch=True'); default none")
+                         "'num_stages=3;num_warps=4'); default none")
     ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
                     help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode batches: configurations as "
                          "--mgpu-configs (e.g. '128,2;64,4'); default none")

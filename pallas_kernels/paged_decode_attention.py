@@ -14,7 +14,7 @@ exactly once per step (GQA without re-reads). Each program writes its normalised
 log-sum-exp; a small jnp epilogue merges the NS splits. Splits left empty (a context shorter than NS tiles)
 exit at once. The epilogue is XLA's two or three small fusions (2.5-5 us on the H100); merging inside the
 kernel instead (the last split to finish, found by an acq_rel atomic count, merges) made the kernel itself
-1.3-2x slower, and a separate Pallas merge kernel took as long as the fusions or longer
+1.3-1.7x slower, and a separate Pallas merge kernel took as long as the fusions or longer
 (bench/results/h100/NOTES.md, thirteenth session; the code is at 0b46224).
 
 The cache is passed whole ([L, 2, B, K, S, D]) and the layer is picked inside the kernel, so the model's
