@@ -32,7 +32,8 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
   unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile;
          CUPTI tracing whole graph launches), ShareGPT 1000, the profiled run again, and with kernel-level tracing
-  serve-align  speed's server with the packed inputs back to back, then aligned (the default)
+  serve-align  speed's server with the packed inputs back to back (its default), then aligned (as unrolled
+         layers pack them)
   speed-gt  speed without its kernel-level profile
   graph-trace  qwen2-0.5b offline: ShareGPT 1000, then the profiled run with graph-level and
          kernel-level tracing, twice over
@@ -89,6 +90,21 @@ class Step:
     concurrency: tuple[int, ...] = (1, 10)                 # serve: the openqa client's max concurrency
 
 
+def _default_result_name(argv: list[str]) -> str:
+    """throughput.py's result name when none is given: throughput-<model>-<dataset>."""
+    return f"throughput-{argv[argv.index('--model') + 1]}-{argv[argv.index('--dataset') + 1]}"
+
+
+def variant(step: Step, suffix: str, *extra: str, **changes) -> Step:
+    """`step` run again as a variant: `suffix` added to its name and to its result's name, `extra` arguments
+    added to its command line, `changes` to its other fields (budget_s, env). The variant's --result-name
+    comes after the step's own, and the last one given wins."""
+    argv = step.argv
+    result = argv[argv.index("--result-name") + 1] if "--result-name" in argv else _default_result_name(argv)
+    return dataclasses.replace(step, name=f"{step.name}-{suffix}",
+                               argv=argv + list(extra) + ["--result-name", f"{result}-{suffix}"], **changes)
+
+
 def parts(smoke: bool) -> dict[str, list[Step]]:
     """The suite's steps; --smoke swaps in tiny-llama, 8 prompts and short outputs for the CPU."""
     q, l_ = ("tiny-llama", "tiny-llama") if smoke else ("qwen2-0.5b", "llama3-8b")
@@ -107,10 +123,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
     # tracing holds the host ~1 ms in each launch of an unrolled step's graph. The executable cache is off:
     # on the H100 the graph-level trace crashed (SIGSEGV) in every run that loaded its steps from the cache
     # (3 of 3) and in none that compiled them (2 of 2), so this step compiles (~100 s on 8 threads).
-    profile_graphs = dataclasses.replace(
-        profile_qwen, name="profile-qwen-graphs", budget_s=240, env={"JAXPAGED_EXEC_CACHE": "0"},
-        argv=tput + quick + ["--model", q, "--profile", "--profile-graph-trace", "--num-prompts", "8" if smoke else "64",
-                             "--result-name", f"throughput-{q}-sharegpt-profile-graphs"] + small)
+    profile_graphs = variant(profile_qwen, "graphs", "--profile-graph-trace", budget_s=240,
+                             env={"JAXPAGED_EXEC_CACHE": "0"})
     probe = [str(BENCH / "step_probe.py"), "--model", q, "--batches", "1,4" if smoke else "1,16,64,256"] + (
         ["--num-blocks", "256"] if smoke else [])
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
@@ -170,15 +184,11 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # machine: ShareGPT 1000 with each, the server with 8 steps (openqa at concurrency 1 and 10), and the
         # profiled run with 8 steps. (Offline runs default to 16 steps on GPUs: the one-step run names 1.)
         "multistep": [
-            dataclasses.replace(tput_qwen, name="throughput-qwen-ms1", argv=tput_qwen.argv + [
-                "--num-scheduler-steps", "1", "--result-name", f"throughput-{q}-sharegpt-ms1"]),
-            dataclasses.replace(tput_qwen, name="throughput-qwen-ms8", budget_s=150,
-                                argv=tput_qwen.argv + ["--num-scheduler-steps", "8", "--result-name",
-                                                       f"throughput-{q}-sharegpt-ms8"]),
+            variant(tput_qwen, "ms1", "--num-scheduler-steps", "1"),
+            variant(tput_qwen, "ms8", "--num-scheduler-steps", "8", budget_s=150),
             dataclasses.replace(serve_qwen, name="serve-openqa-ms8", budget_s=240, server_args=(
                 ["--num-scheduler-steps", "8"] + speed_server)),
-            dataclasses.replace(profile_qwen, name="profile-qwen-ms8", argv=profile_qwen.argv + [   # (the last
-                "--num-scheduler-steps", "8", "--result-name", f"throughput-{q}-sharegpt-profile-ms8"]),  # name wins)
+            variant(profile_qwen, "ms8", "--num-scheduler-steps", "8"),
         ],
         # The Mosaic GPU ragged kernel (backend "mosaic", the default on Hopper) against the Triton one
         # ("pallas") end to end, on one machine: ShareGPT 1000 with each, then the profiled run with mosaic
@@ -186,10 +196,8 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # (runner/exec_cache.py), so each run compiles its own steps rather than loading the other's.
         "mosaic": [
             dataclasses.replace(tput_qwen, env={"JAXPAGED_ATTENTION_BACKEND": "pallas"}),
-            dataclasses.replace(tput_qwen, name="throughput-qwen-mosaic", env=mosaic, argv=tput_qwen.argv + [
-                "--result-name", f"throughput-{q}-sharegpt-mosaic"]),
-            dataclasses.replace(profile_qwen, name="profile-qwen-mosaic", env=mosaic, argv=profile_qwen.argv + [
-                "--result-name", f"throughput-{q}-sharegpt-profile-mosaic"]),     # (the last name wins)
+            variant(tput_qwen, "mosaic", env=mosaic),
+            variant(profile_qwen, "mosaic", env=mosaic),
         ],
         # llama3-8b ShareGPT 1000 with the Mosaic GPU prefill kernel (compare the llama part's throughput).
         "mosaic-llama": [
@@ -200,8 +208,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # (cold compile), then the server with the same step shapes, so that, as in speed, its start-up
         # reads the compile cache the throughput run filled; openqa at concurrency 1 and 10.
         "multistep16": [
-            dataclasses.replace(tput_qwen, name="throughput-qwen-ms16", argv=tput_qwen.argv + [
-                "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-ms16"]),
+            variant(tput_qwen, "ms16", "--num-scheduler-steps", "16"),
             dataclasses.replace(serve_qwen, name="serve-openqa-ms16", budget_s=300, server_args=(
                 ["--num-scheduler-steps", "16"] + speed_server)),
         ],
@@ -209,12 +216,9 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # the gaps between programs (host work per program), which 32 steps halve per token. ShareGPT 1000 and
         # the profiled run with 32 (cold compile, then warm), then the profiled run with 16.
         "multistep32": [
-            dataclasses.replace(tput_qwen, name="throughput-qwen-ms32", argv=tput_qwen.argv + [
-                "--num-scheduler-steps", "32", "--result-name", f"throughput-{q}-sharegpt-ms32"]),
-            dataclasses.replace(profile_qwen, name="profile-qwen-ms32", argv=profile_qwen.argv + [
-                "--num-scheduler-steps", "32", "--result-name", f"throughput-{q}-sharegpt-profile-ms32"]),
-            dataclasses.replace(profile_qwen, name="profile-qwen-ms16", budget_s=200, argv=profile_qwen.argv + [
-                "--num-scheduler-steps", "16", "--result-name", f"throughput-{q}-sharegpt-profile-ms16"]),
+            variant(tput_qwen, "ms32", "--num-scheduler-steps", "32"),
+            variant(profile_qwen, "ms32", "--num-scheduler-steps", "32"),
+            variant(profile_qwen, "ms16", "--num-scheduler-steps", "16", budget_s=200),
         ],
         # The launch thread (JAXPAGED_LAUNCH_THREAD=1: step N's JAX launch on a second thread while the engine
         # thread processes step N-1's tokens and schedules N+1) against none, at the default 16 decode steps per
@@ -222,31 +226,23 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # it twice over (the host gap moved between 0.14 and 0.24 from run to run), ShareGPT 1000 with it.
         "launch-thread": [
             tput_qwen,
-            *[dataclasses.replace(profile_qwen, name=f"profile-qwen-lt{v}{rep}", budget_s=90, env=lt(v),
-                                  argv=profile_qwen.argv + ["--result-name",
-                                                            f"throughput-{q}-sharegpt-profile-lt{v}{rep}"])
+            *[variant(profile_qwen, f"lt{v}{rep}", budget_s=90, env=lt(v))
               for rep, v in (("a", 1), ("a", 0), ("b", 1), ("b", 0))],
-            dataclasses.replace(tput_qwen, name="throughput-qwen-lt1", budget_s=120, env=lt(1), argv=tput_qwen.argv + [
-                "--result-name", f"throughput-{q}-sharegpt-lt1"]),
+            variant(tput_qwen, "lt1", budget_s=120, env=lt(1)),
         ],
         # Every layer unrolled into the step (JAXPAGED_LAYER_DISPATCH=unrolled) at 16 decode steps per program:
         # one CUDA graph per decode step instead of one per layer, and no weight-slice copies. The profiled
         # run first (cold compile, about twice the scan's; CUPTI tracing whole graph launches), ShareGPT 1000
         # (warm start-up), the profiled run again, then with kernel-level tracing (as the other parts).
         "unrolled": [
-            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled-gt", budget_s=400, env=unrolled,
-                                argv=profile_qwen.argv + ["--profile-graph-trace", "--result-name",
-                                                          f"throughput-{q}-sharegpt-profile-unrolled-gt"]),
-            dataclasses.replace(tput_qwen, name="throughput-qwen-unrolled", budget_s=120, env=unrolled,
-                                argv=tput_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-unrolled"]),
-            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled-gt2", budget_s=90, env=unrolled,
-                                argv=profile_qwen.argv + ["--profile-graph-trace", "--result-name",
-                                                          f"throughput-{q}-sharegpt-profile-unrolled-gt2"]),
-            dataclasses.replace(profile_qwen, name="profile-qwen-unrolled", budget_s=90, env=unrolled,
-                                argv=profile_qwen.argv + ["--result-name", f"throughput-{q}-sharegpt-profile-unrolled"]),
+            variant(profile_qwen, "unrolled-gt", "--profile-graph-trace", budget_s=400, env=unrolled),
+            variant(tput_qwen, "unrolled", budget_s=120, env=unrolled),
+            variant(profile_qwen, "unrolled-gt2", "--profile-graph-trace", budget_s=90, env=unrolled),
+            variant(profile_qwen, "unrolled", budget_s=90, env=unrolled),
         ],
         # speed's server (the layer scan, one step per program) with the packed inputs back to back
-        # (JAXPAGED_INPUT_ALIGN=1), then on the 256-byte grid (the default): openqa at concurrency 1 and 10.
+        # (JAXPAGED_INPUT_ALIGN=1, its default), then on the 256-byte grid (as unrolled layers pack them):
+        # openqa at concurrency 1 and 10.
         "serve-align": [
             dataclasses.replace(serve_qwen, name=f"serve-openqa-align{a}", budget_s=260, server_args=speed_server,
                                 env={"JAXPAGED_INPUT_ALIGN": str(a)})
@@ -259,9 +255,7 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # one machine: ShareGPT 1000 (cold compile), then the profiled run each way, twice.
         "graph-trace": [
             tput_qwen,
-            *[dataclasses.replace(profile_qwen, name=f"profile-qwen-{tag}{rep}", budget_s=80, argv=profile_qwen.argv + (
-                ["--profile-graph-trace"] if tag == "gt" else []) + ["--result-name",
-                                                                      f"throughput-{q}-sharegpt-profile-{tag}{rep}"])
+            *[variant(profile_qwen, f"{tag}{rep}", *(["--profile-graph-trace"] if tag == "gt" else []), budget_s=80)
               for rep, tag in (("a", "gt"), ("a", "kt"), ("b", "gt"), ("b", "kt"))],
         ],
         # The speed part's server (one step per program) with the Triton attention backend, then with the

@@ -19,15 +19,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-import trace_analysis as ta  # noqa: E402
-from bench_kernels import BLOCK, LAYOUTS, POOL_MIN_BYTES, make_pool, random_tables  # noqa: E402
+from bench import trace_analysis as ta  # noqa: E402
+from bench.bench_kernels import BLOCK, LAYOUTS, POOL_MIN_BYTES, make_pool, random_tables  # noqa: E402
+from bench.common import stamp  # noqa: E402
 
 
 def variants(d):
@@ -50,20 +50,13 @@ def profile_one(fn, args, n, tag):
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(f(*args))
         events = ta.load_events(tmp) or []
-    kernels = sorted(ta._device_kernels(events), key=lambda e: float(e["ts"]))
-    if not kernels:
+    trace = ta.analyze_events(events)
+    if trace is None:
         return {"variant": tag, "error": "no device events"}
-    busy = ta._union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in kernels])
-    span = busy[-1][1] - busy[0][0]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(str(e.get("name", "?"))[:80], []).append(float(e.get("dur", 0)))
-    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
-    return {"variant": tag, "ops": n, "span_per_op_us": span / n,
-            "busy_per_op_us": sum(b - a for a, b in busy) / n,
-            "median_gap_us": float(np.median(gaps)) if gaps else 0.0,
-            "kernels": sorted(({"name": k, "count": len(v), "mean_us": float(np.mean(v))}
-                               for k, v in by_name.items()), key=lambda r: -r["count"] * r["mean_us"])}
+    return {"variant": tag, "ops": n, "span_per_op_us": trace["span_ms"] * 1e3 / n,
+            "busy_per_op_us": trace["device_busy_ms"] * 1e3 / n,
+            "kernels": [{"name": k["name"], "count": k["count"], "mean_us": k["mean_us"]}
+                        for k in ta.top_kernels(events)]}
 
 
 def main():
@@ -99,8 +92,7 @@ def main():
             del pool, kp, vp
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_trace.json").write_text(json.dumps({"device": jax.devices()[0].device_kind,
-                                                       "jax": jax.__version__, "rows": rows}, indent=1))
+    (out / "decode_trace.json").write_text(json.dumps({**stamp(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
