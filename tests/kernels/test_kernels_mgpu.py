@@ -187,7 +187,7 @@ def test_in_fresh_process():
     env = dict(os.environ, PJRT_NPROC="8")
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                          env=env, capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
 
 
