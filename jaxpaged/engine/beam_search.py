@@ -93,17 +93,17 @@ def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) 
 
 def _step(engine, k: int) -> dict[str, list[tuple[int, float]]]:
     """One synchronous engine step over the beams; returns the top-k candidates of each sampled beam."""
-    out = engine.scheduler.schedule()
+    sched = engine.scheduler
+    out = sched.schedule()
     if out.is_empty:
         raise RuntimeError("beam search stalled: nothing could be scheduled")
-    block_ids = {r.request_id: engine.kv_manager.get_block_ids(r.request_id) for r in out.scheduled}
-    result = engine.runner.execute(out, block_ids)
+    result = engine.runner.execute(out)
     got = {}
-    for row, req in enumerate(out.scheduled):
-        if req.num_computed_tokens < req.num_tokens:
-            continue                       # a prefill chunk short of the end: no logits for us
-        req.num_output_placeholders = 0    # the sample is not appended: the beam picks its own token
-        got[req.request_id] = list(zip(result.top_ids[row][:k].tolist(), result.top_logprobs[row][:k].tolist()))
+    for rid, row in result.rows.items():
+        # The sample is not appended: the beam picks its own token (a fork of this one).
+        sched.settle(sched.requests[rid], out.num_steps)
+        got[rid] = list(zip(result.logprobs.top_ids[row][:k].tolist(),
+                            result.logprobs.top_logprobs[row][:k].tolist()))
     return got
 
 

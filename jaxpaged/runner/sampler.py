@@ -8,6 +8,7 @@ X top logprobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +137,16 @@ def prompt_logprobs(logits, target_ids, *, k: int):
     rank = jnp.sum(logprobs > target[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(logprobs, k)
     return target, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def prompt_head(flags: SamplerFlags):
+    """The prompt-logprob head the model applies to every token's logits in bounded chunks, or None."""
+    return (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
+            if flags.num_prompt_logprobs >= 0 else None)
+
+
+def sample_and_keep(logits, prompt, sampling: SamplingInputs, flags: SamplerFlags, prev_sampled):
+    """(sampled ids in a fixed-size device buffer for the next step's inputs, the step's results)."""
+    result = sample(logits, sampling, flags)
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:logits.shape[0]].set(result[0])
+    return sampled_buf, (*result, prompt)
