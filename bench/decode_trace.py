@@ -1,6 +1,6 @@
 """Where a small decode's time goes on the GPU: one profiled jit of N decode calls per variant.
 
-  python3 bench/adhoc/decode_trace.py --out DIR [--shapes 16x1024,16x4096] [--layouts qwen2-0.5b] [-n 16]
+  python3 bench/decode_trace.py --out DIR [--shapes 16x1024,16x4096] [--layouts qwen2-0.5b] [-n 16]
 
 For each shape and variant (our default; the same with every request empty, the floor of launch, length
 and q loads and stores; JAX's own paged_attention) it runs one jitted call of n ops on n different block
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
