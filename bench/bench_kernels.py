@@ -77,8 +77,8 @@ def time_op(op, args, n, samples=3 if SMOKE else 21):
     calls). One jit runs rotations 0..n-1, another 0..2n-1. throughput = median over `samples` of
     (t(2n) - t(n)) / n, the two calls of each sample made back to back: this removes the fixed
     dispatch cost (what the op costs inside a bigger jitted step, e.g. one layer of the model), and
-    pairing the calls keeps one disturbed call from skewing the difference (the eighth session's
-    median(t(2n)) - median(t(n)) gave impossible figures when one of the two medians moved).
+    pairing the calls keeps one disturbed call from skewing the difference (median(t(2n)) - median(t(n))
+    gives impossible figures, above the chip's peak, whenever one of the two medians moves).
     wall = median t(n) / n includes the dispatch.
     """
     f1 = jax.jit(lambda *a: [op(i, *a) for i in range(n)])
@@ -167,7 +167,7 @@ def check(args, results):
 
 # --------------------------------------------------------------------------------------------- decode
 DECODE_CONFIGS = [  # (keys per iteration, num_warps, programs per SM, num_stages); the op's default runs too
-    # 4 programs per SM with 4 warps: the op's default before the fifth session
+    # 4 programs per SM with 4 warps: an earlier default of the op, kept as a reference point
     (64, 4, 4, 2), (64, 2, 4, 2), (64, 4, 16, 2), (64, 2, 16, 2), (64, 4, 32, 2), (64, 2, 32, 2),
 ]
 
@@ -590,7 +590,8 @@ def write_outputs(args, results):
         for r in results["kvwrite"]:
             lines.append(f"| {r['layout']} | {r['tokens']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} |")
     if results.get("check"):
-        lines += ["", "## Checks at real sizes", "", "| kernel | layout | opts | rel err | ok |", "|---|---|---|---|---|"]
+        lines += ["", "## Checks at real sizes", "", "| kernel | layout | opts | rel err | ok |",
+                  "|---|---|---|---|---|"]
         for r in results["check"]:
             lines.append(f"| {r['kernel']} | {r['layout']} | {r['opts']} | {r['rel_err']:.2e} | {r['ok']} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -650,8 +651,8 @@ def main():
                          "sets of paged_decode_attention, 'k=v,k=v;k=v' (values as Python literals, e.g. "
                          "'num_stages=3;num_warps=4'); default none")
     ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
-                    help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode batches: configurations as "
-                         "--mgpu-configs (e.g. '128,2;64,4'); default none")
+                    help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode "
+                         "batches: configurations as --mgpu-configs (e.g. '128,2;64,4'); default none")
     ap.add_argument("--mgpu-configs", type=_mgpu_configs, default=[(128, 2, None)],
                     help="Mosaic GPU prefill kernel configurations 'block_kv,max_concurrent_steps[,num_ctas]' "
                          "separated by ';' ('' for none; num_ctas 0: one CTA per work item, not persistent); "
