@@ -285,8 +285,7 @@ def _routed(row, pairs):
     MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs where it was timed (its default configuration,
     '128,2'), else the Triton kernel's default; with its ratio to JAX's op in this run and in the
     BENCHMARKS.md anchor table."""
-    mosaic = (pk.MOSAIC_DECODE_MIN_PAIRS is not None and pairs >= pk.MOSAIC_DECODE_MIN_PAIRS
-              and "mgpu_us[128,2]" in row)
+    mosaic = pairs >= pk.MOSAIC_DECODE_MIN_PAIRS and "mgpu_us[128,2]" in row
     us = row["mgpu_us[128,2]"] if mosaic else row.get("default_us")
     if us is None:
         return

@@ -100,11 +100,11 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                                              "8" if smoke else "64", "--result-name",
                                                              f"throughput-{q}-sharegpt-profile"] + small)
     # The same run traced by whole CUDA-graph launches (the bar's figure, bench/summarize.py): kernel-level
-    # tracing holds the host ~1 ms in each launch of an unrolled step's graph. The executable cache is off:
-    # on the H100 the graph-level trace crashed (SIGSEGV) in every run that loaded its steps from the cache
-    # (3 of 3) and in none that compiled them (2 of 2), so this step compiles (~100 s on 8 threads).
+    # tracing holds the host ~1 ms in each launch of an unrolled step's graph. The compile caches are off:
+    # the graph-level trace crashes (SIGSEGV) with steps loaded from the executable cache, so this step
+    # compiles (~100 s on 8 threads).
     profile_graphs = variant(profile_qwen, "graphs", "--profile-graph-trace", budget_s=240,
-                             env={"JAXPAGED_EXEC_CACHE": "0"})
+                             env={"JAXPAGED_COMPILE_CACHE": "0"})
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
                                                             if smoke else []), kind="serve")
     # the server with throughput's step shapes, so its start-up reads the compile cache throughput filled

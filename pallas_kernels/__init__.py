@@ -15,8 +15,8 @@ which implementation runs below them is chosen by `backend`:
                outside while loops (per-layer or unrolled dispatch, one step per program) run the Mosaic
                decode kernel (paged_decode_attention_mgpu), other decodes the Triton split-K one.
 
-`default_backend()` picks by the JAX platform and the GPU's generation; a caller may name another
-backend (passed down as an argument: this package reads no environment).
+The caller names the backend (jaxpaged.config.resolve picks it by platform: "xla" on the CPU, "mosaic"
+on Hopper, "pallas" on other GPUs); this package reads no environment and makes no configuration choice.
 """
 from __future__ import annotations
 
@@ -31,22 +31,15 @@ from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # Decode batches of at least this many (request, kv head) pairs run the Mosaic GPU decode kernel
 # (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic", outside
-# while loops (attention's in_loop); None: never.
+# while loops (attention's in_loop).
 # Why 128: one pair per SM (the H100 has 132) is where the persistent kernel has the machine to itself.
 # From there on it is faster than the Triton split-K decode kernel on the H100 on every measured shape;
 # below it slower, since without split-K a few dozen CTAs leave most SMs idle (16 qwen2-0.5b requests are
 # 32 pairs).
-MOSAIC_DECODE_MIN_PAIRS: int | None = 128
+MOSAIC_DECODE_MIN_PAIRS = 128
 
-__all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
+__all__ = ["BACKENDS", "attention", "is_hopper", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
-
-
-def default_backend() -> str:
-    """"xla" on the CPU, "mosaic" on Hopper GPUs, "pallas" on other GPUs."""
-    if jax.default_backend() == "cpu":
-        return "xla"
-    return "mosaic" if is_hopper(jax.devices()[0]) else "pallas"
 
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
@@ -76,8 +69,7 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
         mosaic = backend == "mosaic" and jax.default_backend() == "gpu"
         if decode_only:
-            if (mosaic and not in_loop and MOSAIC_DECODE_MIN_PAIRS is not None
-                    and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS):
+            if mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS:
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
                 if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:
                     return paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,

@@ -18,6 +18,7 @@ from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.stats import EngineStats
+from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxpaged.engine")
@@ -216,7 +217,7 @@ class LLMEngine:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
     # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> list:
+    def step(self) -> list[RequestOutput]:
         """Schedule and launch step N, then process step N-1's results while N runs on the device.
 
         Scheduling N before N-1's tokens are on the host is safe: each request that N-1 samples for
@@ -225,7 +226,7 @@ class LLMEngine:
         history on the host (penalties) run synchronously.
         """
         t0 = time.perf_counter()
-        outputs: list = []
+        outputs: list[RequestOutput] = []
         if self._inflight is not None and self._needs_sync():
             outputs += self._finish_inflight()
         t1 = time.perf_counter()
@@ -253,7 +254,7 @@ class LLMEngine:
     def _needs_sync(self) -> bool:
         return any(r.needs_host_history for r in self.scheduler.running)
 
-    def _finish_inflight(self) -> list:
+    def _finish_inflight(self) -> list[RequestOutput]:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
@@ -278,7 +279,7 @@ class LLMEngine:
                     token, float(chunk.logprobs[j]), int(chunk.ranks[j]), chunk.top_ids[j][:k],
                     chunk.top_logprobs[j][:k]))
 
-    def _process(self, result: ModelRunnerOutput, steps: int) -> list:
+    def _process(self, result: ModelRunnerOutput, steps: int) -> list[RequestOutput]:
         """Append step N-1's sampled tokens, check stops, detokenize, and build outputs.
 
         Per request and token this is the hottest host loop (1000+ running requests): what can be

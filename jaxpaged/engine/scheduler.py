@@ -142,37 +142,43 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests first. Each one's tokens are committed as soon as it is scheduled; _preempt
         undoes that for a victim that was already scheduled this step."""
-        running, cached = self.running, out.scheduled_cached_reqs
+        running, cached, unsent = self.running, out.scheduled_cached_reqs, self._unsent
+        commit, append_in_place = self._commit, self.kv.append_in_place
+        max_model_len = self.config.max_model_len
         steps = out.num_steps       # > 1: every running request decodes (_num_steps), one token per step
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = self._num_new_tokens(req, budget)
+            # _num_new_tokens, inlined: this loop runs once per running request every step
+            pending, computed = req.num_output_placeholders, req.num_computed_tokens
+            max_tokens = req.sampling_params.max_tokens
+            if max_tokens is not None and req.num_output_tokens + pending >= max_tokens:
+                i += 1            # its last token is already in flight
+                continue
+            num_new = min(req.num_tokens + pending - computed, budget, max_model_len - computed)
             if num_new <= 0:
                 i += 1
                 continue
-            computed = req.num_computed_tokens
+            rid = req.request_id
             new_blocks = None
-            # The common decode case first: the tokens fit in blocks the request already owns (no COW).
-            # Multi-step: slots for all `steps` tokens this request computes on the device.
-            if not self.kv.append_in_place(req, computed + num_new * steps):
+            # The common decode case first: the tokens fit in blocks the request already owns (no
+            # copy-on-write). Multi-step: slots for all `steps` tokens this request computes on the device.
+            if not append_in_place(req, computed + num_new * steps):
                 num_running = len(running)
                 new_blocks = self._allocate_or_preempt(req, num_new * steps, out)
                 if new_blocks is None:
                     continue      # req itself was preempted: it left running, so index i holds the next one
                 if len(running) < num_running:     # a priority victim may have sat before req
                     i = running.index(req)
-            self._commit(out, req, num_new)
-            budget -= num_new
-            rid = req.request_id
-            replaced = self.kv.take_replaced(rid)      # copy-on-write changed an earlier block id
-            if rid in self._unsent:
-                self._unsent.discard(rid)
-                out.scheduled_new_reqs.append(self._new_request_data(req, computed))
-            else:
-                if replaced:
+                if self.kv.take_replaced(rid) and rid not in unsent:    # a copy-on-write changed an earlier id
                     cached.replaced_block_ids.add(rid)
                     new_blocks = self.kv.get_block_ids(rid)
+            commit(out, req, num_new)
+            budget -= num_new
+            if rid in unsent:
+                unsent.discard(rid)
+                out.scheduled_new_reqs.append(self._new_request_data(req, computed))
+            else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(new_blocks or None)
                 cached.num_computed_tokens.append(computed)

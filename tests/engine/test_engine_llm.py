@@ -135,23 +135,6 @@ def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory):
         group_layers([{}] * 5, list(range(5)), 0)
 
 
-def test_launch_thread_gives_the_same_outputs(model_dir, reference, monkeypatch):
-    """JAXPAGED_LAUNCH_THREAD: step N launched from a second thread while N-1 is processed; same tokens,
-    greedy (with chunked prefill beside decodes) and seeded sampling, and every block back."""
-    from jaxpaged import envs
-    monkeypatch.setattr(envs, "JAXPAGED_LAUNCH_THREAD", True)
-    llm = make_llm(model_dir, max_num_batched_tokens=32)
-    assert llm.llm_engine._launcher is not None
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
-    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
-    monkeypatch.setattr(envs, "JAXPAGED_LAUNCH_THREAD", False)
-    plain = make_llm(model_dir, max_num_batched_tokens=32)
-    assert (llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0].token_ids
-            == plain.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0].token_ids)
-    eng = llm.llm_engine
-    assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1
-
-
 def test_prefix_cache_reports_cached_tokens(llm):
     outs = llm.generate([PROMPTS[2], PROMPTS[2]], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids

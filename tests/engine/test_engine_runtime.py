@@ -182,7 +182,7 @@ def test_no_state_left_behind(model_dir):
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
     assert engine._inflight is None
-    assert not engine.runner._sampling_slots and not engine.runner._sampling_owner   # no Request kept alive
+    assert not any(batch.params) and len(batch._free_rows) == len(batch.num_blocks) - 1   # every row back
 
 
 def test_out_of_vocab_logit_bias_is_refused(model_dir):
