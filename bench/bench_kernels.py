@@ -590,7 +590,8 @@ def write_outputs(args, results):
         for r in results["kvwrite"]:
             lines.append(f"| {r['layout']} | {r['tokens']} | {r['pallas_us']:.1f} | {r['xla_us']:.1f} |")
     if results.get("check"):
-        lines += ["", "## Checks at real sizes", "", "| kernel | layout | opts | rel err | ok |", "|---|---|---|---|---|"]
+        lines += ["", "## Checks at real sizes", "", "| kernel | layout | opts | rel err | ok |",
+                  "|---|---|---|---|---|"]
         for r in results["check"]:
             lines.append(f"| {r['kernel']} | {r['layout']} | {r['opts']} | {r['rel_err']:.2e} | {r['ok']} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -650,7 +651,8 @@ def main():
                          "sets of paged_decode_attention, 'k=v,k=v;k=v' (values as Python literals, e.g. "
                          "'num_stages=3;num_warps=4'); default none")
     ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
-                    help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode batches: configurations as "
+                    help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode "
+                         "batches: configurations as "
                          "--mgpu-configs (e.g. '128,2;64,4'); default none")
     ap.add_argument("--mgpu-configs", type=_mgpu_configs, default=[(128, 2, None)],
                     help="Mosaic GPU prefill kernel configurations 'block_kv,max_concurrent_steps[,num_ctas]' "

@@ -60,7 +60,8 @@ def main() -> None:
     dt = time.perf_counter() - t0
     n = st.num_steps - s0[3]
     print(f"{n} steps, {args.num_requests} requests: host {dt / n * 1e3:.2f} ms/step = schedule "
-          f"{(st.schedule_s - s0[0]) / n * 1e3:.2f} + dispatch (prepare + launch) {(st.execute_s - s0[1]) / n * 1e3:.2f}"
+          f"{(st.schedule_s - s0[0]) / n * 1e3:.2f} + dispatch (prepare + launch) "
+          f"{(st.execute_s - s0[1]) / n * 1e3:.2f}"
           f" + output processing {(st.process_s - s0[2]) / n * 1e3:.2f}")
     if args.profile:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)

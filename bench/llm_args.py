@@ -49,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="decode steps per device program (multi-step scheduling; default: 16 offline on GPUs where the step is one program, else 1)")
+                   help="decode steps per device program (multi-step scheduling; default: 16 offline on GPUs "
+                        "where the step is one program, else 1)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-kwargs", default="{}", help="JSON dict of further LLM(...) arguments")
 

@@ -115,8 +115,8 @@ def top_host_events(events: list[dict[str, Any]], n: int = 25) -> list[dict[str,
 
 def one_call_in_detail(events: list[dict[str, Any]], name: str = "PjRtCApiLoadedExecutable::Execute",
                        n: int = 60) -> list[dict[str, Any]]:
-    """The host events nested inside the median-length call of `name` (same thread; the lower median), in order: where one
-    launch spends its time. [{"at_us": offset from the call's start, "dur_us", "depth", "name"}]."""
+    """The host events nested inside the median-length call of `name` (same thread; the lower median), in
+    order: where one launch spends its time. [{"at_us": offset from the call's start, "dur_us", "depth", "name"}]."""
     device_pids = _device_pids(events)
     host = [e for e in events if e.get("ph") == "X" and "pid" in e and e["pid"] not in device_pids]
     calls = sorted((e for e in host if name in str(e.get("name", ""))), key=lambda e: float(e.get("dur", 0)))

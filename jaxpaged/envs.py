@@ -22,7 +22,8 @@ JAXPAGED_PINNED_INPUTS = os.environ.get("JAXPAGED_PINNED_INPUTS", "1") != "0"
 # Elements (4 bytes each) that every piece of a step's packed inputs starts at a multiple of (unset: 64 for
 # unrolled layers, whose Mosaic GPU calls need the 256-byte grid, else 1; runner/step_inputs.py). For
 # measuring: 1 breaks the unrolled dispatch's start-up on GPUs.
-JAXPAGED_INPUT_ALIGN = max(1, int(os.environ.get("JAXPAGED_INPUT_ALIGN"))) if os.environ.get("JAXPAGED_INPUT_ALIGN") else None
+_align = os.environ.get("JAXPAGED_INPUT_ALIGN")
+JAXPAGED_INPUT_ALIGN = max(1, int(_align)) if _align else None
 # Keep each bucket's compiled step on disk and load it at start-up, skipping tracing (runner/exec_cache.py).
 # "1" / "0"; unset: on for GPUs (warm start-up of qwen2-0.5b on an H100: 17.3 s against 30.7 s without it),
 # off on the CPU, where XLA:CPU cannot run some deserialized bf16 programs (they would fall back anyway).

@@ -45,7 +45,9 @@ host = np.arange(N, dtype=np.int32)
 dev_x = jax.device_put(host, dev)
 pin_x = jax.device_put(host, pinned)
 jax.block_until_ready((heavy(a), small(dev_x), small(host), small_from_host(pin_x)))
-t0 = time.perf_counter(); jax.block_until_ready(heavy(a)); heavy_us = (time.perf_counter() - t0) * 1e6
+t0 = time.perf_counter()
+jax.block_until_ready(heavy(a))
+heavy_us = (time.perf_counter() - t0) * 1e6
 
 # in-place writes to a persistent pinned host buffer (behind JAX's back): does the program see them?
 ptr = pin_x.addressable_data(0).unsafe_buffer_pointer()

@@ -150,7 +150,8 @@ class ModelRunner:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_params))
             self.exec_cache = ExecutableCache(exec_cache_root, fingerprint(
                 self.cfg, str(jnp.dtype(self.dtype)), attn_backend,
-                (layer_dispatch, "pinned inputs" if self.host_inputs is not None else "host arrays"), self.kv_cache.shape,
+                (layer_dispatch, "pinned inputs" if self.host_inputs is not None else "host arrays"),
+                self.kv_cache.shape,
                 self.max_blocks_per_req, self.max_rows, shapes))
 
     @property
