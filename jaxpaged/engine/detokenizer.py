@@ -44,7 +44,8 @@ def _byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
         return None
     inv = bytes_to_unicode()
     special = set(tokenizer.all_special_ids)
-    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()} if hasattr(tokenizer, "added_tokens_decoder") else {}
+    added = ({t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
+             if hasattr(tokenizer, "added_tokens_decoder") else {})
     table: list[bytes] = []
     for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if tok is None or (skip_special_tokens and i in special):

@@ -106,7 +106,8 @@ class OutputProcessor:
                 text_end = detok.releasable_len(done)
                 text = detok.output_text[parent.sent_text[i]:text_end]
                 tokens = child.output_token_ids[parent.sent_tokens[i]:]
-                logprobs = child.logprobs[parent.sent_logprobs[i]:] if child.sampling_params.logprobs is not None else None
+                logprobs = (child.logprobs[parent.sent_logprobs[i]:]
+                            if child.sampling_params.logprobs is not None else None)
                 if not text and not tokens and not done:
                     continue
                 parent.sent_text[i] = max(parent.sent_text[i], text_end)

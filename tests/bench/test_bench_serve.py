@@ -54,16 +54,26 @@ def test_single_token_output_has_no_tpot():
     assert m["mean_tpot_ms"] == 0.0 and m["request_goodput"] == 1.0
 
 
-def test_poisson_arrivals_rate_and_inf():
+def test_poisson_arrivals_rate_and_inf(monkeypatch):
+    """The arrival schedule on a virtual clock that get_request's sleeps advance: the gaps it asks for are
+    under test, not the event loop's timer on a busy machine."""
+    clock = [0.0]
+
+    async def sleep(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+
     async def arrivals(rate, n):
-        loop = asyncio.get_running_loop()
-        t0, times = loop.time(), []
+        clock[0], times = 0.0, []
         async for _ in get_request([_req(1, 1)] * n, rate, seed=1):
-            times.append(loop.time() - t0)
+            times.append(clock[0])
         return times
-    assert max(asyncio.run(arrivals(float("inf"), 50))) < 0.05
+    assert asyncio.run(arrivals(float("inf"), 50)) == [0.0] * 50
     times = asyncio.run(arrivals(200.0, 40))
     assert 0.05 < times[-1] < 0.6   # 39 gaps of mean 5 ms
+    gaps = np.random.default_rng(1).gamma(shape=1.0, scale=1 / 200, size=39)   # Poisson: exponential gaps
+    assert times == pytest.approx(np.concatenate([[0.0], np.cumsum(gaps)]).tolist())
 
 
 def test_defaults():
@@ -124,8 +134,14 @@ def test_client_against_stub():
     body = seen[-1]
     assert body["ignore_eos"] is True and body["stream"] is True and isinstance(body["prompt"], list)
     assert len(seen) == 5   # one warm-up request, then the four
-    assert 9.0 <= m["mean_itl_ms"] < 60 and m["mean_tpot_ms"] >= 9.0 and m["mean_ttft_ms"] >= 9.0
+    # each chunk comes at least 10 ms after the one before (the stub sleeps); no upper bound, which would
+    # measure how busy the machine is: instead each request's TTFT plus its ITLs add up to its latency
+    assert m["mean_itl_ms"] >= 9.0 and m["mean_tpot_ms"] >= 9.0 and m["mean_ttft_ms"] >= 9.0
     assert len(res["itls"]) == 4 + 5 + 3 + 4
+    per, itls = res["per_request"], iter(res["itls"])
+    for ttft, latency, n_out in zip(per["ttfts"], per["latencies"], per["output_tokens"]):
+        assert ttft + sum(next(itls) for _ in range(n_out - 1)) == pytest.approx(latency)
+    assert per["output_tokens"] == [5, 6, 4, 5]
 
 
 def test_client_records_http_errors():

@@ -35,7 +35,8 @@ def test_step_split_from_cumulative_and_lists():
 
 def test_engine_stats_reads_the_engines_dataclass():
     stats_mod = pytest.importorskip("jaxpaged.engine.stats")
-    llm = type("L", (), {"llm_engine": type("E", (), {"stats": stats_mod.EngineStats(num_steps=3, schedule_s=0.5)})()})()
+    engine = type("E", (), {"stats": stats_mod.EngineStats(num_steps=3, schedule_s=0.5)})()
+    llm = type("L", (), {"llm_engine": engine})()
     s = engine_stats(llm)
     assert s["num_steps"] == 3 and s["schedule_s"] == 0.5
 
@@ -160,7 +161,8 @@ def test_results_files_and_summary(tmp_path):
     assert (tmp_path / "sum.md").exists() and any(p.endswith(".png") for p in s["plots"])
     # a suite bundle (what comes back from the GPU machine) is read the same way
     bundle = tmp_path / "suite-x.json"
-    bundle.write_text(json.dumps({"results": {"serve-openqa-c10": {"meta": meta, "metrics": {"output_throughput": 3500.0}}}}))
+    bundle.write_text(json.dumps({"results": {"serve-openqa-c10": {"meta": meta,
+                                                                   "metrics": {"output_throughput": 3500.0}}}}))
     assert summarize.load_results([bundle])["serve-openqa-c10"]["metrics"]["output_throughput"] == 3500.0
 
 

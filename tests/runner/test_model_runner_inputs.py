@@ -308,7 +308,7 @@ def test_packed_inputs_round_trip_and_start_on_their_grid(align):
     import jax
     import jax.numpy as jnp
     from jaxpaged.runner import step_inputs as si
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     tree = {"a": rng.integers(-9, 9, (3, 5)).astype(np.int32), "b": rng.standard_normal(7).astype(np.float32),
             "c": rng.integers(0, 2**32, 3, dtype=np.uint32), "d": rng.integers(-9, 9, 130).astype(np.int64),
             "e": rng.standard_normal((2, 33)).astype(np.float32), "f": np.int32(rng.integers(1, 99))}

@@ -131,7 +131,8 @@ def test_seeded_sampling_is_independent_of_the_batch(logits):
         assert got[2] == full[i]
     # and the sample is a real draw: across positions the tokens vary
     draws = {int(np.asarray(sample(jnp.asarray(logits), inputs(temperature=temp * 5, seeds=seeds,
-                                                                    positions=np.full(R, p, np.int32)), flags=SamplerFlags())[0])[0]) for p in range(30)}
+                                                                    positions=np.full(R, p, np.int32)),
+                                   flags=SamplerFlags())[0])[0]) for p in range(30)}
     assert len(draws) > 3
 
 
@@ -148,8 +149,10 @@ def test_sampling_follows_the_distribution():
 
 
 def test_logprobs_rank_and_top_k(logits):
-    inp = inputs(bias_ids=np.array([[5], [-1], [-1], [-1]], np.int32), bias_values=np.array([[50.0], [0], [0], [0]], np.float32))
-    ids, lp, rank, top_ids, top_lp = map(np.asarray, sample(jnp.asarray(logits), inp, flags=SamplerFlags(logit_bias=True, num_logprobs=4)))
+    inp = inputs(bias_ids=np.array([[5], [-1], [-1], [-1]], np.int32),
+                 bias_values=np.array([[50.0], [0], [0], [0]], np.float32))
+    ids, lp, rank, top_ids, top_lp = map(np.asarray, sample(jnp.asarray(logits), inp,
+                                                            flags=SamplerFlags(logit_bias=True, num_logprobs=4)))
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     assert ids[0] == 5                                  # bias changes the choice, not the reported logprob
     np.testing.assert_allclose(lp, ref[np.arange(R), ids], rtol=1e-5)

@@ -27,7 +27,8 @@ FLAGS = ["--model", "--tokenizer", "--served-model-name", "--host", "--port", "-
 
 # ---- flags ---------------------------------------------------------------------------------------
 def test_help_documents_every_flag():
-    out = subprocess.run([sys.executable, "-m", "jaxpaged.server", "-h"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "jaxpaged.server", "-h"], capture_output=True, text=True,
+                         check=True).stdout
     documented = {}
     for action in make_parser()._actions:
         for opt in action.option_strings:
@@ -54,7 +55,8 @@ def test_flags_map_to_engine_args():
     e = engine_args_from(args)
     assert (e.enable_prefix_caching, e.max_model_len, e.max_num_seqs, e.block_size) == (False, 512, 8, 32)
     assert (e.preemption_mode, e.swap_space, e.num_gpu_blocks_override, e.seed) == ("swap", 1.0, 100, 3)
-    assert (e.load_format, e.dtype, e.enable_chunked_prefill, e.max_num_batched_tokens) == ("dummy", "float32", False, 1024)
+    assert ((e.load_format, e.dtype, e.enable_chunked_prefill, e.max_num_batched_tokens)
+            == ("dummy", "float32", False, 1024))
     assert e.served_model_name == "a" and args.served_model_name == ["a", "b"]
     assert args.allowed_origins == ["http://x"]
     defaults = p.parse_args([])
