@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.stats import EngineStats
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpaged.runner.model_runner import InFlight
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -70,7 +74,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         prepare_detokenizer(self.tokenizer)
         self.stats = EngineStats()
-        self._inflight = None            # the launched step whose results are not processed yet
+        self._inflight: InFlight | None = None    # the launched step whose results are not processed yet
         self._rng = np.random.default_rng(args.seed)
         logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights", self.model_path, cfg.architecture,
                     np.dtype(loaded.dtype).name, weights_gib)
@@ -196,7 +200,8 @@ class LLMEngine:
             children.append(req)
         self.output_processor.add(request_id, text, token_ids, params, children,
                                   [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                          params.stop, params.include_stop_str_in_output)
+                                                          cast(list[str], params.stop),  # a list after __post_init__
+                                                          params.include_stop_str_in_output)
                                    for _ in children])
         for req in children:
             self.scheduler.add_request(req)
@@ -273,7 +278,7 @@ class LLMEngine:
             k = req.sampling_params.prompt_logprobs
             if chunk.first_index == 1:
                 req.prompt_logprobs = [None]        # the first prompt token has no logprob
-            for j in range(len(chunk.logprobs)):
+            for j in range(chunk.num_tokens):
                 token = req.prompt_token_ids[chunk.first_index + j]
                 req.prompt_logprobs.append(self.output_processor.logprob_entry(
                     token, float(chunk.logprobs[j]), int(chunk.ranks[j]), chunk.top_ids[j][:k],

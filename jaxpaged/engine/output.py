@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -84,17 +86,21 @@ class ModelRunnerOutput:
 @dataclasses.dataclass
 class LogprobsArrays:
     """Per batch row: the sampled token's logprob and rank and the top-X alternatives."""
-    logprobs: object          # f32[R]
-    ranks: object             # i32[R]
-    top_ids: object           # i32[R, X]
-    top_logprobs: object      # f32[R, X]
+    logprobs: np.ndarray      # f32[R]
+    ranks: np.ndarray         # i32[R]
+    top_ids: np.ndarray       # i32[R, X]
+    top_logprobs: np.ndarray  # f32[R, X]
 
 
 @dataclasses.dataclass
 class PromptLogprobsChunk:
     """Scores of prompt tokens first_index .. first_index + len - 1, each from the token before it."""
     first_index: int          # index in the prompt of the first token scored (>= 1)
-    logprobs: object          # f32[n]
-    ranks: object             # i32[n]
-    top_ids: object           # i32[n, P]
-    top_logprobs: object      # f32[n, P]
+    logprobs: np.ndarray      # f32[n]
+    ranks: np.ndarray         # i32[n]
+    top_ids: np.ndarray       # i32[n, P]
+    top_logprobs: np.ndarray  # f32[n, P]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.logprobs)

@@ -41,7 +41,7 @@ class InputBatch:
         self.num_prompt = np.zeros(capacity, np.int32)
         # By row: prompt + output token ids on the host (the runner appends what it fetches), sampling
         # parameters, EOS ids.
-        self.token_ids: list[list[int] | None] = [None] * capacity
+        self.token_ids: list[list[int]] = [[] for _ in range(capacity)]
         self.params: list[SamplingParams | None] = [None] * capacity
         self.eos_token_ids: list[tuple[int, ...]] = [()] * capacity
         self._free_rows = list(range(capacity - 1, 0, -1))
@@ -95,7 +95,8 @@ class InputBatch:
             if row is not None:
                 self.block_table[row] = 0
                 self.num_blocks[row] = 0
-                self.token_ids[row] = self.params[row] = None
+                self.token_ids[row] = []
+                self.params[row] = None
                 self._free_rows.append(row)
 
     def rows_of(self, req_ids: list[str]) -> np.ndarray:
@@ -108,7 +109,7 @@ class InputBatch:
         self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
         for name in ("num_blocks", "num_sampled", "num_prompt"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(cap, np.int32)]))
-        self.token_ids += [None] * cap
+        self.token_ids += [[] for _ in range(cap)]
         self.params += [None] * cap
         self.eos_token_ids += [()] * cap
         self._free_rows.extend(range(2 * cap - 1, cap - 1, -1))

@@ -14,27 +14,27 @@ from jaxpaged.engine.output import SchedulerOutput
 from jaxpaged.models import AttentionMetadata
 from jaxpaged.runner.buckets import Bucket, BucketPolicy
 from jaxpaged.runner.input_batch import NEEDS_BIAS_COLUMN, PROMPT_LOGPROBS_COLUMN, InputBatch
-from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs
+from jaxpaged.runner.sampler import Arr, SamplerFlags, SamplingInputs
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ModelInput:
-    token_ids: jax.Array          # i32[T]
+    token_ids: Arr          # i32[T]
     meta: AttentionMetadata       # positions, slot_mapping, block_tables, seq_lens, query_start_loc
-    logits_indices: jax.Array     # i32[R]  last scheduled token of each request
+    logits_indices: Arr     # i32[R]  last scheduled token of each request
     # Async scheduling: tokens sampled by the previous step are not on the host yet. Token
     # fill_token_idx[i] of this batch takes prev_sampled[fill_src_row[i]] (index T: nothing to fill).
-    fill_token_idx: jax.Array     # i32[R]
-    fill_src_row: jax.Array       # i32[R]
+    fill_token_idx: Arr     # i32[R]
+    fill_src_row: Arr       # i32[R]
     # prompt_logprobs only (else shape [0]): the next prompt token after each token of the batch, -1: none
-    prompt_target_ids: jax.Array  # i32[T] or i32[0]
+    prompt_target_ids: Arr  # i32[T] or i32[0]
 
 
 class PromptRows(NamedTuple):
     """Where a request's prompt logprobs sit in the step's every-token outputs."""
     first_token: int              # first row of the batch's tokens
-    count: int                    # prompt tokens scored
+    num_tokens: int               # prompt tokens scored
     first_index: int              # index in the prompt of the first token scored
 
 
@@ -183,9 +183,10 @@ def prepare_sampling(batch: InputBatch, rows: np.ndarray, static: np.ndarray, nu
 def _bias_entries(batch: InputBatch, row: int, vocab_size: int) -> list[tuple[int, float]]:
     """logit_bias, plus min_tokens: EOS and stop tokens may not be sampled before min_tokens outputs."""
     sp = batch.params[row]
+    assert sp is not None, "a free row"
     entries = list((sp.logit_bias or {}).items())
     if batch.num_sampled[row] < sp.min_tokens:
-        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(batch.eos_token_ids[row]))
+        banned = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(batch.eos_token_ids[row]))
         entries += [(t, -np.inf) for t in sorted(banned)]
     return [(t, v) for t, v in entries if 0 <= t < vocab_size]
 

@@ -147,14 +147,17 @@ class ModelRunner:
 
     # ---- block moves --------------------------------------------------------------------------
     def _apply_block_moves(self, sched: SchedulerOutput) -> None:
-        if sched.blocks_to_swap_out:
-            dev = np.array([d for d, _ in sched.blocks_to_swap_out])
-            host = np.array([h for _, h in sched.blocks_to_swap_out])
-            self.cpu_cache[:, :, host] = np.asarray(jax.device_get(self.kv_cache[:, :, dev]))
-        if sched.blocks_to_swap_in:
-            host = np.array([h for h, _ in sched.blocks_to_swap_in])
-            dev = np.array([d for _, d in sched.blocks_to_swap_in])
-            self.kv_cache = _set_blocks(self.kv_cache, *_pad_pair(dev, self.cpu_cache[:, :, host]))
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            cpu = self.cpu_cache
+            assert cpu is not None, "swapping needs host blocks (preemption_mode='swap')"
+            if sched.blocks_to_swap_out:
+                dev = np.array([d for d, _ in sched.blocks_to_swap_out])
+                host = np.array([h for _, h in sched.blocks_to_swap_out])
+                cpu[:, :, host] = np.asarray(jax.device_get(self.kv_cache[:, :, dev]))
+            if sched.blocks_to_swap_in:
+                host = np.array([h for h, _ in sched.blocks_to_swap_in])
+                dev = np.array([d for _, d in sched.blocks_to_swap_in])
+                self.kv_cache = _set_blocks(self.kv_cache, *_pad_pair(dev, cpu[:, :, host]))
         if sched.blocks_to_copy:
             src = np.array([s for s, _ in sched.blocks_to_copy])
             dst = np.array([d for _, d in sched.blocks_to_copy])
@@ -166,7 +169,7 @@ def _prompt_chunks(prompt, prompt_rows: dict[str, PromptRows]) -> dict[str, Prom
     if not prompt_rows:
         return {}
     lp, rank, top_ids, top_lp = prompt
-    return {rid: PromptLogprobsChunk(r.first_index, *(a[r.first_token:r.first_token + r.count]
+    return {rid: PromptLogprobsChunk(r.first_index, *(a[r.first_token:r.first_token + r.num_tokens]
                                                       for a in (lp, rank, top_ids, top_lp)))
             for rid, r in prompt_rows.items()}
 

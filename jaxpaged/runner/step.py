@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ class StepPrograms:
     def __init__(self, params, cfg, dtype, run: RunConfig, kv_cache_shape: tuple, max_blocks_per_req: int,
                  max_rows: int, exec_cache_root: str | None):
         self.cfg, self.dtype, self.run = cfg, dtype, run
+        self.layer_groups: list[tuple] | None
         if run.layer_dispatch in ("per_layer", "unrolled"):
             # Each layer's weights as their own arrays (layerwise.py), before the KV pool is allocated:
             # params["layers"] is deleted on the way. Unrolled: all layers in one group, one program.
@@ -47,10 +49,10 @@ class StepPrograms:
         self.host_inputs = HostInputs()
         self.max_blocks_per_req = max_blocks_per_req
         self._compiled: dict = {}       # (layout, options, flags) -> executable, filled at warm-up
-        self.exec_cache = None
+        self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_groups))
-            self.exec_cache = ExecutableCache(exec_cache_root, fingerprint(
+            self.exec_cache = ExecutableCache(pathlib.Path(exec_cache_root), fingerprint(
                 cfg, str(jnp.dtype(dtype)), run.attention_backend, (run.layer_dispatch, "pinned inputs"),
                 kv_cache_shape, max_blocks_per_req, max_rows, shapes))
 
@@ -114,18 +116,19 @@ class StepPrograms:
     def _warm_one(self, state, bucket: Bucket, steps: int, flags: SamplerFlags, compiling: dict) -> None:
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
-        loaded = self._load_or_compile(state, mi, si, options, flags, compiling) if self.exec_cache else None
+        cache = self.exec_cache
+        loaded = self._load_or_compile(cache, state, mi, si, options, flags, compiling) if cache else None
         try:
             state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
                                                            options=options, flags=flags)
             jax.block_until_ready(res)
         except jax.errors.JaxRuntimeError as e:
-            if loaded is None:
+            if loaded is None or cache is None:
                 raise
             # A loaded executable that does not run (XLA:CPU cannot run some deserialized bf16 programs):
             # forget it and trace as usual. The pool holds nothing yet, so it is simply remade.
             logger.warning("A cached executable failed to run (%s); compiling it instead", e)
-            self.exec_cache.discard(loaded)
+            cache.discard(loaded)
             del self._compiled[loaded]
             state.reset_buffers()
             state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
@@ -136,25 +139,25 @@ class StepPrograms:
         """What a step's executable is stored under: its inputs' layout, runtime options and sampler flags."""
         return (flatten((mi, si), self.run.input_align)[2], options, flags)
 
-    def _load_or_compile(self, state, mi, si, options: RuntimeOptions, flags: SamplerFlags,
+    def _load_or_compile(self, cache: ExecutableCache, state, mi, si, options: RuntimeOptions, flags: SamplerFlags,
                          compiling: dict) -> tuple | None:
         """The bucket's executable from the on-disk cache, else from `compiling` (the start-up threads),
         else traced and compiled here; stored on disk. Returns its key when it came from disk (it has not
         run yet), else None."""
         key = self._cache_key(mi, si, options, flags)
-        compiled = self.exec_cache.load(key)
+        compiled = cache.load(key)
         from_disk = compiled is not None
         if not from_disk:
             future = compiling.pop(key, None)
             compiled = future.result() if future is not None else self._lower(state, mi, si, options, flags).compile()
-            self.exec_cache.store(key, compiled)
+            cache.store(key, compiled)
         self._compiled[key] = compiled
         return key if from_disk else None
 
     def _lower(self, state, mi, si, options: RuntimeOptions, flags: SamplerFlags):
         """The step traced and lowered for these inputs as the steps are called: packed, in pinned host memory."""
-        ints, floats, layout = pack((mi, si), self.run.input_align)
-        ints, floats = self.host_inputs.write(ints, floats).arrays
+        host_ints, host_floats, layout = pack((mi, si), self.run.input_align)
+        ints, floats = self.host_inputs.write(host_ints, host_floats).arrays
         kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
         if self.layer_groups is None:
             traced = packed_step.trace(self.params, state.kv_cache, state.prev_sampled, ints, floats, **kw)

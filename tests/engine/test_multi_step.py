@@ -1,7 +1,6 @@
 """Multi-step scheduling (num_scheduler_steps, vLLM V0's flag): several decode steps per device program give
 the same tokens as one step at a time, for greedy and seeded sampling, with every stop condition, parallel
 samples, preemption, and requests whose sampling needs the host (which fall back to single steps)."""
-import jax
 import numpy as np
 import pytest
 

@@ -268,7 +268,8 @@ def test_steps_read_their_inputs_from_persistent_pinned_buffers(model_dir):
     assert len(seen_inputs) > len(slots)                       # a size's slots taken in turn
     assert len(seen_prev) == 1                                 # donated, returned in place
     # the same step on fresh host copies of the inputs gives the same tokens
-    programs.run_packed = lambda kv, prev, ints, floats, **kw: real_run(kv, prev, np.array(ints), np.array(floats), **kw)
+    programs.run_packed = lambda kv, prev, ints, floats, **kw: real_run(kv, prev, np.array(ints), np.array(floats),
+                                                                        **kw)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == pinned
 
 
