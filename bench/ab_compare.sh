@@ -28,8 +28,10 @@ for rev in base new; do
   $PY -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --target "$AB_ROOT/$rev/site" "$src" \
     || { echo "ERROR: installing $rev ($src) into $AB_ROOT/$rev/site failed"; exit 1; }
 done
-export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
-export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
+if [ $SMOKE = 0 ]; then   # the carried inputs (--smoke: bench/common.py's defaults, so .cache/gpu stays small)
+  export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
+  export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
+fi
 if [ -z "${JAXPAGED_GIT_REV:-}" ]; then   # the new revision; GIT_REV first (a .git in the device's copy may be stale)
   JAXPAGED_GIT_REV=$(cat .cache/gpu/GIT_REV 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
   export JAXPAGED_GIT_REV
