@@ -12,6 +12,9 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
+         (bench_kernels.py: timings only)
+  kernel-tests  the kernels' correctness: pytest tests/kernels on the GPU (the CPU's test classes, the
+         kernels compiled, plus the real sizes)
   host   qwen2-0.5b's layer dispatch, scan against unrolled: step_probe (host vs device inputs), then the
          server with each and openqa at concurrency 1 and 10
   gil    the serve step at concurrency 10 only, with Python's GIL switch interval and with 0.5 ms
@@ -72,11 +75,12 @@ from bench.common import RESULTS_DIR, stamp  # noqa: E402
 
 PY = sys.executable
 BENCH = REPO / "bench"
+TESTS = REPO / "tests"
 PORT = 8011
 # A step's log lines echoed to the console (a PROBE line, step_probe's JSON, whatever its length).
 ECHOED_PREFIXES = ("Throughput:", "PROBE", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ", "trace:",
                    "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback", "Error", "RuntimeError",
-                   "ValueError")
+                   "ValueError", "FAILED", "SKIPPED")
 
 
 @dataclass
@@ -277,6 +281,12 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             serve_qwen,
             Step("kernels", 200, [str(BENCH / "bench_kernels.py")] + (["--smoke"] if smoke else [])),
         ],
+        # Run from the work folder like every step, so the installed jaxpaged is imported; tests/conftest.py
+        # defaults JAX_PLATFORMS to cpu, so the GPU is asked for (with --smoke: the CPU, interpret mode).
+        "kernel-tests": [
+            Step("kernel-tests", 540, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(TESTS / "kernels")],
+                 env={} if smoke else {"JAX_PLATFORMS": "cuda"}),
+        ],
     }
 
 
@@ -441,9 +451,10 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
     return summ
 
 
-# Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
+# Parts "all" leaves out: speed repeats qwen and serve steps; kernel-tests is the kernels' correctness check, run
+# on its own; the others are A/Bs or variants of one option.
 NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
-              "launch-thread", "unrolled", "graph-trace", "speed-gt", "serve-align")
+              "launch-thread", "unrolled", "graph-trace", "speed-gt", "serve-align", "kernel-tests")
 
 
 def main(argv: list[str] | None = None) -> None:
