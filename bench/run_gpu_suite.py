@@ -12,6 +12,9 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
+         (bench_kernels.py: timings only)
+  kernel-tests  the kernels' correctness: pytest tests/kernels on the GPU (the CPU's test classes, the
+         kernels compiled, plus the real sizes)
   multistep  qwen2-0.5b ShareGPT 1000 with 1 and 8 decode steps per program, the server with 8 (openqa
          at concurrency 1 and 10), the profiled run with 8
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
@@ -52,11 +55,12 @@ from bench.common import RESULTS_DIR, stamp  # noqa: E402
 
 PY = sys.executable
 BENCH = REPO / "bench"
+TESTS = REPO / "tests"
 PORT = 8011
 # A step's log lines echoed to the console (a PROBE line, step_probe's JSON, whatever its length).
 ECHOED_PREFIXES = ("Throughput:", "PROBE", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ", "trace:",
                    "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback", "Error", "RuntimeError",
-                   "ValueError")
+                   "ValueError", "FAILED", "SKIPPED")
 
 
 @dataclass
@@ -157,6 +161,12 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         "serve": [
             serve_qwen,
             Step("kernels", 200, [str(BENCH / "bench_kernels.py")] + (["--smoke"] if smoke else [])),
+        ],
+        # Run from the work folder like every step, so the installed jaxpaged is imported; tests/conftest.py
+        # defaults JAX_PLATFORMS to cpu, so the GPU is asked for (with --smoke: the CPU, interpret mode).
+        "kernel-tests": [
+            Step("kernel-tests", 540, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(TESTS / "kernels")],
+                 env={} if smoke else {"JAX_PLATFORMS": "cuda"}),
         ],
     }
 
@@ -322,8 +332,9 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
     return summ
 
 
-# Parts "all" leaves out: speed repeats qwen and serve steps; the others compare step counts per program.
-NOT_IN_ALL = ("speed", "multistep", "multistep16")
+# Parts "all" leaves out: speed repeats qwen and serve steps; kernel-tests is the kernels' correctness check,
+# run on its own; the others compare step counts per program.
+NOT_IN_ALL = ("speed", "multistep", "multistep16", "kernel-tests")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,7 +65,7 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend in ("pallas", "mosaic"):
         # On the CPU "mosaic" runs the Triton kernels (interpreted) like "pallas": the Mosaic GPU
-        # interpreter runs the kernel on its own (tests/test_kernels_mgpu.py), but inside the engine's
+        # interpreter runs the kernel on its own (tests/kernels/test_mosaic_gpu.py), but inside the engine's
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
         mosaic = backend == "mosaic" and jax.default_backend() == "gpu"
         if decode_only:

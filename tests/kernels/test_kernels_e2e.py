@@ -1,5 +1,7 @@
-"""The model end to end on the Pallas kernels (interpret mode on the CPU) gives the same greedy tokens as
-the XLA attention path: decode steps, chunked prefills beside decodes, and KV writes through the kernel."""
+"""The model end to end on the Pallas kernels gives the same greedy tokens as the XLA attention path:
+decode steps, chunked prefills beside decodes, and KV writes through the kernel. Interpret mode on the
+CPU, the compiled kernels on the GPU."""
+import jax
 import numpy as np
 import pytest
 
@@ -15,7 +17,18 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def test_pallas_backend_matches_xla_end_to_end(model_dir):
+@pytest.fixture
+def full_precision_matmuls():
+    """f32 matmuls at full precision in every thread: on the GPU XLA's default runs them in TF32, so the XLA
+    attention path would differ from the kernels' IEEE dots by ~1e-3 and could flip a greedy token. The
+    CPU computes f32 matmuls in full precision anyway."""
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
+
+
+def test_pallas_backend_matches_xla_end_to_end(model_dir, full_precision_matmuls):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, n).tolist() for n in (5, 23, 40)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
