@@ -97,10 +97,12 @@ class TestAttentionBackends:
     @pytest.mark.parametrize("platform,capability,expected", [
         ("cpu", None, "xla"), ("gpu", "9.0", "mosaic"), ("gpu", "8.0", "pallas"), ("gpu", "10.0", "pallas")])
     def test_default_backend_by_platform_and_gpu(self, monkeypatch, platform, capability, expected):
-        """Hopper gets the Mosaic GPU prefill kernel, other GPUs Triton, the CPU the jnp path; the Mosaic
-        kernel itself refuses a GPU that is not Hopper (its wgmma is sm_90 only), so "mosaic" falls back."""
+        """Hopper gets the Mosaic GPU prefill kernel, other GPUs Triton, the CPU the jnp path (the platform as
+        config.detect_platform reads it, the choice config.resolve's); the Mosaic kernel itself refuses a
+        GPU that is not Hopper (its wgmma is sm_90 only), so "mosaic" falls back."""
         import jax._src.lib
 
+        from jaxpaged.config import EngineArgs, detect_platform, resolve
         from jaxpaged.pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported
 
         class FakeGpu:
@@ -108,11 +110,15 @@ class TestAttentionBackends:
 
             def __init__(self):
                 self.platform, self.compute_capability = platform, capability
+
+            def memory_stats(self):
+                return {"bytes_limit": 80 << 30}
         monkeypatch.setattr(jax, "default_backend", lambda: platform)
         monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu()])
         # no CUDA runtime version to refuse (as on the CPU): the answer does not depend on the machine's
         monkeypatch.setattr(jax._src.lib, "cuda_versions", None, raising=False)
-        assert pk.default_backend() == expected
+        run = resolve(EngineArgs(), detect_platform(), layer_bytes=0, max_position_embeddings=64)
+        assert run.attention_backend == expected
         q, pool = jnp.zeros((8, 4, 64), jnp.bfloat16), jnp.zeros((1, 2, 4, 2, 16, 64), jnp.bfloat16)
         reason = mgpu_supported(q, pool, 16)
         assert (reason is None) == (expected != "pallas"), reason
