@@ -64,7 +64,7 @@ def smollm2_check(backends: list[str], max_tokens: int = 32, layer_dispatch: str
             start = time.perf_counter() - t0
             t1 = time.perf_counter()
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-            res[backend] = {"layer_dispatch": llm.llm_engine.layer_dispatch,
+            res[backend] = {"layer_dispatch": llm.llm_engine.run.layer_dispatch,
                             "startup_s": start, "generate_s": time.perf_counter() - t1,
                             "token_ids": [o.outputs[0].token_ids for o in outs],
                             "texts": [o.outputs[0].text for o in outs]}
