@@ -165,7 +165,10 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
         # Run from the work folder like every step, so the installed jaxpaged is imported; tests/conftest.py
         # defaults JAX_PLATFORMS to cpu, so the GPU is asked for (with --smoke: the CPU, interpret mode).
         "kernel-tests": [
-            Step("kernel-tests", 540, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(TESTS / "kernels")],
+            # -o pythonpath= : pyproject puts the repository root first on sys.path for the CPU suite, which
+            # would shadow the installed jaxpaged (its models/kernels subpackages live in other folders)
+            Step("kernel-tests", 540, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "pythonpath=",
+                                       str(TESTS / "kernels")],
                  env={} if smoke else {"JAX_PLATFORMS": "cuda"}),
         ],
     }

