@@ -162,7 +162,7 @@ def normal(rng, shape, dtype) -> jax.Array:
     4M elements, where NumPy would take seconds for a real-size pool."""
     if math.prod(shape) <= 1 << 22:
         return jnp.asarray(rng.standard_normal(shape), dtype)
-    return jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), shape, jnp.float32).astype(dtype)
+    return jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), shape, dtype)
 
 
 def make_pool(rng, num_layers, num_blocks, layout: Layout) -> jax.Array:
