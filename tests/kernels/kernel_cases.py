@@ -162,7 +162,7 @@ def normal(rng, shape, dtype) -> jax.Array:
     4M elements, where NumPy would take seconds for a real-size pool."""
     if math.prod(shape) <= 1 << 22:
         return jnp.asarray(rng.standard_normal(shape), dtype)
-    return jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), shape, jnp.float32).astype(dtype)
+    return jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), shape, dtype)
 
 
 def make_pool(rng, num_layers, num_blocks, layout: Layout) -> jax.Array:
@@ -171,14 +171,21 @@ def make_pool(rng, num_layers, num_blocks, layout: Layout) -> jax.Array:
                   layout.dtype)
 
 
-def make_tables(rng, max_blocks, num_blocks, seq_lens, block_size, full=False) -> jax.Array:
-    """i32[R, M]: distinct random blocks for each request's used blocks; the unused tail points at the
-    null block 0, or with `full` at more distinct blocks (as a table the engine reuses: the kernel must stop
-    at seq_lens, and a padding request's blocks are real ones)."""
-    num_reqs = len(seq_lens)
-    ids = rng.permutation(np.arange(1, num_blocks))[: num_reqs * max_blocks].reshape(num_reqs, max_blocks)
+SPARE_BLOCKS = 5            # pool blocks besides the null block that no table points at
+
+
+def make_tables(rng, max_blocks, seq_lens, block_size, full=False) -> tuple[jax.Array, int]:
+    """(i32[R, M] block tables, B the pool's block count): distinct random blocks for each request's used
+    blocks; the unused tail points at the null block 0, or with `full` at more distinct blocks (as a table
+    the engine reuses: the kernel must stop at seq_lens, and a padding request's blocks are real ones).
+    The pool is just big enough (the Mosaic GPU interpreter's time grows with it)."""
     used = np.arange(max_blocks)[None, :] < -(-np.asarray(seq_lens)[:, None] // block_size)
-    return jnp.asarray(ids if full else np.where(used, ids, 0), jnp.int32)
+    if full:
+        used[:] = True
+    num_blocks = int(used.sum()) + 1 + SPARE_BLOCKS
+    tables = np.zeros(used.shape, np.int32)
+    tables[used] = rng.permutation(np.arange(1, num_blocks))[: used.sum()]
+    return jnp.asarray(tables), num_blocks
 
 
 class DecodeInputs(NamedTuple):
@@ -195,9 +202,8 @@ class DecodeInputs(NamedTuple):
 
 def decode_inputs(rng, layout: Layout, batch: DecodeBatch) -> DecodeInputs:
     seq_lens = batch.lens(rng, layout.block_size)
-    num_blocks = len(seq_lens) * batch.max_blocks + 1
+    tables, num_blocks = make_tables(rng, batch.max_blocks, seq_lens, layout.block_size, batch.full_tables)
     pool = make_pool(rng, 2, num_blocks, layout)
-    tables = make_tables(rng, batch.max_blocks, num_blocks, seq_lens, layout.block_size, batch.full_tables)
     q = normal(rng, (len(seq_lens), layout.num_heads, layout.head_dim), layout.dtype)
     return DecodeInputs(q, pool, tables, jnp.asarray(seq_lens, jnp.int32))
 
@@ -220,9 +226,8 @@ def ragged_inputs(rng, layout: Layout, batch: RaggedBatch) -> RaggedInputs:
     q_lens = np.asarray(batch.q_lens)
     seq_lens = q_lens + np.asarray(batch.ctx_lens)
     max_blocks = -(-int(seq_lens.max()) // layout.block_size) + 2        # + two padding columns
-    num_blocks = len(q_lens) * max_blocks + 1
+    tables, num_blocks = make_tables(rng, max_blocks, seq_lens, layout.block_size, batch.full_tables)
     pool = make_pool(rng, 2, num_blocks, layout)
-    tables = make_tables(rng, max_blocks, num_blocks, seq_lens, layout.block_size, batch.full_tables)
     num_real = int(q_lens.sum())
     q = normal(rng, (num_real + batch.pad_tokens, layout.num_heads, layout.head_dim), layout.dtype)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
