@@ -64,7 +64,7 @@ def smollm2_check(backends: list[str], max_tokens: int = 32, layer_dispatch: str
             start = time.perf_counter() - t0
             t1 = time.perf_counter()
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-            res[backend] = {"layer_dispatch": llm.llm_engine.layer_dispatch,
+            res[backend] = {"layer_dispatch": llm.llm_engine.run.layer_dispatch,
                             "startup_s": start, "generate_s": time.perf_counter() - t1,
                             "token_ids": [o.outputs[0].token_ids for o in outs],
                             "texts": [o.outputs[0].text for o in outs]}
@@ -152,11 +152,6 @@ def main() -> None:
                     help="SmolLM2 check: jaxpaged and HF in this dtype (bfloat16: also counts near matches)")
     ap.add_argument("--qwen-backend", default=None)
     ap.add_argument("--skip-qwen", action="store_true")
-    ap.add_argument("--mosaic-decode-min-pairs", type=int, default=None,
-                    help="set pallas_kernels.MOSAIC_DECODE_MIN_PAIRS (e.g. 1: every decode batch of backend "
-                    "'mosaic' runs the Mosaic decode kernel, which SmolLM2's 8 prompts x 3 kv heads are too "
-                    "few to reach at the default; with --layer-dispatch per_layer or unrolled, since decodes "
-                    "inside the layer scan keep to the Triton kernel)")
     ap.add_argument("--layer-dispatch", default=None, help="SmolLM2 check: scan | per_layer | unrolled "
                     "(default: the engine's choice)")
     args = ap.parse_args()
@@ -164,8 +159,6 @@ def main() -> None:
 
     import pallas_kernels
     from bench.models import ensure_model_dir
-    if args.mosaic_decode_min_pairs is not None:
-        pallas_kernels.MOSAIC_DECODE_MIN_PAIRS = args.mosaic_decode_min_pairs
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
               "git_rev": git_revision(), "mosaic_decode_min_pairs": pallas_kernels.MOSAIC_DECODE_MIN_PAIRS}

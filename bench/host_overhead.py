@@ -28,7 +28,7 @@ def main() -> None:
 
     from bench.models import ensure_model_dir
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.runner import model_runner
+    from jaxpaged.runner import step
 
     cfg_path = ensure_model_dir(args.model)
     llm = LLM(model=cfg_path, load_format="dummy", dtype="float32", max_model_len=2048, num_gpu_blocks_override=65536,
@@ -45,7 +45,7 @@ def main() -> None:
         empty = np.zeros((r, 0))
         return kv_cache, prev_sampled, (ids, z, z.astype(np.int32), empty.astype(np.int32), empty, ())
 
-    model_runner._packed_step = fake_packed_step
+    step.packed_step = fake_packed_step      # what StepPrograms calls under the layer scan (the CPU's)
     prompts = [rng.integers(100, vocab - 200, int(n)).tolist() for n in rng.integers(50, 400, args.num_requests)]
     sp = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:8], sp, use_tqdm=False)

@@ -12,33 +12,16 @@ Parts and their steps (budget in seconds; a step that no longer fits the part's 
          latency llama3-8b batch 256 (+ decode step vs floor, warm start); HF static + continuous
          (first 32) when time is left
   serve  jaxpaged.server (qwen2-0.5b, dummy weights) + openqa at concurrency 1 and 10; kernel bench
-  host   qwen2-0.5b's layer dispatch, scan against unrolled: step_probe (host vs device inputs), then the
-         server with each and openqa at concurrency 1 and 10
-  gil    the serve step at concurrency 10 only, with Python's GIL switch interval and with 0.5 ms
+         (bench_kernels.py: timings only)
+  kernel-tests  the kernels' correctness: pytest tests/kernels on the GPU (the CPU's test classes, the
+         kernels compiled, plus the real sizes)
   multistep  qwen2-0.5b ShareGPT 1000 with 1 and 8 decode steps per program, the server with 8 (openqa
          at concurrency 1 and 10), the profiled run with 8
   speed  qwen throughput + the server with the same step shapes (warm start-up) and openqa at
          concurrency 1 and 10 + the profiled run traced by whole graph launches (compiles), then by
          kernels (warm start-up) when time is left: issue 6's figures in one command
-  mosaic  qwen2-0.5b ShareGPT 1000 with the Triton attention backend (JAXPAGED_ATTENTION_BACKEND=pallas)
-         and with the Mosaic GPU ragged kernel (mosaic, the Hopper default), then the profiled run with
-         mosaic when time is left
-  mosaic-llama  llama3-8b ShareGPT 1000 with mosaic
-  serve-ab  speed's server step (openqa at concurrency 1 and 10) with the Triton attention backend, then
-         with the Mosaic one
   multistep16  qwen2-0.5b ShareGPT 1000 with 16 decode steps per program, then the server with 16 (warm
          start-up; openqa at concurrency 1 and 10)
-  multistep32  qwen2-0.5b offline with 32 decode steps per program against the default 16 on one machine:
-         ShareGPT 1000 and the profiled 64-prompt run with 32, then the profiled run with 16
-  unrolled  qwen2-0.5b offline with every layer unrolled into the step: the profiled run (cold compile;
-         CUPTI tracing whole graph launches), ShareGPT 1000, the profiled run again, and with kernel-level tracing
-  serve-align  speed's server with the packed inputs back to back (its default), then aligned (as unrolled
-         layers pack them)
-  speed-gt  speed without its kernel-level profile
-  graph-trace  qwen2-0.5b offline: ShareGPT 1000, then the profiled run with graph-level and
-         kernel-level tracing, twice over
-  launch-thread  qwen2-0.5b offline at 16 steps per program with and without the launch thread on one
-         machine: ShareGPT 1000 without, the profiled run with / without twice over, ShareGPT 1000 with
 
 Every step is a subprocess with a timeout, run from a work folder outside the repository (so the
 installed jaxpaged, not the repo's ./jaxpaged folder, is imported); its log goes to
@@ -72,11 +55,12 @@ from bench.common import RESULTS_DIR, stamp  # noqa: E402
 
 PY = sys.executable
 BENCH = REPO / "bench"
+TESTS = REPO / "tests"
 PORT = 8011
 # A step's log lines echoed to the console (a PROBE line, step_probe's JSON, whatever its length).
 ECHOED_PREFIXES = ("Throughput:", "PROBE", "HF ", "Avg latency", "prefill", "bandwidth", "per-step", "  ", "trace:",
                    "Successful", "Output token", "Median TPOT", "Mean TTFT", "Traceback", "Error", "RuntimeError",
-                   "ValueError")
+                   "ValueError", "FAILED", "SKIPPED")
 
 
 @dataclass
@@ -120,23 +104,15 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                                                              "8" if smoke else "64", "--result-name",
                                                              f"throughput-{q}-sharegpt-profile"] + small)
     # The same run traced by whole CUDA-graph launches (the bar's figure, bench/summarize.py): kernel-level
-    # tracing holds the host ~1 ms in each launch of an unrolled step's graph. The executable cache is off:
-    # on the H100 the graph-level trace crashed (SIGSEGV) in every run that loaded its steps from the cache
-    # (3 of 3) and in none that compiled them (2 of 2), so this step compiles (~100 s on 8 threads).
+    # tracing holds the host ~1 ms in each launch of an unrolled step's graph. The compile caches are off:
+    # the graph-level trace crashes (SIGSEGV) with steps loaded from the executable cache, so this step
+    # compiles (~100 s on 8 threads).
     profile_graphs = variant(profile_qwen, "graphs", "--profile-graph-trace", budget_s=240,
-                             env={"JAXPAGED_EXEC_CACHE": "0"})
-    probe = [str(BENCH / "step_probe.py"), "--model", q, "--batches", "1,4" if smoke else "1,16,64,256"] + (
-        ["--num-blocks", "256"] if smoke else [])
+                             env={"JAXPAGED_COMPILE_CACHE": "0"})
     serve_qwen = Step("serve-openqa", 330, ["--model", q] + (["--output-len", "16", "--num-prompts", "8"]
                                                             if smoke else []), kind="serve")
     # the server with throughput's step shapes, so its start-up reads the compile cache throughput filled
     speed_server = [] if smoke else ["--max-num-batched-tokens", "16384"]
-    mosaic = {"JAXPAGED_ATTENTION_BACKEND": "mosaic"}
-
-    unrolled = {"JAXPAGED_LAYER_DISPATCH": "unrolled"}
-
-    def lt(v: int) -> dict[str, str]:
-        return {"JAXPAGED_LAUNCH_THREAD": str(v)}
     return {
         "qwen": [
             tput_qwen,
@@ -164,22 +140,6 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             profile_graphs,
             profile_qwen,
         ],
-        # The layer dispatch of a small model (qwen2-0.5b): the layer scan (the default for layers < 64 MiB)
-        # against every layer unrolled into one program (opt-in). The decode step with fresh host inputs and with
-        # inputs kept on the device (how long a launch holds the host), then the server with each, openqa
-        # at concurrency 1 and 10 (the unrolled step launches one large CUDA graph: latency at concurrency 1).
-        "host": [
-            Step("probe-dispatch", 150, probe + ["--label", "scan", "--inputs", "numpy,device",
-                                                  "--layer-dispatch", "scan"] + (
-                [] if smoke else ["--num-blocks", "20000"])),
-            Step("probe-unrolled", 150, probe + ["--label", "unrolled", "--inputs", "numpy,device",
-                                                  "--layer-dispatch", "unrolled"] + (
-                [] if smoke else ["--num-blocks", "20000"])),
-            dataclasses.replace(serve_qwen, name="serve-openqa-unrolled", budget_s=300,
-                                env={"JAXPAGED_LAYER_DISPATCH": "unrolled"}),
-            dataclasses.replace(serve_qwen, name="serve-openqa-scan", budget_s=220,
-                                env={"JAXPAGED_LAYER_DISPATCH": "scan"}),
-        ],
         # Multi-step scheduling (--num-scheduler-steps 8) against one step per program on qwen2-0.5b, on one
         # machine: ShareGPT 1000 with each, the server with 8 steps (openqa at concurrency 1 and 10), and the
         # profiled run with 8 steps. (Offline runs default to 16 steps on GPUs: the one-step run names 1.)
@@ -190,20 +150,6 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
                 ["--num-scheduler-steps", "8"] + speed_server)),
             variant(profile_qwen, "ms8", "--num-scheduler-steps", "8"),
         ],
-        # The Mosaic GPU ragged kernel (backend "mosaic", the default on Hopper) against the Triton one
-        # ("pallas") end to end, on one machine: ShareGPT 1000 with each, then the profiled run with mosaic
-        # (warm start-up) if time is left. The backend is part of the compiled steps' fingerprint
-        # (runner/exec_cache.py), so each run compiles its own steps rather than loading the other's.
-        "mosaic": [
-            dataclasses.replace(tput_qwen, env={"JAXPAGED_ATTENTION_BACKEND": "pallas"}),
-            variant(tput_qwen, "mosaic", env=mosaic),
-            variant(profile_qwen, "mosaic", env=mosaic),
-        ],
-        # llama3-8b ShareGPT 1000 with the Mosaic GPU prefill kernel (compare the llama part's throughput).
-        "mosaic-llama": [
-            Step("throughput-llama-mosaic", 390, tput + quick + [
-                "--model", l_, "--result-name", f"throughput-{l_}-sharegpt-mosaic"] + n + small, env=mosaic),
-        ],
         # Multi-step scheduling with 16 decode steps per program (multistep measured 8): ShareGPT 1000 first
         # (cold compile), then the server with the same step shapes, so that, as in speed, its start-up
         # reads the compile cache the throughput run filled; openqa at concurrency 1 and 10.
@@ -212,70 +158,18 @@ def parts(smoke: bool) -> dict[str, list[Step]]:
             dataclasses.replace(serve_qwen, name="serve-openqa-ms16", budget_s=300, server_args=(
                 ["--num-scheduler-steps", "16"] + speed_server)),
         ],
-        # Offline with 32 decode steps per program against the default 16, on one machine: the device idles in
-        # the gaps between programs (host work per program), which 32 steps halve per token. ShareGPT 1000 and
-        # the profiled run with 32 (cold compile, then warm), then the profiled run with 16.
-        "multistep32": [
-            variant(tput_qwen, "ms32", "--num-scheduler-steps", "32"),
-            variant(profile_qwen, "ms32", "--num-scheduler-steps", "32"),
-            variant(profile_qwen, "ms16", "--num-scheduler-steps", "16", budget_s=200),
-        ],
-        # The launch thread (JAXPAGED_LAUNCH_THREAD=1: step N's JAX launch on a second thread while the engine
-        # thread processes step N-1's tokens and schedules N+1) against none, at the default 16 decode steps per
-        # program, on one machine: ShareGPT 1000 without (cold compile), then the profiled run with and without
-        # it twice over (the host gap moved between 0.14 and 0.24 from run to run), ShareGPT 1000 with it.
-        "launch-thread": [
-            tput_qwen,
-            *[variant(profile_qwen, f"lt{v}{rep}", budget_s=90, env=lt(v))
-              for rep, v in (("a", 1), ("a", 0), ("b", 1), ("b", 0))],
-            variant(tput_qwen, "lt1", budget_s=120, env=lt(1)),
-        ],
-        # Every layer unrolled into the step (JAXPAGED_LAYER_DISPATCH=unrolled) at 16 decode steps per program:
-        # one CUDA graph per decode step instead of one per layer, and no weight-slice copies. The profiled
-        # run first (cold compile, about twice the scan's; CUPTI tracing whole graph launches), ShareGPT 1000
-        # (warm start-up), the profiled run again, then with kernel-level tracing (as the other parts).
-        "unrolled": [
-            variant(profile_qwen, "unrolled-gt", "--profile-graph-trace", budget_s=400, env=unrolled),
-            variant(tput_qwen, "unrolled", budget_s=120, env=unrolled),
-            variant(profile_qwen, "unrolled-gt2", "--profile-graph-trace", budget_s=90, env=unrolled),
-            variant(profile_qwen, "unrolled", budget_s=90, env=unrolled),
-        ],
-        # speed's server (the layer scan, one step per program) with the packed inputs back to back
-        # (JAXPAGED_INPUT_ALIGN=1, its default), then on the 256-byte grid (as unrolled layers pack them):
-        # openqa at concurrency 1 and 10.
-        "serve-align": [
-            dataclasses.replace(serve_qwen, name=f"serve-openqa-align{a}", budget_s=260, server_args=speed_server,
-                                env={"JAXPAGED_INPUT_ALIGN": str(a)})
-            for a in (1, 64)
-        ],
-        # speed without its kernel-level profile (run once in the twelfth session, before speed had the
-        # graph-level one)
-        "speed-gt": [tput_qwen, dataclasses.replace(serve_qwen, server_args=speed_server), profile_graphs],
-        # The offline default profiled with CUPTI tracing whole graph launches against kernel-level tracing, on
-        # one machine: ShareGPT 1000 (cold compile), then the profiled run each way, twice.
-        "graph-trace": [
-            tput_qwen,
-            *[variant(profile_qwen, f"{tag}{rep}", *(["--profile-graph-trace"] if tag == "gt" else []), budget_s=80)
-              for rep, tag in (("a", "gt"), ("a", "kt"), ("b", "gt"), ("b", "kt"))],
-        ],
-        # The speed part's server (one step per program) with the Triton attention backend, then with the
-        # Mosaic one (the Hopper default): openqa at concurrency 1 and 10 on one machine.
-        "serve-ab": [
-            dataclasses.replace(serve_qwen, name=f"serve-openqa-{backend}", env={"JAXPAGED_ATTENTION_BACKEND": backend},
-                                server_args=speed_server)
-            for backend in ("pallas", "mosaic")
-        ],
-        # The engine thread against the HTTP loop for the GIL: openqa at concurrency 10, Python's default
-        # switch interval (5 ms) and 0.5 ms (the default since ad8adff's measurement).
-        "gil": [
-            dataclasses.replace(serve_qwen, budget_s=200, concurrency=(10,),
-                                env={"JAXPAGED_GIL_SWITCH_INTERVAL_MS": ""}),
-            dataclasses.replace(serve_qwen, name="serve-openqa-gil05", budget_s=140, concurrency=(10,),
-                                env={"JAXPAGED_GIL_SWITCH_INTERVAL_MS": "0.5"}),
-        ],
         "serve": [
             serve_qwen,
             Step("kernels", 200, [str(BENCH / "bench_kernels.py")] + (["--smoke"] if smoke else [])),
+        ],
+        # Run from the work folder like every step, so the installed jaxpaged is imported; tests/conftest.py
+        # defaults JAX_PLATFORMS to cpu, so the GPU is asked for (with --smoke: the CPU, interpret mode).
+        "kernel-tests": [
+            # -o pythonpath= : pyproject puts the repository root first on sys.path for the CPU suite, which
+            # would shadow the installed jaxpaged (its models/kernels subpackages live in other folders)
+            Step("kernel-tests", 540, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "pythonpath=",
+                                       str(TESTS / "kernels")],
+                 env={} if smoke else {"JAX_PLATFORMS": "cuda"}),
         ],
     }
 
@@ -441,9 +335,9 @@ def run_part(part: str, steps: list[Step], deadline_s: float, smoke: bool) -> di
     return summ
 
 
-# Parts "all" leaves out: speed repeats qwen and serve steps; the others are A/Bs or variants of one option.
-NOT_IN_ALL = ("speed", "multistep", "mosaic", "mosaic-llama", "multistep16", "multistep32", "serve-ab",
-              "launch-thread", "unrolled", "graph-trace", "speed-gt", "serve-align")
+# Parts "all" leaves out: speed repeats qwen and serve steps; kernel-tests is the kernels' correctness check,
+# run on its own; the others compare step counts per program.
+NOT_IN_ALL = ("speed", "multistep", "multistep16", "kernel-tests")
 
 
 def main(argv: list[str] | None = None) -> None:

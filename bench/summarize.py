@@ -86,8 +86,8 @@ def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     profile = "throughput-qwen2-0.5b-sharegpt-profile"
     kernel_level, graph_level = _idle_over_busy(results, profile), _idle_over_busy(results, GRAPHS_PROFILE)
     # The bar is read from the run traced by whole CUDA-graph launches where there is one: kernel-level CUPTI
-    # tracing holds the host ~1 ms in every launch of an unrolled step's graph (bench/results/h100/NOTES.md,
-    # twelfth session), so it measures the profiler as much as the engine (0.007-0.30 over five runs there).
+    # tracing holds the host ~1 ms in every launch of an unrolled step's graph, so it measures the profiler
+    # as much as the engine (its idle/busy moves by orders of magnitude from run to run).
     h["host idle / device busy, qwen2-0.5b profile (max)"] = graph_level if graph_level is not None else kernel_level
     h["host idle / device busy, qwen2-0.5b profile, traced by"] = (
         "whole graph launches" if graph_level is not None else "kernels" if kernel_level is not None else None)

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "output_tokens_per_second": counts["total_output_tokens"] / elapsed, **counts,
         "engine_startup_s": startup_s, "engine_kwargs": {k: str(v) for k, v in kw.items()},
         "num_scheduler_steps": llm.llm_engine.num_scheduler_steps,       # as resolved (the default by platform)
-        "layer_dispatch": llm.llm_engine.layer_dispatch,
+        "layer_dispatch": llm.llm_engine.run.layer_dispatch,
         "workload": summarize(requests), **request_latencies(outputs)}
     delta = stats_delta(before, engine_stats(llm))
     if delta is not None:     # the engine's own timers cost nothing: print the split on every run

@@ -1,47 +1,36 @@
-"""EngineArgs: every engine setting, with vLLM's names and defaults."""
+"""What users set (EngineArgs) and what runs (RunConfig), joined by one function: resolve().
+
+Every choice of what runs — layer dispatch, decode steps per program, attention backend, executable
+cache, input alignment, batch defaults — is made in resolve() from the engine arguments, the platform and
+two facts of the model. The server and `LLM` both go through it; where they get different programs, the
+rule says why. Nothing below it reads environment variables or asks JAX for the platform to pick a path.
+The measurements behind each rule are in bench/results/NOTES.md.
+"""
 from __future__ import annotations
 
 import dataclasses
-
+from typing import NamedTuple
 
 USAGE_CONTEXTS = ("llm_class", "openai_api_server")
 # How a step runs the decoder layers (runner/layerwise.py): one scan over stacked weights, a few layers per
 # dispatched program, or every layer unrolled into one program on per-layer weights.
 LAYER_DISPATCHES = ("scan", "per_layer", "unrolled")
+ATTENTION_BACKENDS = ("reference", "xla", "pallas", "mosaic")
 
-
-def batch_defaults(platform: str, device_memory_bytes: int, device_kind: str,
-                   usage_context: str) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) when the user names neither: vLLM V1's choices.
-
-    GPUs with >= 70 GiB (H100, H200; not A100, where vLLM measured a regression): 16384 tokens for the
-    offline LLM class, 8192 for the server, 1024 sequences. Smaller GPUs: 8192 / 2048 tokens, 256
-    sequences. The CPU backend (tests, development) keeps 2048 tokens and 256 sequences for both, so
-    its compiled shapes stay few and small.
-    """
-    server = usage_context == "openai_api_server"
-    if platform == "cpu":
-        return 2048, 256
-    if device_memory_bytes >= 70 * 2**30 and "a100" not in device_kind.lower():
-        return (8192 if server else 16384), 1024
-    return (2048 if server else 8192), 256
-
-
-# Decode steps per program for the offline LLM class on GPUs: on an H100, qwen2-0.5b's one-step decode
-# keeps the device busy 42% of a profiled run (host launch and engine work ~2x the device step) and 88%
-# with 16 steps (idle/busy 0.136); ShareGPT 1000 ran 36,460 output tok/s against 28,237 with one step on
-# one machine (bench/results/h100/NOTES.md, seventh and ninth sessions). Offline there is no stream for
-# the steps' groups of tokens to make uneven; the server keeps vLLM's one step.
+# Decode steps per program for the offline LLM class on a GPU when the whole step is one program. With one
+# step per program a small model's decode is host-bound (the launch and the engine's work outlast the
+# device step); offline there is no stream whose tokens the steps' groups would make uneven.
 OFFLINE_GPU_SCHEDULER_STEPS = 16
-
-
-def default_scheduler_steps(platform: str, usage_context: str, layer_dispatch: str) -> int:
-    """num_scheduler_steps when the user names none: OFFLINE_GPU_SCHEDULER_STEPS for the LLM class on a
-    GPU where the whole step is one program (scan or unrolled layers), else 1 (the server, the CPU, and
-    per-layer dispatch, whose layer groups are separate programs)."""
-    if platform == "gpu" and usage_context == "llm_class" and layer_dispatch != "per_layer":
-        return OFFLINE_GPU_SCHEDULER_STEPS
-    return 1
+# Per-layer dispatch from this many bytes of weights per layer: the layer scan slices each layer's weights
+# out of the stacked arrays, and XLA copies every slice that feeds a matmul; from this size those copies
+# cost more than the extra launches of a few programs per step.
+PER_LAYER_MIN_BYTES = 64 << 20
+# Layers in one program under per-layer dispatch: one layer per program left the device idle at small
+# batches (a launch costs about as much host time as a layer's device time); four keep it busy.
+LAYERS_PER_DISPATCH = 4
+# Unrolled layers hand the Mosaic GPU kernels slices of the packed step inputs, and the Mosaic custom call
+# needs each input on the 256-byte grid: 64 elements of 4 bytes. Elsewhere the pieces stay back to back.
+MOSAIC_INPUT_ALIGN = 64
 
 
 @dataclasses.dataclass
@@ -57,7 +46,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0                   # GiB of host memory for swapped-out blocks
     preemption_mode: str | None = None        # recompute (default) | swap
-    max_num_seqs: int | None = None           # default: by device and usage context (batch_defaults)
+    max_num_seqs: int | None = None           # default: by device and usage context (resolve)
     max_num_batched_tokens: int | None = None  # default: likewise; >= max_model_len without chunked prefill
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -66,9 +55,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
     attention_backend: str | None = None      # reference | xla | pallas | mosaic; default by platform
-    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default_dispatch: by layer size and use
+    layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size and use
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
-    num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default_scheduler_steps
+    num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default by use
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: picks the batch defaults
 
@@ -89,6 +78,9 @@ class EngineArgs:
         if self.layer_dispatch not in (None, *LAYER_DISPATCHES):
             raise ValueError(f"layer_dispatch must be one of {', '.join(LAYER_DISPATCHES)}, "
                              f"got {self.layer_dispatch!r}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -97,3 +89,120 @@ class EngineArgs:
             raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
+
+
+class Platform(NamedTuple):
+    """The facts of the device that resolve() reads."""
+    name: str                 # JAX platform: "cpu" | "gpu"
+    device_kind: str          # e.g. "NVIDIA H100 80GB HBM3"
+    memory_bytes: int         # the allocator's limit (0 on the CPU, which reports none)
+    hopper: bool              # compute capability 9.x: the Mosaic GPU kernels run
+
+
+def detect_platform() -> Platform:
+    import jax
+
+    from jaxpaged.pallas_kernels import is_hopper
+    device = jax.devices()[0]
+    memory = (device.memory_stats() or {}).get("bytes_limit", 0) if device.platform != "cpu" else 0
+    return Platform(device.platform, device.device_kind, memory, is_hopper(device))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What runs, resolved once from EngineArgs and the platform (resolve) and passed down."""
+    platform: str                  # "cpu" | "gpu"
+    usage_context: str             # llm_class | openai_api_server
+    max_model_len: int
+    max_num_batched_tokens: int    # the token budget of one step
+    max_num_seqs: int              # requests in one step, at most
+    attention_backend: str         # reference | xla | pallas | mosaic (pallas_kernels.attention)
+    layer_dispatch: str            # scan | per_layer | unrolled (runner/layerwise.py)
+    layers_per_dispatch: int       # layers in one program: all of them unless per_layer
+    num_scheduler_steps: int       # decode steps per program (runner/multi_step.py)
+    compile_buckets: bool          # compile every shape bucket at start-up
+    executable_cache: bool         # keep compiled steps on disk and load them at start-up (runner/exec_cache.py)
+    input_align: int               # elements each packed step input starts at a multiple of (runner/step_inputs.py)
+
+    @property
+    def single_program(self) -> bool:
+        """Whether one engine step is one compiled program (what multi-step and the executable cache need)."""
+        return self.layer_dispatch != "per_layer"
+
+    def summary(self) -> str:
+        """The start-up log line."""
+        return (f"platform={self.platform} usage={self.usage_context} attention={self.attention_backend} "
+                f"layers={self.layer_dispatch}"
+                + (f"/{self.layers_per_dispatch}" if self.layer_dispatch == "per_layer" else "")
+                + f" steps_per_program={self.num_scheduler_steps} max_num_batched_tokens={self.max_num_batched_tokens}"
+                f" max_num_seqs={self.max_num_seqs} max_model_len={self.max_model_len}"
+                f" compile_buckets={self.compile_buckets} executable_cache={self.executable_cache}"
+                f" input_align={self.input_align}")
+
+
+def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_position_embeddings: int,
+            compile_cache: bool = True) -> RunConfig:
+    """The one place that decides what runs. layer_bytes: one decoder layer's weights; compile_cache:
+    whether compiled programs may be kept on disk at all (the user's JAXPAGED_COMPILE_CACHE)."""
+    max_model_len = args.max_model_len or max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
+                         f"max_position_embeddings={max_position_embeddings}")
+    max_tokens, max_seqs = _batch_limits(args, platform, max_model_len)
+    on_gpu = platform.name == "gpu"
+    offline = args.usage_context == "llm_class"
+    dispatch = args.layer_dispatch or _layer_dispatch(layer_bytes, on_gpu, offline, args.num_scheduler_steps)
+    if args.num_scheduler_steps is not None:
+        steps = args.num_scheduler_steps
+    else:
+        # The server streams: vLLM's one step per program, so each token leaves as soon as it is sampled.
+        steps = OFFLINE_GPU_SCHEDULER_STEPS if on_gpu and offline and dispatch != "per_layer" else 1
+    if steps > 1 and dispatch == "per_layer":
+        raise ValueError("num_scheduler_steps > 1 (multi-step decoding) needs the whole step in one program, "
+                         "but layer_dispatch='per_layer' runs the layers in groups: use layer_dispatch "
+                         "'unrolled' or 'scan', or num_scheduler_steps=1")
+    backend = args.attention_backend or ("xla" if not on_gpu else "mosaic" if platform.hopper else "pallas")
+    return RunConfig(
+        platform=platform.name, usage_context=args.usage_context, max_model_len=max_model_len,
+        max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs, attention_backend=backend,
+        layer_dispatch=dispatch,
+        layers_per_dispatch=LAYERS_PER_DISPATCH if dispatch == "per_layer" else 0,
+        num_scheduler_steps=steps,
+        compile_buckets=args.compile_buckets if args.compile_buckets is not None else on_gpu,
+        # XLA:CPU cannot run some deserialized bf16 programs, and CPU compiles are quick anyway.
+        executable_cache=on_gpu and compile_cache and dispatch != "per_layer",
+        input_align=MOSAIC_INPUT_ALIGN if dispatch == "unrolled" else 1,
+    )
+
+
+def _layer_dispatch(layer_bytes: int, on_gpu: bool, offline: bool, steps: int | None) -> str:
+    """Large layers: per_layer, unless several decode steps per program were asked for, which need the
+    step in one program: then unrolled (no weight-slice copies either). Small layers offline on a GPU:
+    unrolled, one CUDA graph per step. Small layers in the server: the scan, whose single-step program
+    launches faster than the one large unrolled graph at small batches."""
+    if layer_bytes >= PER_LAYER_MIN_BYTES:
+        return "unrolled" if steps is not None and steps > 1 else "per_layer"
+    return "unrolled" if on_gpu and offline else "scan"
+
+
+def _batch_limits(args: EngineArgs, platform: Platform, max_model_len: int) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs): the user's, else vLLM V1's defaults, checked.
+
+    GPUs with >= 70 GiB (H100, H200; not A100, where vLLM measured a regression): 16384 tokens for the
+    offline LLM class, 8192 for the server, 1024 sequences. Smaller GPUs: 8192 / 2048 tokens, 256
+    sequences. The CPU (tests, development) keeps 2048 tokens and 256 sequences, so its compiled shapes
+    stay few and small."""
+    server = args.usage_context == "openai_api_server"
+    if platform.name == "cpu":
+        tokens, seqs = 2048, 256
+    elif platform.memory_bytes >= 70 * 2**30 and "a100" not in platform.device_kind.lower():
+        tokens, seqs = (8192 if server else 16384), 1024
+    else:
+        tokens, seqs = (2048 if server else 8192), 256
+    if not args.enable_chunked_prefill:
+        tokens = max(max_model_len, tokens)
+    max_tokens = args.max_num_batched_tokens or tokens
+    if not args.enable_chunked_prefill and max_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len "
+                         f"({max_model_len}) with chunked prefill disabled: long prompts could never run")
+    return max_tokens, args.max_num_seqs or seqs

@@ -35,7 +35,6 @@ class RuntimeOptions:
     """Static (hashable) choices that pick compiled variants."""
     attn_backend: str = "xla"
     decode_only: bool = False
-    scan_unroll: int = 1          # layers per scan iteration (num_layers: a straight-line program)
     num_steps: int = 1            # decode steps per program (the runner's multi-step loop; the model ignores it)
     # The layers run inside a loop XLA executes as a while loop (the layer scan, or the multi-step loop):
     # attention there keeps to kernels XLA's CUDA graphs capture (pallas_kernels.attention's in_loop).
@@ -142,8 +141,7 @@ class DecoderModel(nn.Module):
         h = embed(token_ids)
         cos, sin = rope_cos_sin(c, meta.positions)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers,
-                         unroll=min(self.options.scan_unroll, c.num_layers))
+                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
         (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
             (h, kv_cache, jnp.int32(0)), meta, cos, sin)
         norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
@@ -190,8 +188,8 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
 
 # ---- the same model in three phases, for per-layer dispatch -------------------------------------------
 # Inside nn.scan each layer's weights are a dynamic slice of the stacked [L, ...] weights, and XLA copies
-# every slice that feeds a cuBLAS matmul (measured on llama3-8b: 4 copies per layer, 9.4 ms of a 24.9 ms
-# decode step at batch 256). Per-layer dispatch keeps each layer's weights as their own arrays and runs
+# every slice that feeds a cuBLAS matmul (on llama3-8b, 4 copies per layer: over a third of a decode
+# step at batch 256 on the H100). Per-layer dispatch keeps each layer's weights as their own arrays and runs
 # one compiled layer program L times, so nothing is sliced: embed -> layer x L -> head.
 
 def split_layer_params(params) -> tuple[dict, list[dict]]:

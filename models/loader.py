@@ -61,15 +61,15 @@ def read_hf_config(model_dir: os.PathLike) -> dict:
     return json.loads(cfg_file.read_text())
 
 
-def resolve_dtype(dtype: str, cfg: DecoderConfig):
-    """vLLM's `--dtype auto`: the checkpoint's dtype, but float32 checkpoints run in bf16 on GPUs."""
+def resolve_dtype(dtype: str, cfg: DecoderConfig, platform: str = "cpu"):
+    """vLLM's `--dtype auto`: the checkpoint's dtype, but float32 checkpoints run in bf16 on GPUs.
+    platform: the JAX platform the model will run on ("cpu" | "gpu")."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose from auto, {', '.join(DTYPES)}")
         return DTYPES[dtype]
-    on_cpu = jax.default_backend() == "cpu"
     ckpt = DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), jnp.float32)
-    if on_cpu:
+    if platform == "cpu":
         return jnp.float32          # CPU bf16 matmuls are slow and less exact; CPU is for testing
     return jnp.bfloat16 if ckpt == jnp.float32 else ckpt
 
@@ -167,10 +167,11 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) 
     return params
 
 
-def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "auto", seed: int = 0) -> LoadedModel:
+def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
+               platform: str = "cpu") -> LoadedModel:
     hf_config = read_hf_config(model_dir)
     cfg = decoder_config_from_hf(hf_config)
-    jdtype = resolve_dtype(dtype, cfg)
+    jdtype = resolve_dtype(dtype, cfg, platform)
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed)
     elif load_format in ("auto", "safetensors"):

@@ -9,15 +9,14 @@ which implementation runs below them is chosen by `backend`:
   "mosaic"     as "pallas", but the ragged (prefill / mixed) attention runs the persistent Mosaic GPU kernel
                for Hopper (ragged_paged_attention_mgpu.py: TMA, wgmma, warp specialisation) wherever it
                supports the call (bf16/fp16, head dim 64/128, no window or soft cap), the Triton kernel
-               elsewhere. The default on Hopper (sm_90): on the H100 it reaches 0.85-1.23 of cuDNN's
-               TFLOP/s on 1-16 prompts of 512-8k tokens where the Triton kernel reaches 0.58-0.79, and
-               qwen2-0.5b ShareGPT 1000 ran 11% faster end to end (bench/results/h100/NOTES.md, ninth
-               session). Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
+               elsewhere. The default on Hopper (sm_90): on the H100 it runs prefill about as fast as
+               cuDNN's dense attention, well ahead of the Triton kernel, and that shows end to end.
+               Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
                outside while loops (per-layer or unrolled dispatch, one step per program) run the Mosaic
                decode kernel (paged_decode_attention_mgpu), other decodes the Triton split-K one.
 
-`default_backend()` picks by the JAX platform and the GPU's generation; JAXPAGED_ATTENTION_BACKEND
-overrides it (read in jaxpaged.envs, passed down as an argument: this package reads no environment).
+The caller names the backend (jaxpaged.config.resolve picks it by platform: "xla" on the CPU, "mosaic"
+on Hopper, "pallas" on other GPUs); this package reads no environment and makes no configuration choice.
 """
 from __future__ import annotations
 
@@ -32,23 +31,15 @@ from .ragged_paged_attention_pallas import ragged_paged_attention_pallas
 BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # Decode batches of at least this many (request, kv head) pairs run the Mosaic GPU decode kernel
 # (paged_decode_attention_mgpu: persistent CTAs over pairs, no split-K) under backend "mosaic", outside
-# while loops (attention's in_loop); None: never.
-# Measured on the H100 (bench/results/h100/NOTES.md, eleventh session, runs 01-02): from 128 pairs it takes
-# 8-19% less time than the Triton decode kernel on every shape (llama3-8b 16 x 1k = 128 pairs: 34.4 against
-# 42.5 us; 256 x 8k: 3.00 against 2.59 TB/s; qwen2-0.5b 64 x 1k = 128 pairs: 24.4 against 28.8 us); at 32
-# pairs (qwen2-0.5b, 16 requests) it is 1.2-1.9x slower, since without split-K 32 CTAs leave most SMs idle.
-# One pair per SM (the H100 has 132) is where the persistent kernel has the machine to itself.
-MOSAIC_DECODE_MIN_PAIRS: int | None = 128
+# while loops (attention's in_loop).
+# Why 128: one pair per SM (the H100 has 132) is where the persistent kernel has the machine to itself.
+# From there on it is faster than the Triton split-K decode kernel on the H100 on every measured shape;
+# below it slower, since without split-K a few dozen CTAs leave most SMs idle (16 qwen2-0.5b requests are
+# 32 pairs).
+MOSAIC_DECODE_MIN_PAIRS = 128
 
-__all__ = ["BACKENDS", "attention", "default_backend", "paged_decode_attention", "paged_decode_attention_reference",
+__all__ = ["BACKENDS", "attention", "is_hopper", "paged_decode_attention", "paged_decode_attention_reference",
            "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
-
-
-def default_backend() -> str:
-    """"xla" on the CPU, "mosaic" on Hopper GPUs, "pallas" on other GPUs."""
-    if jax.default_backend() == "cpu":
-        return "xla"
-    return "mosaic" if is_hopper(jax.devices()[0]) else "pallas"
 
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
@@ -60,10 +51,10 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     decode kernel run instead of the ragged one.
     in_loop: static; the call sits in the body of a loop that XLA runs as a while loop (a scan over layers
     or over decode steps). Decodes there keep to the Triton decode kernel: XLA does not capture the Mosaic
-    GPU custom call in the CUDA graphs it launches a loop body's kernels with, and on the H100 a 16-step
-    qwen2-0.5b decode program whose layer scan held the Mosaic decode kernel took 68.6 ms of host launch
-    against 29.7 ms (bench/results/h100/NOTES.md, eleventh session). The Mosaic prefill kernel stays: a
-    prefill step's kernels are long enough that the uncaptured launches don't show.
+    GPU custom call in the CUDA graphs it launches a loop body's kernels with, so every kernel of the body
+    would launch on its own: a multi-step decode program then spends about twice as long being launched
+    by the host as with the Triton kernel. The Mosaic prefill kernel stays: a prefill step's kernels are
+    long enough that the uncaptured launches don't show.
     """
     if backend == "reference":
         return ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens,
@@ -74,12 +65,11 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend in ("pallas", "mosaic"):
         # On the CPU "mosaic" runs the Triton kernels (interpreted) like "pallas": the Mosaic GPU
-        # interpreter runs the kernel on its own (tests/test_kernels_mgpu.py), but inside the engine's
+        # interpreter runs the kernel on its own (tests/kernels/test_mosaic_gpu.py), but inside the engine's
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
         mosaic = backend == "mosaic" and jax.default_backend() == "gpu"
         if decode_only:
-            if (mosaic and not in_loop and MOSAIC_DECODE_MIN_PAIRS is not None
-                    and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS):
+            if mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS:
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
                 if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:
                     return paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,

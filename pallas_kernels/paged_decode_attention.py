@@ -12,10 +12,10 @@ programs already fill the H100, both ways read 2.0 TB/s; the split count matters
 All G query heads of the kv head are one [Gp, D] tile, so each K/V block is read from memory
 exactly once per step (GQA without re-reads). Each program writes its normalised partial output and its
 log-sum-exp; a small jnp epilogue merges the NS splits. Splits left empty (a context shorter than NS tiles)
-exit at once. The epilogue is XLA's two or three small fusions (2.5-5 us on the H100); merging inside the
-kernel instead (the last split to finish, found by an acq_rel atomic count, merges) made the kernel itself
-1.3-1.7x slower, and a separate Pallas merge kernel took as long as the fusions or longer
-(bench/results/h100/NOTES.md, thirteenth session; the code is at 0b46224).
+exit at once. The epilogue is XLA's two or three small fusions, and it stays outside the kernel: merging
+inside it (the last split to finish, found by an atomic count, merges) costs every program a barrier and
+a fenced atomic and puts a serial merge on the critical path, which made the kernel slower on the H100;
+a separate Pallas merge kernel costs a launch, as the fusions do, and was no faster.
 
 The cache is passed whole ([L, 2, B, K, S, D]) and the layer is picked inside the kernel, so the model's
 lax.scan over layers never copies a layer out of the pool.
@@ -33,14 +33,14 @@ from ._softmax import NEG, init_carry, online_softmax_step
 
 NUM_SMS = 132            # H100 SXM: the SM count where no GPU says its own (lowering on the CPU)
 # The split count fills one wave of PROGRAMS_PER_SM programs per SM and never spills into a second one.
-# The tenth session's H100 sweep (bench/results/h100/session10/01_*) showed wave quantisation: at
-# qwen2-0.5b 256 x 4k, 2 splits (1,024 programs) took 227 us, 3 splits (1,536) 281 us and 5 (2,560) 264 us;
-# 8 per SM is the largest count that 1,024 programs fit in. The earlier rule (16 per SM, rounded up) made
-# 5 splits there. Where the (request, head) pairs alone fill a wave, one split runs.
+# Why one wave: programs that spill past the resident wave leave a tail in which most SMs idle, so a
+# split count that stays inside one wave beats a larger one that does not (e.g. qwen2-0.5b 256 x 4k on the
+# H100: 2 splits, 1,024 programs, faster than 3 or 5). 8 per SM is the largest count that 1,024 programs
+# fit in. Where the (request, head) pairs alone fill a wave, one split runs.
 PROGRAMS_PER_SM = 8
 # Each split walks at least this many key tiles: a one-tile split pays a program's fixed costs (q load,
-# partial output and log-sum-exp stores, its share of the merge) for 64 keys. Session 10 run 06, qwen2-0.5b
-# 16 x 1k on the H100: 8 splits of two tiles 13.9 us against 16 splits of one 15.3 us.
+# partial output and log-sum-exp stores, its share of the merge) for 64 keys: at qwen2-0.5b 16 x 1k on the
+# H100, 8 splits of two tiles ran faster than 16 splits of one.
 MIN_TILES_PER_SPLIT = 2
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -185,14 +185,14 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     group_pad = max(16, _next_pow2(group))
     max_blocks = block_tables.shape[1]
     if blocks_per_iter is None:
-        # H100 sweep (bench/results/kernels_*): 64 keys per iteration was best or within noise of it
-        # on both layouts; 32 and 128 lost at >= 64 sequences
+        # 64 keys per iteration: on the H100 best or within noise of it on both head layouts; 32 and
+        # 128 lost at >= 64 sequences
         blocks_per_iter = max(1, 64 // block_size)
     if num_splits is None:
         num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter, sms=num_sms())
     if num_warps is None:
-        # Same sweep: 2 warps beat 4 for D 64 (qwen2-0.5b) at >= 4k tokens of context (256 x 4k: 237 vs
-        # 350 us; 64 x 8k: 138 vs 167 us); for D 128 (llama3-8b) 4 warps were best or within noise.
+        # On the H100, 2 warps beat 4 for D 64 at >= 4k tokens of context; for D 128, 4 warps were best
+        # or within noise.
         num_warps = 2 if head_dim <= 64 else 4
     q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)

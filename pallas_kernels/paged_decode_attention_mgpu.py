@@ -1,10 +1,10 @@
 """Paged decode attention on the persistent Mosaic GPU kernel (Hopper), GQA heads packed into one tile.
 
 The ragged Mosaic GPU kernel (ragged_paged_attention_mgpu.py) runs (tile of query tokens, query head)
-items, so on a decode batch each of a group's G query heads would stream the request's K/V again
-(session 10 run 12: 0.3-1.5 TB/s). Here the batch is re-labelled so that one item holds the G heads of
-one (request, kv head) pair as G rows of a tile, and K/V are streamed once per pair, as in the Triton
-decode kernel:
+items, so on a decode batch each of a group's G query heads would stream the request's K/V again (a
+fraction of the Triton decode kernel's bandwidth on the H100). Here the batch is re-labelled so that one
+item holds the G heads of one (request, kv head) pair as G rows of a tile, and K/V are streamed once per
+pair, as in the Triton decode kernel:
 
   q        [R, N, D]              -> [R * K * G, 1, D]      (a free reshape: N = K * G, heads of a kv head
                                                              are adjacent), "request" i = r * K + h
@@ -16,10 +16,9 @@ with the kernel's causal mask off (every row sees the request's seq_lens[r] keys
 (seq_lens 0) gets no key steps and its rows are written as zeros. No split-K: the persistent CTAs take
 (request, kv head) items, so this suits batches with at least about one pair per SM.
 
-On the H100 (bench/results/h100/NOTES.md, eleventh session) it reads 2.5-3.0 TB/s of K/V from 64
-llama3-8b requests x 1k, and from 128 pairs on it takes 8-19% less time than the Triton decode kernel on
-every measured shape; at 32 pairs it is 1.2-1.9x slower. attention() takes it from MOSAIC_DECODE_MIN_PAIRS pairs,
-outside while loops only (its custom call keeps XLA from capturing a loop body in CUDA graphs).
+On the H100, from about one pair per SM (MOSAIC_DECODE_MIN_PAIRS) it is faster than the Triton decode
+kernel on every measured shape, and slower below it. attention() takes it from MOSAIC_DECODE_MIN_PAIRS
+pairs, outside while loops only (its custom call keeps XLA from capturing a loop body in CUDA graphs).
 """
 from __future__ import annotations
 

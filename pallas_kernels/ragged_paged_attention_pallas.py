@@ -234,9 +234,8 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     tokens_per_tile = block_rows // group
     blocks_per_iter = max(1, block_k // block_size)
     if num_warps is None or num_stages is None:
-        # H100 sweeps (bench/results/h100/session8/01_*): on 128 x 64 tiles, D 128 runs best with 4 warps
-        # and 2 stages (llama3-8b 4 x 8k: 400 vs 296 TFLOP/s with 8 warps and 3), D 64 with 8 warps and
-        # 3 stages (qwen2-0.5b 4 x 8k: 277 vs 241, 4 x 2k: 198 vs 173).
+        # On the H100, 128 x 64 tiles run best with 4 warps and 2 stages at D 128, and with 8 warps and
+        # 3 stages at D 64 (sweeps over both head layouts, prompts of 2k-8k tokens).
         default_warps, default_stages = (8, 3) if head_dim <= 64 else (4, 2)
         num_warps = num_warps or default_warps
         num_stages = num_stages or default_stages

@@ -18,7 +18,13 @@ def make_parser() -> argparse.ArgumentParser:
         prog="python -m jaxpaged.server",
         description="OpenAI-compatible HTTP server for jaxpaged (the flags of `vllm serve`).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model")
+    _model_flags(p.add_argument_group("model"))
+    _cache_and_scheduler_flags(p.add_argument_group("cache and scheduler"))
+    _server_flags(p.add_argument_group("server"))
+    return p
+
+
+def _model_flags(m) -> None:
     m.add_argument("--model", default=None,
                    help="Local Hugging Face model folder. Omitted: the embedded SmolLM2-135M-Instruct.")
     m.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: the model folder).")
@@ -36,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "tokenizer's template.")
     m.add_argument("--seed", type=int, default=0, help="Random seed for weights (dummy) and sampling.")
 
-    c = p.add_argument_group("cache and scheduler")
+
+def _cache_and_scheduler_flags(c) -> None:
     c.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="Fraction of GPU memory for weights, activations and the KV cache.")
     c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
@@ -58,9 +65,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Decode steps per device program (multi-step scheduling, as vLLM V0): when every "
                         "running request decodes and none waits, the GPU runs this many steps before the "
                         "host sees their tokens, which then stream in groups of up to this many. Requests "
-                        "with logprobs, penalties, logit bias or min_tokens run one step at a time. Needs "
-                        "the whole step in one program: the layer scan or unrolled layers "
-                        "(JAXPAGED_LAYER_DISPATCH=scan or unrolled on models with large layers).")
+                        "with logprobs, penalties, logit bias or min_tokens run one step at a time. Models "
+                        "with large layers then run them unrolled, the whole step in one program.")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -72,7 +78,8 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs to shard the model over. Only 1 is supported for now.")
 
-    s = p.add_argument_group("server")
+
+def _server_flags(s) -> None:
     s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
     s.add_argument("--api-key", default=None,
@@ -86,7 +93,6 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Do not log each request's id, prompt length and sampling parameters.")
     s.add_argument("--root-path", default=None,
                    help="FastAPI root_path, when the app sits behind a path-based proxy.")
-    return p
 
 
 def _json_list(text: str) -> list[str]:

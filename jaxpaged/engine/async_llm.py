@@ -10,7 +10,6 @@ blocks on the engine thread's next turn (before its next step).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import sys
@@ -18,13 +17,17 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from jaxpaged import envs
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, PromptType
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.async_llm")
+
+# The engine thread shares the GIL with the HTTP event loop: how long a thread may hold it while another
+# waits. Python's 5 ms is longer than a small model's whole step, so the engine thread would sit idle
+# behind request handling; 0.5 ms lets it take the GIL back within a fraction of a step.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(RuntimeError):
@@ -33,8 +36,7 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
-        if envs.JAXPAGED_GIL_SWITCH_INTERVAL_MS is not None:
-            sys.setswitchinterval(envs.JAXPAGED_GIL_SWITCH_INTERVAL_MS / 1000)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -49,10 +51,6 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        # A streaming engine keeps one decode step per program unless asked: the offline default
-        # (config.default_scheduler_steps) would send each stream's tokens in groups.
-        if args.num_scheduler_steps is None:
-            args = dataclasses.replace(args, num_scheduler_steps=1)
         return cls(LLMEngine(args))
 
     # ---- health -------------------------------------------------------------------------------

@@ -37,6 +37,12 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_ids, leng
     return cum_logprob / (seq_len ** length_penalty)
 
 
+def _live(beam: BeamSearchSequence) -> Request:
+    """A live beam's request."""
+    assert beam.request is not None, "a finished beam"
+    return beam.request
+
+
 class _Instance:
     def __init__(self, prompt_ids: list[int]):
         self.prompt_ids = prompt_ids
@@ -82,7 +88,7 @@ def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) 
         while any(inst.beams for inst in instances):
             pending.update(_step(engine, 2 * width))
             for inst in instances:
-                if inst.beams and all(b.request.request_id in pending for b in inst.beams):
+                if inst.beams and all(_live(b).request_id in pending for b in inst.beams):
                     _select(engine, inst, params, pending, ids)
     finally:
         for inst in instances:   # on error: free whatever is still held
@@ -93,17 +99,17 @@ def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) 
 
 def _step(engine, k: int) -> dict[str, list[tuple[int, float]]]:
     """One synchronous engine step over the beams; returns the top-k candidates of each sampled beam."""
-    out = engine.scheduler.schedule()
+    sched = engine.scheduler
+    out = sched.schedule()
     if out.is_empty:
         raise RuntimeError("beam search stalled: nothing could be scheduled")
-    block_ids = {r.request_id: engine.kv_manager.get_block_ids(r.request_id) for r in out.scheduled}
-    result = engine.runner.execute(out, block_ids)
+    result = engine.runner.execute(out)
     got = {}
-    for row, req in enumerate(out.scheduled):
-        if req.num_computed_tokens < req.num_tokens:
-            continue                       # a prefill chunk short of the end: no logits for us
-        req.num_output_placeholders = 0    # the sample is not appended: the beam picks its own token
-        got[req.request_id] = list(zip(result.top_ids[row][:k].tolist(), result.top_logprobs[row][:k].tolist()))
+    for rid, row in result.rows.items():
+        # The sample is not appended: the beam picks its own token (a fork of this one).
+        sched.settle(sched.requests[rid], out.num_steps)
+        got[rid] = list(zip(result.logprobs.top_ids[row][:k].tolist(),
+                            result.logprobs.top_logprobs[row][:k].tolist()))
     return got
 
 
@@ -111,7 +117,7 @@ def _select(engine, inst: _Instance, params: BeamSearchParams, pending, ids) -> 
     sched, eos = engine.scheduler, engine.eos_token_ids
     candidates = []
     for beam in inst.beams:
-        top = pending.pop(beam.request.request_id)
+        top = pending.pop(_live(beam).request_id)
         for token, lp in top:
             new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [dict(top)], beam.cum_logprob + lp)
             new.request = beam.request     # the parent, until forked
@@ -124,7 +130,7 @@ def _select(engine, inst: _Instance, params: BeamSearchParams, pending, ids) -> 
     inst.steps += 1
     keep = candidates[:params.beam_width] if inst.steps < params.max_tokens else []
     for new, token in keep:
-        parent = new.request
+        parent = _live(new)
         child = Request(f"beam-{next(ids)}", inst.prompt_ids, parent.sampling_params, (),
                         block_size=engine.block_size)
         for t in new.tokens[len(inst.prompt_ids):]:

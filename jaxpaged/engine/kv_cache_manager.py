@@ -2,11 +2,7 @@
 shared partly filled block (beam forks), swap to host memory, and memory-waste accounting. No jax."""
 from __future__ import annotations
 
-import itertools
-import operator
 from typing import NamedTuple
-
-import numpy as np
 
 from jaxpaged.engine.block_pool import BlockPool, KVCacheBlock
 from jaxpaged.engine.request import Request
@@ -15,10 +11,6 @@ from jaxpaged.engine.request import Request
 class ComputedBlocks(NamedTuple):
     blocks: list[KVCacheBlock]     # prefix-cache hits, in order
     num_tokens: int                # tokens they hold
-
-
-_REQUEST_ID = operator.attrgetter("request_id")
-_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,15 +28,7 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
         self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
-        # The block ids of every request with device blocks, kept as rows of one table updated where the
-        # lists change (allocate, copy-on-write, fork, swap, free), so a step gathers its batch's block
-        # tables with one fancy index instead of flattening ~30k ids. Row 0 stays all zeros (the null
-        # block): padding rows of a batch gather it. Free rows are zeroed.
-        self.block_table = np.zeros((64, 16), np.int32)
-        self.table_rows: dict[str, int] = {}                     # request -> its row of block_table
-        self.row_lens = np.zeros(64, np.int32)                   # blocks in each row (slot_usage)
-        self._free_rows: list[int] = []
-        self._next_row = 1
+        self.replaced: set[str] = set()        # requests whose earlier block ids changed (copy-on-write)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -110,14 +94,12 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new + int(cow) > self.pool.num_free_blocks - evictable_hits:
             return None
-        start = len(blocks)
         self.pool.touch(new_computed)
         blocks.extend(new_computed)
         if cow:
             self._copy_on_write(request, blocks)
         fresh = self.pool.get_new_blocks(num_new)
         blocks.extend(fresh)
-        self._write_row(request.request_id, blocks, start)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens
                                 + self._hit_tokens(request, new_computed) + num_new_tokens)
         return fresh
@@ -134,7 +116,7 @@ class KVCacheManager:
         self.blocks_to_copy.append((shared.block_id, own.block_id))
         self.pool.free_blocks([shared])
         blocks[idx] = own
-        self._write_row(request.request_id, blocks, idx, idx + 1)      # an id changed in place
+        self.replaced.add(request.request_id)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register blocks that are full once this step's tokens are in (their token ids are all known)."""
@@ -152,68 +134,30 @@ class KVCacheManager:
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
         self.pool.touch(blocks)
         self.req_to_blocks[child.request_id] = blocks
-        self._write_row(child.request_id, blocks, 0)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self._release_row(request.request_id)
+        self.replaced.discard(request.request_id)
         # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
         self.pool.free_blocks(reversed(blocks))
         self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
 
-    def block_ids_view(self) -> "BlockTableView":
-        """Read-only mapping request id -> block ids over the persistent table (no per-step building)."""
-        return BlockTableView(self)
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
-    # ---- the block table ----------------------------------------------------------------------
-    def _write_row(self, request_id: str, blocks: list[KVCacheBlock], start: int, stop: int | None = None) -> None:
-        """Copy blocks[start:stop] into the request's table row (taking a row on first use)."""
-        stop = len(blocks) if stop is None else stop
-        row = self.table_rows.get(request_id)
-        if row is None:
-            if self._free_rows:
-                row = self._free_rows.pop()
-            else:
-                row = self._next_row
-                self._next_row += 1
-                if row == self.block_table.shape[0]:
-                    self._resize_table(2 * row, self.block_table.shape[1])
-            self.table_rows[request_id] = row
-        if stop > self.block_table.shape[1]:
-            self._resize_table(self.block_table.shape[0], max(stop, 2 * self.block_table.shape[1]))
-        if stop > start:
-            self.block_table[row, start:stop] = [b.block_id for b in blocks[start:stop]]
-        self.row_lens[row] = len(blocks)
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies (src, dst) decided since the last call; the step runs them first."""
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        return copies
 
-    def _release_row(self, request_id: str) -> None:
-        row = self.table_rows.pop(request_id, None)
-        if row is not None:
-            self.block_table[row] = 0
-            self.row_lens[row] = 0
-            self._free_rows.append(row)
-
-    def _resize_table(self, num_rows: int, width: int) -> None:
-        table = np.zeros((num_rows, width), np.int32)
-        keep = min(width, self.block_table.shape[1])
-        table[:self.block_table.shape[0], :keep] = self.block_table[:, :keep]
-        self.block_table = table
-        self.row_lens = np.concatenate([self.row_lens, np.zeros(num_rows - len(self.row_lens), np.int32)])
-
-    def gather_block_tables(self, request_ids, num_rows: int, width: int) -> np.ndarray:
-        """int32[num_rows, width]: the block ids of `request_ids` in order, then all-null padding rows."""
-        if self.block_table.shape[1] != width:
-            if self.block_table.shape[1] > width and self.block_table[:, width:].any():
-                raise ValueError(f"a request holds more than {width} blocks")
-            self._resize_table(self.block_table.shape[0], width)
-        rows = np.zeros(num_rows, np.intp)
-        n = len(request_ids)
-        rows[:n] = np.fromiter(map(self.table_rows.get, request_ids, itertools.repeat(0, n)), np.intp, n)
-        return self.block_table[rows]
+    def take_replaced(self, request_id: str) -> bool:
+        """Whether an earlier block id of the request changed since the last call (copy-on-write)."""
+        if request_id in self.replaced:
+            self.replaced.discard(request_id)
+            return True
+        return False
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
@@ -223,7 +167,7 @@ class KVCacheManager:
         """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
         blocks = self.req_to_blocks.pop(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
-        self._release_row(request.request_id)
+        self.replaced.discard(request.request_id)
         host = [self.free_cpu_blocks.pop() for _ in blocks]
         self.swapped[request.request_id] = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
@@ -237,7 +181,6 @@ class KVCacheManager:
             return None
         blocks = self.pool.get_new_blocks(len(host))
         self.req_to_blocks[request.request_id] = blocks
-        self._write_row(request.request_id, blocks, 0)
         del self.swapped[request.request_id]
         self.free_cpu_blocks.extend(host)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens)
@@ -246,35 +189,15 @@ class KVCacheManager:
     # ---- accounting ---------------------------------------------------------------------------
     def slot_usage(self, requests) -> tuple[int, int]:
         """(allocated, used) token slots of the given running requests."""
-        requests = list(requests)
-        n = len(requests)
-        if not n:
-            return 0, 0
-        rows = np.fromiter(map(self.table_rows.get, map(_REQUEST_ID, requests), itertools.repeat(0, n)), np.intp, n)
-        allocated = self.row_lens[rows].astype(np.int64) * self.block_size
-        computed = np.fromiter(map(_NUM_COMPUTED, requests), np.int64, n)
-        return int(allocated.sum()), int(np.minimum(computed, allocated).sum())
+        blocks = self.req_to_blocks
+        allocated = used = 0
+        for r in requests:
+            n = len(blocks.get(r.request_id, ())) * self.block_size
+            allocated += n
+            used += min(r.num_computed_tokens, n)
+        return allocated, used
 
     def memory_waste(self, requests) -> float:
         """(allocated - used) token slots over allocated, over the given running requests."""
         allocated, used = self.slot_usage(requests)
         return 0.0 if allocated == 0 else (allocated - used) / allocated
-
-
-class BlockTableView:
-    """request id -> its block ids, read from the KV cache manager's persistent table; the runner
-    gathers a whole batch's block tables at once with `gather`."""
-    __slots__ = ("_kv",)
-
-    def __init__(self, kv: KVCacheManager):
-        self._kv = kv
-
-    def __getitem__(self, request_id: str) -> list[int]:
-        kv = self._kv
-        row = kv.table_rows.get(request_id)
-        if row is None:
-            return []
-        return kv.block_table[row, :kv.row_lens[row]].tolist()
-
-    def gather(self, request_ids, num_rows: int, width: int) -> np.ndarray:
-        return self._kv.gather_block_tables(request_ids, num_rows, width)

@@ -2,23 +2,28 @@
 on its own thread)."""
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import logging
 import time
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from jaxpaged import envs
-from jaxpaged.config import EngineArgs, batch_defaults, default_scheduler_steps
+from jaxpaged.config import EngineArgs, RunConfig, detect_platform, resolve
 from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, prepare as prepare_detokenizer
 from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.engine.output import ModelRunnerOutput
 from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.stats import EngineStats
+from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpaged.runner.model_runner import InFlight
 
 logger = logging.getLogger("jaxpaged.engine")
 
@@ -41,117 +46,77 @@ def _configure_jax() -> None:
         jax.config.update("jax_log_compiles", True)
 
 
-def _limits(args: EngineArgs, cfg) -> tuple[int, int, int]:
-    """(max_model_len, max_num_batched_tokens, max_num_seqs), defaults filled in as vLLM does (by device and
-    usage context, config.batch_defaults) and checked against each other and the model."""
-    import jax
-    max_model_len = args.max_model_len or cfg.max_position_embeddings
-    if max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
-    device = jax.devices()[0]
-    memory = (device.memory_stats() or {}).get("bytes_limit", 0) if device.platform != "cpu" else 0
-    default_tokens, default_seqs = batch_defaults(device.platform, memory, device.device_kind,
-                                                  args.usage_context)
-    if not args.enable_chunked_prefill:
-        default_tokens = max(max_model_len, default_tokens)
-    max_tokens = args.max_num_batched_tokens or default_tokens
-    if not args.enable_chunked_prefill and max_tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({max_tokens}) is smaller than max_model_len "
-                         f"({max_model_len}) with chunked prefill disabled: long prompts could never run")
-    return max_model_len, max_tokens, args.max_num_seqs or default_seqs
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        import jax
         from transformers import AutoTokenizer
 
-        from jaxpaged import pallas_kernels
         from jaxpaged.models import load_model
+        from jaxpaged.runner.layerwise import layer_bytes
 
         self.args = args
         _configure_jax()
         t0 = time.perf_counter()
+        platform = detect_platform()
         self.model_path = resolve_model_path(args.model)
-        loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed)
+        loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed, platform=platform.name)
         self.model_config = cfg = loaded.config
+        self.run = run = resolve(args, platform, layer_bytes=layer_bytes(loaded.params),
+                                 max_position_embeddings=cfg.max_position_embeddings,
+                                 compile_cache=envs.JAXPAGED_COMPILE_CACHE)
+        logger.info("Run config: %s", run.summary())
+        self.max_model_len, self.max_num_batched_tokens = run.max_model_len, run.max_num_batched_tokens
+        self.max_num_seqs, self.num_scheduler_steps = run.max_num_seqs, run.num_scheduler_steps
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_path)
-        self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs = _limits(args, cfg)
         tok_eos = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | tok_eos))
-        backend = args.attention_backend or envs.JAXPAGED_ATTENTION_BACKEND or pallas_kernels.default_backend()
-        self._build_cache_and_scheduler(loaded, backend)
+        weights_gib = tree_bytes(loaded.params) / 2**30
+        self._build_cache_and_scheduler(loaded, run)
         self.output_processor = OutputProcessor(self.tokenizer)
         prepare_detokenizer(self.tokenizer)
         self.stats = EngineStats()
-        self._inflight = None            # the dispatched step whose results are not processed yet
-        # Opt-in (JAXPAGED_LAUNCH_THREAD=1): the JAX launch of step N runs on a second thread while this one
-        # processes step N-1. Off by default: on an H100 it gave no consistent gain on qwen2-0.5b ShareGPT
-        # (bench/results/h100/NOTES.md, third session).
-        self._launcher = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-launch")
-                          if envs.JAXPAGED_LAUNCH_THREAD else None)
+        self._inflight: InFlight | None = None    # the launched step whose results are not processed yet
         self._rng = np.random.default_rng(args.seed)
-        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights; attention backend %s; layers by %s; "
-                    "%d decode step(s) per program", self.model_path, cfg.architecture,
-                    np.dtype(loaded.dtype).name, tree_bytes(loaded.params) / 2**30, backend,
-                    self.layer_dispatch, self.num_scheduler_steps)
-        compile_all = args.compile_buckets if args.compile_buckets is not None else jax.default_backend() != "cpu"
-        if compile_all:
-            secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=self.num_scheduler_steps)
+        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights", self.model_path, cfg.architecture,
+                    np.dtype(loaded.dtype).name, weights_gib)
+        if run.compile_buckets:
+            secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=run.num_scheduler_steps)
             cache = self.runner.exec_cache
             logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
                         f" ({cache.hits} loaded from {cache.dir}, {cache.load_s:.1f} s of it reading them)"
                         if cache is not None and cache.hits else "")
         # As vLLM after start-up: what exists now (weights' host objects, the tokenizer and its byte table,
-        # JAX's caches) lives as long as the engine, so it leaves the collector's generations. A full
-        # collection then walks only the requests' objects: admitting 1000 ShareGPT prompts took 0.29 s
-        # on the CI machine, 0.05 s after the freeze.
+        # JAX's caches) lives as long as the engine, so it leaves the collector's generations, and a full
+        # collection then walks only the requests' objects.
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
 
-    def _build_cache_and_scheduler(self, loaded, backend: str) -> None:
+    def _build_cache_and_scheduler(self, loaded, run: RunConfig) -> None:
         """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""
-        import jax
-
-        from jaxpaged.runner import layerwise
         from jaxpaged.runner.buckets import BucketPolicy
         from jaxpaged.runner.model_runner import ModelRunner
         args, cfg = self.args, loaded.config
         per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
-        activations = self._activation_estimate(cfg, self.max_num_batched_tokens, self.max_num_seqs)
+        activations = self._activation_estimate(cfg, run.max_num_batched_tokens, run.max_num_seqs)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
                              args.num_gpu_blocks_override)
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
-        self.buckets = BucketPolicy(self.max_num_batched_tokens, self.max_num_seqs)
-        self.layer_dispatch = (args.layer_dispatch or envs.JAXPAGED_LAYER_DISPATCH
-                               or layerwise.default_dispatch(loaded.params, jax.default_backend(), args.usage_context))
-        self.num_scheduler_steps = (args.num_scheduler_steps if args.num_scheduler_steps is not None else
-                                    default_scheduler_steps(jax.default_backend(), args.usage_context,
-                                                            self.layer_dispatch))
-        if self.num_scheduler_steps > 1 and self.layer_dispatch == "per_layer":
-            raise ValueError("num_scheduler_steps > 1 (multi-step decoding) needs the whole step in one program; "
-                             "this engine dispatches its layers in groups (per_layer): set layer_dispatch to "
-                             "'scan' or 'unrolled' (JAXPAGED_LAYER_DISPATCH), or num_scheduler_steps=1")
-        exec_cache = (envs.JAXPAGED_EXEC_CACHE if envs.JAXPAGED_EXEC_CACHE is not None
-                      else jax.default_backend() == "gpu")
-        exec_root = (str(envs.JAXPAGED_CACHE_ROOT / "executables")
-                     if exec_cache and envs.JAXPAGED_COMPILE_CACHE else None)
-        self.runner = ModelRunner(loaded, size.num_blocks, args.block_size, self.max_model_len, self.buckets,
-                                  backend, num_cpu_blocks, self.layer_dispatch, exec_root)
+        self.buckets = BucketPolicy(run.max_num_batched_tokens, run.max_num_seqs)
+        exec_root = str(envs.JAXPAGED_CACHE_ROOT / "executables") if run.executable_cache else None
+        self.runner = ModelRunner(loaded, run, size.num_blocks, args.block_size, self.buckets, num_cpu_blocks,
+                                  exec_root)
         self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
                                          num_cpu_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
-                                                   self.max_model_len, args.enable_chunked_prefill,
+        self.scheduler = Scheduler(SchedulerConfig(run.max_num_seqs, run.max_num_batched_tokens,
+                                                   run.max_model_len, args.enable_chunked_prefill,
                                                    args.scheduling_policy, args.preemption_mode or "recompute",
-                                                   self.num_scheduler_steps),
+                                                   run.num_scheduler_steps),
                                    self.kv_manager)
         self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
                     "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
-                    size.num_blocks * per_block / 2**30, tokens, self.max_model_len, tokens / self.max_model_len)
+                    size.num_blocks * per_block / 2**30, tokens, run.max_model_len, tokens / run.max_model_len)
 
     @staticmethod
     def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
@@ -235,7 +200,8 @@ class LLMEngine:
             children.append(req)
         self.output_processor.add(request_id, text, token_ids, params, children,
                                   [IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                          params.stop, params.include_stop_str_in_output)
+                                                          cast(list[str], params.stop),  # a list after __post_init__
+                                                          params.include_stop_str_in_output)
                                    for _ in children])
         for req in children:
             self.scheduler.add_request(req)
@@ -256,76 +222,69 @@ class LLMEngine:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
     # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> list:
-        """Schedule and dispatch step N, then process step N-1's results while N runs on the device.
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch step N, then process step N-1's results while N runs on the device.
 
         Scheduling N before N-1's tokens are on the host is safe: each request that N-1 samples for
-        holds a placeholder, and N reads that token from the device (see ModelRunner.dispatch). A
-        request that N-1 finishes has one wasted token computed in N, then is freed. Batches that
-        need exact token history on the host (penalties) run synchronously.
+        holds a placeholder (scheduler.py), and N reads that token on the device. A request that N-1
+        finishes has one wasted token computed in N, then is freed. Batches that need the exact token
+        history on the host (penalties) run synchronously.
         """
         t0 = time.perf_counter()
-        outputs: list = []
+        outputs: list[RequestOutput] = []
         if self._inflight is not None and self._needs_sync():
             outputs += self._finish_inflight()
         t1 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.stats.on_schedule(sched, self.scheduler.requests)
         t2 = time.perf_counter()
-        new = launching = None
-        if not sched.is_empty:
-            prepared = self.runner.prepare(sched, self.kv_manager.block_ids_view())
-            if self._launcher is not None:       # JAXPAGED_LAUNCH_THREAD: launch N while N-1 is processed
-                launching = self._launcher.submit(self.runner.launch, prepared)
-            else:
-                new = self.runner.launch(prepared)
+        new = None if sched.is_empty else self.runner.dispatch(sched)
         t3 = time.perf_counter()
         try:
             outputs += self._finish_inflight()
         finally:
-            if launching is not None:
-                new = launching.result()
             self._inflight = new
         if new is not None:
-            self.stats.prepare_inputs_s += new.prepare_s
+            self.stats.prepare_inputs_s += new.prepared.prepare_s
             self.stats.launch_s += new.launch_s
         if self._inflight is None and not self.scheduler.has_unfinished():
-            # idle: nothing will pass these ids to the runner in a next step, so release them now
-            self.runner.release_finished(self.scheduler.finished_ids)
-            self.scheduler.finished_ids = set()
+            # idle: no next step will pass these ids to the runner, so release them now
+            self.runner.release_finished(self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = set()
         t4 = time.perf_counter()
-        self.stats.on_step(sched, self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
+        self.stats.on_step(self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
                            process_s=(t1 - t0) + (t4 - t3))
         return outputs
-
-    def _record_prompt_logprobs(self, inflight, result) -> None:
-        """Append this step's prompt logprobs: token p's logits score prompt token p + 1."""
-        lp, rank, top_ids, top_lp = result.prompt
-        by_id = {r.request_id: r for r in inflight.sched.scheduled}
-        for rid, (first, count, prompt_idx) in inflight.prompt_rows.items():
-            req = by_id[rid]
-            if req.is_finished:
-                continue
-            k = req.sampling_params.prompt_logprobs
-            if prompt_idx == 1:
-                req.prompt_logprobs = [None]        # the first prompt token has no logprob
-            for j in range(count):
-                row, token = first + j, req.prompt_token_ids[prompt_idx + j]
-                req.prompt_logprobs.append(self.output_processor.logprob_entry(
-                    token, float(lp[row]), int(rank[row]), top_ids[row][:k], top_lp[row][:k]))
 
     def _needs_sync(self) -> bool:
         return any(r.needs_host_history for r in self.scheduler.running)
 
-    def _finish_inflight(self) -> list:
+    def _finish_inflight(self) -> list[RequestOutput]:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return []
         t0 = time.perf_counter()
         result = self.runner.fetch(inflight)
         self.stats.wait_s += time.perf_counter() - t0
-        return self._process(inflight, result)
+        return self._process(result, inflight.prepared.sched.num_steps)
 
-    def _process(self, inflight, result) -> list:
+    def _record_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
+        """Append this step's prompt logprobs: token p's logits score prompt token p + 1."""
+        requests = self.scheduler.requests
+        for rid, chunk in result.prompt_logprobs.items():
+            req = requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            k = req.sampling_params.prompt_logprobs
+            if chunk.first_index == 1:
+                req.prompt_logprobs = [None]        # the first prompt token has no logprob
+            for j in range(chunk.num_tokens):
+                token = req.prompt_token_ids[chunk.first_index + j]
+                req.prompt_logprobs.append(self.output_processor.logprob_entry(
+                    token, float(chunk.logprobs[j]), int(chunk.ranks[j]), chunk.top_ids[j][:k],
+                    chunk.top_logprobs[j][:k]))
+
+    def _process(self, result: ModelRunnerOutput, steps: int) -> list[RequestOutput]:
         """Append step N-1's sampled tokens, check stops, detokenize, and build outputs.
 
         Per request and token this is the hottest host loop (1000+ running requests): what can be
@@ -335,27 +294,21 @@ class LLMEngine:
         """
         now = time.time()
         touched = []
-        if result.prompt is not None:
-            self._record_prompt_logprobs(inflight, result)
-        # [R][steps]: each row's tokens in order (one each unless the step ran several decode steps);
-        # one conversion, not one numpy scalar per token
-        steps = inflight.sched.num_steps
-        sampled = result.sampled_ids.reshape(steps, -1).T.tolist()
-        rows = inflight.rows
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(result)
+        requests, settle = self.scheduler.requests, self.scheduler.settle
         stats, check_stop, detokenize = self.stats, self.scheduler.check_stop, self.output_processor.detokenize
         record = stats.record_latencies
         finished = []
         t_detok = 0.0
         num_tokens = 0
-        for req in inflight.sched.scheduled:
-            row = rows.get(req.request_id)
-            if row is None:
-                continue      # a prefill chunk that did not reach the end: its sample is not a token
-            req.num_output_placeholders -= steps
-            if req.is_finished:
+        for rid, tokens in result.sampled_token_ids.items():
+            req = requests.get(rid)
+            if req is None:
                 continue      # finished (or aborted) while this step was in flight: wasted tokens
+            settle(req, steps)
             status = None
-            for token in sampled[row]:       # after a stop, a multi-step row's later tokens are dropped
+            for token in tokens:       # after a stop, a multi-step row's later tokens are dropped
                 req.append_output_token(token)
                 num_tokens += 1
                 if req.first_token_time is None:
@@ -365,7 +318,7 @@ class LLMEngine:
                 elif record:
                     stats.on_token(req, now)
                 if req.sampling_params.logprobs is not None:     # single steps only (Request.multi_step_ok)
-                    self.output_processor.record_logprobs(req, token, result, row)
+                    self.output_processor.record_logprobs(req, token, result.logprobs, result.rows[rid])
                 status = check_stop(req)
                 if not req.deferred_text:
                     t0 = time.perf_counter()

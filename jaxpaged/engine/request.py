@@ -69,18 +69,13 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         sp = sampling_params
-        # the sampler's per-request parameters, packed once (the runner stacks these rows every step)
-        self.needs_bias = bool(sp.logit_bias) or sp.min_tokens > 0
-        self.sampling_row = (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
-                             sp.frequency_penalty, sp.repetition_penalty,
-                             -1 if sp.logprobs is None else sp.logprobs,
-                             -1 if sp.prompt_logprobs is None else sp.prompt_logprobs, self.needs_bias)
+        needs_bias = bool(sp.logit_bias) or sp.min_tokens > 0
         # penalties need the exact token history on the host, so such batches run synchronously
         self.needs_host_history = bool(sp.presence_penalty or sp.frequency_penalty
                                        or sp.repetition_penalty != 1.0)
         # may run several decode steps on the device between host visits (multi-step scheduling): nothing
         # the sampler needs per token from the host, and no logprobs to return per token
-        self.multi_step_ok = not (self.needs_host_history or self.needs_bias or sp.logprobs is not None
+        self.multi_step_ok = not (self.needs_host_history or needs_bias or sp.logprobs is not None
                                   or sp.prompt_logprobs is not None)
         # check_stop's token sets, built once: EOS (unless ignored) and the stop token ids
         self.eos_stop_ids = frozenset(() if sp.ignore_eos else eos_token_ids)

@@ -1,6 +1,18 @@
-"""Token-budget scheduler (vLLM v1 style): no prefill or decode phase. Each step hands out
-`max_num_batched_tokens` across requests: running ones first, then waiting ones, a long prompt in chunks
-beside running decodes. Preempts (recompute or swap) the newest request when blocks run out. No jax."""
+"""Token-budget scheduler (vLLM v1 style). No jax.
+
+The algorithm, once: there is no prefill or decode phase. Each request has num_computed_tokens (K/V in
+the cache) and num_tokens (prompt + sampled), and each step hands out max_num_batched_tokens across
+requests: running requests first, in order, each as many tokens as it lacks; then waiting requests, a
+long prompt in chunks beside the running decodes. When blocks run out, the newest running request (the
+lowest priority under the priority policy) is preempted: recomputed later, or swapped to host memory.
+
+The placeholder protocol (async scheduling), also once, in this module: a step is scheduled before the
+previous step's sampled tokens reach the host. Committing a request's tokens (_commit) advances
+num_computed_tokens at once and, when its chunk reaches the end of its known tokens, reserves one
+placeholder per decode step for the token it samples; the next step computes past the placeholder, the
+runner reading that token on the device. settle() gives the placeholders back when the results arrive
+(the engine then appends the tokens), _undo() when a request scheduled earlier in a step is preempted.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +21,7 @@ import time
 from collections import deque
 
 from jaxpaged.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.engine.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxpaged.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("jaxpaged.scheduler")
@@ -25,28 +38,6 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1            # decode steps one step may run on the device (multi-step)
 
 
-@dataclasses.dataclass
-class SchedulerOutput:
-    """What one engine step computes; the runner turns it into padded device arrays."""
-    scheduled: list[Request]                      # requests in this step, in batch order
-    num_scheduled_tokens: dict[str, int]          # request id -> tokens computed this step
-    total_num_scheduled_tokens: int
-    blocks_to_copy: list[tuple[int, int]]         # (src, dst) device block copies, before the step
-    blocks_to_swap_out: list[tuple[int, int]]     # (device, host), before the step
-    blocks_to_swap_in: list[tuple[int, int]]      # (host, device), before the step
-    preempted_ids: list[str]
-    finished_ids: set[str]                        # freed since the last step (the runner may drop state)
-    sampling_ids: set[str] = dataclasses.field(default_factory=set)  # requests whose sample is a new token
-    # Multi-step: the device runs this many decode steps back to back, each request's sampled token feeding
-    # its next step (one token each per step). Every request then holds that many new placeholders and
-    # num_computed_tokens advanced by num_steps; tokens after a request's stop are discarded on the host.
-    num_steps: int = 1
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
         self.config = config
@@ -54,7 +45,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.finished_ids: set[str] = set()
+        self.finished_req_ids: set[str] = set()     # since the last step: the runner drops them
+        self._unsent: set[str] = set()              # running requests the runner does not hold (forks)
         self.num_preemptions = 0
 
     # ---- admission ----------------------------------------------------------------------------
@@ -70,6 +62,7 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         self.running.append(child)
+        self._unsent.add(child.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -84,15 +77,14 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput([], {}, 0, [], [], [], [], self.finished_ids, num_steps=self._num_steps())
-        self.finished_ids = set()
-        budget = self._schedule_running(out, budget)
-        if not out.preempted_ids:
+        out = SchedulerOutput([], CachedRequestData(), {}, 0, set(), [], [], [], self.finished_req_ids, [],
+                              num_steps=self._num_steps())
+        self.finished_req_ids = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        out.blocks_to_copy = self.kv.blocks_to_copy
-        self.kv.blocks_to_copy = []
+        out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
 
     def _num_steps(self) -> int:
@@ -110,17 +102,34 @@ class Scheduler:
             headroom = min(headroom, self.config.max_model_len - r.num_computed_tokens)
         return k if headroom >= k else 1
 
+    # ---- the placeholder protocol ---------------------------------------------------------------
     @staticmethod
-    def _add_scheduled(out: SchedulerOutput, req: Request, num_new: int) -> None:
-        """Put req in this step with num_new tokens and commit them (_schedule_running inlines this)."""
-        out.scheduled.append(req)
+    def _commit(out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """Put num_new tokens of req (per decode step) in this step and count them computed; a chunk that
+        reaches the end of the known tokens samples the next one: a placeholder per decode step."""
+        steps = out.num_steps
         out.num_scheduled_tokens[req.request_id] = num_new
-        req.num_computed_tokens += num_new
-        # A chunk that reaches the end of the known tokens samples the next one.
-        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+        pending = req.num_output_placeholders
+        req.num_computed_tokens += num_new * steps
+        if req.num_computed_tokens >= req.num_tokens + pending:
             out.sampling_ids.add(req.request_id)
-            req.num_output_placeholders += 1
+            req.num_output_placeholders = pending + steps
 
+    @staticmethod
+    def _undo(out: SchedulerOutput, req: Request) -> None:
+        """_commit's inverse, for a request preempted after it was scheduled in this step."""
+        steps = out.num_steps
+        req.num_computed_tokens -= out.num_scheduled_tokens.pop(req.request_id) * steps
+        if req.request_id in out.sampling_ids:
+            out.sampling_ids.discard(req.request_id)
+            req.num_output_placeholders -= steps
+
+    @staticmethod
+    def settle(req: Request, num_steps: int) -> None:
+        """A dispatched step's results for req arrived: its placeholders are tokens now (or discarded)."""
+        req.num_output_placeholders -= num_steps
+
+    # ---- running requests -----------------------------------------------------------------------
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         pending = req.num_output_placeholders
         max_tokens = req.sampling_params.max_tokens
@@ -131,20 +140,17 @@ class Scheduler:
         return max(n, 0)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Running requests first. Each one's tokens are committed as soon as it is scheduled (advance
-        num_computed_tokens, add the placeholder of the token it samples); _preempt undoes that for a
-        victim that was already scheduled this step."""
-        running = self.running
-        scheduled, num_scheduled, sampling_ids = out.scheduled, out.num_scheduled_tokens, out.sampling_ids
+        """Running requests first. Each one's tokens are committed as soon as it is scheduled; _preempt
+        undoes that for a victim that was already scheduled this step."""
+        running, cached, unsent = self.running, out.scheduled_cached_reqs, self._unsent
+        commit, append_in_place = self._commit, self.kv.append_in_place
         max_model_len = self.config.max_model_len
-        append_in_place = self.kv.append_in_place
         steps = out.num_steps       # > 1: every running request decodes (_num_steps), one token per step
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             # _num_new_tokens, inlined: this loop runs once per running request every step
-            pending = req.num_output_placeholders
-            computed = req.num_computed_tokens
+            pending, computed = req.num_output_placeholders, req.num_computed_tokens
             max_tokens = req.sampling_params.max_tokens
             if max_tokens is not None and req.num_output_tokens + pending >= max_tokens:
                 i += 1            # its last token is already in flight
@@ -153,33 +159,41 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            # The common decode case first: the tokens fit in blocks the request already owns (no COW).
-            # Multi-step: slots for all `steps` tokens this request computes on the device.
+            rid = req.request_id
+            new_blocks = None
+            # The common decode case first: the tokens fit in blocks the request already owns (no
+            # copy-on-write). Multi-step: slots for all `steps` tokens this request computes on the device.
             if not append_in_place(req, computed + num_new * steps):
                 num_running = len(running)
-                if not self._allocate_or_preempt(req, num_new * steps, out):
+                new_blocks = self._allocate_or_preempt(req, num_new * steps, out)
+                if new_blocks is None:
                     continue      # req itself was preempted: it left running, so index i holds the next one
                 if len(running) < num_running:     # a priority victim may have sat before req
                     i = running.index(req)
-            scheduled.append(req)
-            num_scheduled[req.request_id] = num_new
+                if self.kv.take_replaced(rid) and rid not in unsent:    # a copy-on-write changed an earlier id
+                    cached.replaced_block_ids.add(rid)
+                    new_blocks = self.kv.get_block_ids(rid)
+            commit(out, req, num_new)
             budget -= num_new
-            # _add_scheduled's commit, inlined
-            req.num_computed_tokens = computed = computed + num_new * steps
-            if computed >= req.num_tokens + pending:
-                sampling_ids.add(req.request_id)
-                req.num_output_placeholders = pending + steps
+            if rid in unsent:
+                unsent.discard(rid)
+                out.scheduled_new_reqs.append(self._new_request_data(req, computed))
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(new_blocks or None)
+                cached.num_computed_tokens.append(computed)
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Slots for req's num_new tokens, preempting until they fit; False when req itself was preempted."""
-        while self.kv.allocate_slots(req, num_new) is None:
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
+        """Slots for req's num_new tokens, preempting until they fit: the ids of the blocks it got, or
+        None when req itself was preempted."""
+        while (blocks := self.kv.allocate_slots(req, num_new)) is None:
             victim = self._pick_victim()
             self._preempt(victim, out)
             if victim is req:
-                return False
-        return True
+                return None
+        return [b.block_id for b in blocks]
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -188,12 +202,17 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        if victim.request_id in out.num_scheduled_tokens:   # already given tokens this step: undo
-            out.scheduled.remove(victim)
-            victim.num_computed_tokens -= out.num_scheduled_tokens.pop(victim.request_id) * out.num_steps
-            if victim.request_id in out.sampling_ids:
-                out.sampling_ids.discard(victim.request_id)
-                victim.num_output_placeholders -= out.num_steps
+        rid = victim.request_id
+        if rid in out.num_scheduled_tokens:   # already given tokens this step: undo
+            self._undo(out, victim)
+            cached = out.scheduled_cached_reqs
+            if rid in cached.req_ids:
+                j = cached.req_ids.index(rid)
+                for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+                    del column[j]
+                cached.replaced_block_ids.discard(rid)
+            else:
+                out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != rid]
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
             out.blocks_to_swap_out.extend(self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -201,14 +220,16 @@ class Scheduler:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
+        self._unsent.discard(rid)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted_ids.append(victim.request_id)
+        out.preempted_req_ids.append(rid)
         logger.warning("Request %s preempted by %s (total preemptions %d): not enough KV cache blocks",
-                       victim.request_id, "swap" if victim.status == RequestStatus.SWAPPED else "recompute",
+                       rid, "swap" if victim.status == RequestStatus.SWAPPED else "recompute",
                        self.num_preemptions)
         self.waiting.appendleft(victim)
 
+    # ---- waiting requests -----------------------------------------------------------------------
     def _next_waiting(self) -> Request:
         if self.config.policy == "priority":
             return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
@@ -235,9 +256,7 @@ class Scheduler:
                 req.num_cached_tokens = computed.num_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._add_scheduled(out, req, num_new)
+            self._admit(out, req, num_new)
             budget -= num_new
 
     def _swap_in(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
@@ -246,12 +265,27 @@ class Scheduler:
             return False
         out.blocks_to_swap_in.extend(mapping)
         self.waiting.remove(req)
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
         num_new = self._num_new_tokens(req, budget)
         if num_new and self.kv.allocate_slots(req, num_new) is not None:
-            self._add_scheduled(out, req, num_new)
+            self._admit(out, req, num_new)
+        else:     # running again with nothing to compute this step: the runner hears of it when it has
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._unsent.add(req.request_id)
         return True
+
+    def _admit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """A waiting request joins the running ones with num_new tokens this step; the runner gets all of it."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        computed = req.num_computed_tokens
+        self._commit(out, req, num_new)
+        out.scheduled_new_reqs.append(self._new_request_data(req, computed))
+
+    def _new_request_data(self, req: Request, num_computed: int) -> NewRequestData:
+        return NewRequestData(req.request_id, req.prompt_token_ids, req.output_token_ids[:], req.sampling_params,
+                              req.sample_seed, req.eos_token_ids, self.kv.get_block_ids(req.request_id),
+                              num_computed)
 
     # ---- results ------------------------------------------------------------------------------
     def finish_request(self, req: Request, status: RequestStatus) -> None:
@@ -265,7 +299,8 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        self.finished_ids.add(req.request_id)
+        self._unsent.discard(req.request_id)
+        self.finished_req_ids.add(req.request_id)
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """Stop conditions that need no text: EOS, stop token ids, max_tokens, max_model_len."""

@@ -10,7 +10,6 @@ import numpy as np
 
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 _PROMPT = operator.attrgetter("num_prompt_tokens")
-_ID = operator.attrgetter("request_id")
 
 
 @dataclasses.dataclass
@@ -50,6 +49,7 @@ class EngineStats:
     # were processed, tokens scheduled, requests, tokens of context the step's attention reads)
     step_log: list | None = None
     _step_pending = None        # (not a field) the dispatched step's row, waiting for its results
+    _scheduled = None           # (not a field) the row of the step scheduled last
 
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
@@ -69,7 +69,21 @@ class EngineStats:
         if self.record_latencies:
             self.e2e.append(time.time() - req.arrival_time)
 
-    def on_step(self, sched, scheduler, kv, *, schedule_s: float, execute_s: float, process_s: float) -> None:
+    def on_schedule(self, sched, requests: dict) -> None:
+        """Count a step's prompt tokens as it is scheduled (its requests are all still there)."""
+        req_ids = sched.req_ids
+        self._scheduled = None
+        if req_ids:      # one numpy pass (1000+ requests a step)
+            m = len(req_ids)
+            reqs = list(map(requests.__getitem__, req_ids))
+            computed = np.fromiter(map(_COMPUTED, reqs), np.int64, m)
+            prompt = np.fromiter(map(_PROMPT, reqs), np.int64, m)
+            n = np.fromiter(map(sched.num_scheduled_tokens.__getitem__, req_ids), np.int64, m)
+            self.prompt_tokens += int(np.maximum(0, np.minimum(computed, prompt) - (computed - n)).sum())
+            # (tokens scheduled, requests, tokens of context the step's attention reads)
+            self._scheduled = (int(n.sum()), m, int(computed.sum()))
+
+    def on_step(self, scheduler, kv, *, schedule_s: float, execute_s: float, process_s: float) -> None:
         self.num_steps += 1
         self.num_requests_running = scheduler.num_running
         self.num_requests_waiting = scheduler.num_waiting
@@ -82,19 +96,12 @@ class EngineStats:
         self.prefix_cache_queries = kv.pool.num_queries
         self.prefix_cache_hits = kv.pool.num_hits
         self.num_preemptions = scheduler.num_preemptions
-        reqs = sched.scheduled
-        if reqs:      # prompt tokens among this step's: one numpy pass (1000+ requests a step)
-            m = len(reqs)
-            computed = np.fromiter(map(_COMPUTED, reqs), np.int64, m)
-            prompt = np.fromiter(map(_PROMPT, reqs), np.int64, m)
-            n = np.fromiter(map(sched.num_scheduled_tokens.__getitem__, map(_ID, reqs)), np.int64, m)
-            self.prompt_tokens += int(np.maximum(0, np.minimum(computed, prompt) - (computed - n)).sum())
         if self.step_log is not None:
-            # The engine keeps one step in flight: this call dispatched step N (sched) and processed N-1's
-            # results, so the time now closes N-1, the step the device ran since the previous call.
+            # The engine keeps one step in flight: this call launched step N and processed N-1's results,
+            # so the time now closes N-1, the step the device ran since the previous call.
             if self._step_pending is not None:
                 self.step_log.append((time.perf_counter(), *self._step_pending))
-            self._step_pending = (int(n.sum()), m, int(computed.sum())) if reqs else None
+            self._step_pending = self._scheduled
         self.schedule_s += schedule_s
         self.execute_s += execute_s
         self.process_s += process_s

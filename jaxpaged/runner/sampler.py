@@ -8,9 +8,11 @@ X top logprobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG_INF = -jnp.inf
 
@@ -25,24 +27,26 @@ class SamplerFlags:
     num_prompt_logprobs: int = -1  # top logprobs at every prompt position (-1: none), see prompt_logprobs()
 
 
+# Host (NumPy, as the runner builds them) or device (inside the step) arrays.
+Arr = jax.Array | np.ndarray
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingInputs:
-    temperature: jax.Array         # f32[R]   0 = greedy
-    top_k: jax.Array               # i32[R]   0 = all
-    top_p: jax.Array               # f32[R]
-    min_p: jax.Array               # f32[R]
-    seeds: jax.Array               # u32[R]   per-request seed
-    positions: jax.Array           # i32[R]   output index of the token being sampled (folded into the key)
-    presence_penalty: jax.Array    # f32[R]
-    frequency_penalty: jax.Array   # f32[R]
-    repetition_penalty: jax.Array  # f32[R]
-    output_ids: jax.Array          # i32[R, O]  tokens generated so far, padded with -1 (penalties only)
-    prompt_ids: jax.Array          # i32[R, P]  prompt tokens, padded with -1 (repetition penalty only)
-    bias_ids: jax.Array            # i32[R, E]  token ids, padded with -1
-    bias_values: jax.Array         # f32[R, E]  added to the logits (-inf bans a token)
-
-
+    temperature: Arr         # f32[R]   0 = greedy
+    top_k: Arr               # i32[R]   0 = all
+    top_p: Arr               # f32[R]
+    min_p: Arr               # f32[R]
+    seeds: Arr               # u32[R]   per-request seed
+    positions: Arr           # i32[R]   output index of the token being sampled (folded into the key)
+    presence_penalty: Arr    # f32[R]
+    frequency_penalty: Arr   # f32[R]
+    repetition_penalty: Arr  # f32[R]
+    output_ids: Arr          # i32[R, O]  tokens generated so far, padded with -1 (penalties only)
+    prompt_ids: Arr          # i32[R, P]  prompt tokens, padded with -1 (repetition penalty only)
+    bias_ids: Arr            # i32[R, E]  token ids, padded with -1
+    bias_values: Arr         # f32[R, E]  added to the logits (-inf bans a token)
 
 
 def _token_counts(ids, vocab: int):
@@ -136,3 +140,16 @@ def prompt_logprobs(logits, target_ids, *, k: int):
     rank = jnp.sum(logprobs > target[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(logprobs, k)
     return target, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def prompt_head(flags: SamplerFlags):
+    """The prompt-logprob head the model applies to every token's logits in bounded chunks, or None."""
+    return (functools.partial(prompt_logprobs, k=flags.num_prompt_logprobs)
+            if flags.num_prompt_logprobs >= 0 else None)
+
+
+def sample_and_keep(logits, prompt, sampling: SamplingInputs, flags: SamplerFlags, prev_sampled):
+    """(sampled ids in a fixed-size device buffer for the next step's inputs, the step's results)."""
+    result = sample(logits, sampling, flags)
+    sampled_buf = jnp.zeros_like(prev_sampled).at[:logits.shape[0]].set(result[0])
+    return sampled_buf, (*result, prompt)

@@ -16,13 +16,11 @@ from jaxpaged.runner.buckets import _round_up_pow2
 class HostInputs:
     """Persistent pinned host buffers that each step's packed inputs are written into, in place.
 
-    Why: handing a step new host arrays makes JAX transfer them (an H2D copy through PjRt per array), and on
-    the H100 each such transfer held the host about as long as the step already running on the device
-    (qwen2-0.5b decode, scan, NOTES.md, seventh session: a launch held the host 0.8-3.3 ms at 1-256 requests
-    with fresh host arrays, 0.3-0.8 ms with inputs already on the device). Here numpy writes the inputs
-    straight into pinned host memory that JAX already owns (through a view of the buffer's address), and
-    the step program copies them to the device as its first operation, in stream order: no transfer call
-    on the host at all, and the same addresses every step (launch 0.4-1.0 ms in the same probe).
+    Why: handing a step new host arrays makes JAX transfer them (a host-to-device copy through PjRt per
+    array), and each such transfer holds the host about as long as a small model's whole device step. Here
+    numpy writes the inputs straight into pinned host memory that JAX already owns (through a view of the
+    buffer's address), and the step program copies them to the device as its first operation, in stream
+    order: no transfer call on the host at all, and the same addresses every step.
 
     The step must not read a buffer while the host rewrites it: each packed size has `depth` slots used in
     turn, and a slot is rewritten only once the step that last read it has finished (its results are
@@ -81,15 +79,6 @@ class HostInputSlot:
 
 _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
 _PACK_MIN = 256      # packed buffers are at least this long, then powers of two (few distinct sizes)
-# Pieces that start on the 256-byte grid of their packed buffer: MOSAIC_ALIGN elements. XLA may hand a
-# custom call a slice of the buffer as a pointer into it (no copy), and the Mosaic GPU custom call rejects
-# inputs off that grid: on the H100 (eleventh session) the unrolled dispatch failed its bucket warm-up with
-# "Input buffer 2 is not 256-byte aligned [jit_whole_step]", buffer 2 of the Mosaic ragged kernel being the
-# block tables, cut from the packed ints at an arbitrary offset. The runner aligns only where that happens
-# (unrolled layers): the scan's server measured slower with aligned pieces on the H100 (twelfth session,
-# one machine: openqa median TPOT 2.04 against 1.89 ms at concurrency 1, 2,896 against 3,203 output tok/s
-# at 10). JAXPAGED_INPUT_ALIGN overrides the runner's choice; the layout carries the alignment.
-MOSAIC_ALIGN = 64
 
 
 def _align_up(n: int, align: int) -> int:
@@ -99,7 +88,8 @@ def _align_up(n: int, align: int) -> int:
 def flatten(tree, align: int = 1) -> tuple[list[np.ndarray], list[np.ndarray], tuple]:
     """All host inputs of a step as flat int32 and float32 pieces, and the `layout` (static, hashable) that
     says how to cut the concatenated buffers apart again (unpack). With align > 1, zero pieces between them
-    start each input at a multiple of `align` elements of its buffer."""
+    start each input at a multiple of `align` elements of its buffer (RunConfig.input_align says where
+    that is needed)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ints, floats, spec = [], [], []
     for leaf in leaves:      # a hot path: dtype compares only (numpy's str(dtype) costs ~15 us in Python)

@@ -92,14 +92,15 @@ def test_greedy_identical_across_scheduling(model_dir, reference, kw):
 def test_per_layer_dispatch_equals_the_layer_scan(model_dir, llm):
     """Seeded sampling, logprobs and prompt logprobs come out the same when each layer is its own dispatch."""
     per_layer = make_llm(model_dir, layer_dispatch="per_layer")
-    assert per_layer.llm_engine.runner.layer_params is not None and llm.llm_engine.runner.layer_params is None
+    assert per_layer.llm_engine.runner.programs.layer_groups is not None
+    assert llm.llm_engine.runner.programs.layer_groups is None
     # attention may take kernels XLA's CUDA graphs can't capture only where no while loop holds the layers:
     # per-layer programs of one step, not the layer scan nor a multi-step loop
     from jaxpaged.runner.buckets import Bucket
     decode = Bucket(8, 8, True)
-    assert not per_layer.llm_engine.runner.options(decode, 1).in_loop
-    assert per_layer.llm_engine.runner.options(decode, 4).in_loop
-    assert llm.llm_engine.runner.options(decode, 1).in_loop
+    assert not per_layer.llm_engine.runner.programs.options(decode, 1).in_loop
+    assert per_layer.llm_engine.runner.programs.options(decode, 4).in_loop
+    assert llm.llm_engine.runner.programs.options(decode, 1).in_loop
     params = [SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=12, logprobs=2, prompt_logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
     a = llm.generate(PROMPTS[:2], params, use_tqdm=False)
@@ -112,49 +113,28 @@ def test_per_layer_dispatch_equals_the_layer_scan(model_dir, llm):
     np.testing.assert_allclose(plp(a[0]), plp(b[0]), rtol=1e-5, atol=1e-5)
 
 
-def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory, monkeypatch):
-    """Per-layer dispatch runs the layers in groups (LAYERS_PER_DISPATCH); with 5 layers in groups of 2
-    the last group has one layer and compiles its own program. Greedy tokens equal the layer scan's, and
-    so do those of all 5 layers unrolled into one program. An unknown dispatch is refused."""
-    from jaxpaged import envs
+def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory):
+    """Per-layer dispatch runs the layers in groups of config.LAYERS_PER_DISPATCH; with 5 layers in groups
+    of 4 the last group has one layer and compiles its own program. Greedy tokens equal the layer scan's,
+    and so do those of all 5 layers unrolled into one program. An unknown dispatch is refused."""
+    from jaxpaged.config import LAYERS_PER_DISPATCH
+    from jaxpaged.runner.layerwise import group_layers
+    assert LAYERS_PER_DISPATCH == 4
     d = tmp_path_factory.mktemp("tiny_llama_5")
     save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=2,
                     num_key_value_heads=1, initializer_range=0.2)
     scan = make_llm((str(d),), layer_dispatch="scan")
-    monkeypatch.setattr(envs, "JAXPAGED_LAYER_GROUP", 2)
     grouped = make_llm((str(d),), layer_dispatch="per_layer")
-    assert grouped.llm_engine.runner.layer_group == 2
+    assert [len(g) for g, _ in grouped.llm_engine.runner.programs.layer_groups] == [4, 1]
     want = [o.outputs[0].token_ids for o in scan.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in grouped.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     unrolled = make_llm((str(d),), layer_dispatch="unrolled")
-    assert unrolled.llm_engine.runner.layer_group == 5
+    assert [len(g) for g, _ in unrolled.llm_engine.runner.programs.layer_groups] == [5]
     assert [o.outputs[0].token_ids for o in unrolled.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     with pytest.raises(ValueError, match="layer_dispatch must be one of scan, per_layer, unrolled"):
         make_llm((str(d),), layer_dispatch="layerwise")
-    monkeypatch.setattr(envs, "JAXPAGED_LAYER_DISPATCH", "layerwise")    # the environment's value too
-    with pytest.raises(ValueError, match="layer dispatch must be one of"):
-        make_llm((str(d),))
-    monkeypatch.setattr(envs, "JAXPAGED_LAYER_DISPATCH", None)
-    monkeypatch.setattr(envs, "JAXPAGED_LAYER_GROUP", -1)      # would run no layer: refused
-    with pytest.raises(ValueError, match="JAXPAGED_LAYER_GROUP"):
-        make_llm((str(d),), layer_dispatch="per_layer")
-
-
-def test_launch_thread_gives_the_same_outputs(model_dir, reference, monkeypatch):
-    """JAXPAGED_LAUNCH_THREAD: step N launched from a second thread while N-1 is processed; same tokens,
-    greedy (with chunked prefill beside decodes) and seeded sampling, and every block back."""
-    from jaxpaged import envs
-    monkeypatch.setattr(envs, "JAXPAGED_LAUNCH_THREAD", True)
-    llm = make_llm(model_dir, max_num_batched_tokens=32)
-    assert llm.llm_engine._launcher is not None
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
-    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
-    monkeypatch.setattr(envs, "JAXPAGED_LAUNCH_THREAD", False)
-    plain = make_llm(model_dir, max_num_batched_tokens=32)
-    assert (llm.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0].token_ids
-            == plain.generate([PROMPTS[1]], sp, use_tqdm=False)[0].outputs[0].token_ids)
-    eng = llm.llm_engine
-    assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1
+    with pytest.raises(ValueError, match="layers per dispatch must be at least 1"):     # would run no layer
+        group_layers([{}] * 5, list(range(5)), 0)
 
 
 def test_prefix_cache_reports_cached_tokens(llm):

@@ -23,10 +23,17 @@ COMPILED = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, 
 
 @pytest.fixture
 def exec_cache_root(tmp_path, monkeypatch):
-    """The executable cache on, under a fresh root (nothing from earlier runs); yields that root."""
+    """The executable cache on, under a fresh root (nothing from earlier runs); yields that root. The CPU's
+    resolved configuration keeps it off (XLA:CPU cannot run some deserialized programs): here resolve()
+    answers with it on, as on a GPU."""
+    import dataclasses
+
     from jaxpaged import envs
+    from jaxpaged.engine import llm_engine
     monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
-    monkeypatch.setattr(envs, "JAXPAGED_EXEC_CACHE", True)
+    real = llm_engine.resolve
+    monkeypatch.setattr(llm_engine, "resolve", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), executable_cache=True))
     return tmp_path
 
 
@@ -87,7 +94,7 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
         mp.setattr(jax.stages.Lowered, "compile", compile_)
         cold = LLM(**kw)
     n = len(cold.llm_engine.buckets.all_buckets())
-    # every bucket's step compiled by XLA on the start-up threads (JAXPAGED_STARTUP_THREADS)
+    # every bucket's step compiled by XLA on the start-up threads (step.STARTUP_THREADS)
     assert sum(t.startswith("jaxpaged-compile") for t in compile_threads) == n
     assert cold.llm_engine.runner.exec_cache.misses == n and cold.llm_engine.runner.exec_cache.hits == 0
     want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp, use_tqdm=False)]
@@ -107,8 +114,8 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
     counter.active = False
     assert warm.llm_engine.runner.exec_cache.hits == n
     # unrolled layers' packed inputs on the 256-byte grid (their Mosaic GPU calls get slices of them)
-    assert warm.llm_engine.runner.input_align == (64 if layer_dispatch == "unrolled" else 1)
-    # read ahead on the loader threads (JAXPAGED_EXEC_CACHE_THREADS), each file once, each taken by its bucket
+    assert warm.llm_engine.run.input_align == (64 if layer_dispatch == "unrolled" else 1)
+    # read ahead on the loader threads (step.STARTUP_THREADS), each file once, each taken by its bucket
     assert len(threads) == n and all(t.startswith("exec-cache") for t in threads)
     assert not warm.llm_engine.runner.exec_cache._prefetched
     assert counter.count < n          # the step itself is not compiled again (small helpers may be)
@@ -172,12 +179,13 @@ def test_no_state_left_behind(model_dir):
         engine.step()
     kv = engine.kv_manager
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - 1
-    assert not kv.req_to_blocks and not kv.num_cached_blocks and not kv.table_rows and not kv.swapped
-    assert not kv.block_table.any()          # freed rows are zeroed
+    assert not kv.req_to_blocks and not kv.num_cached_blocks and not kv.replaced and not kv.swapped
+    batch = engine.runner.batch          # the runner's own per-request state: empty, freed rows zeroed
+    assert not batch.rows and not batch.block_table.any() and not any(batch.token_ids)
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
     assert engine._inflight is None
-    assert not engine.runner._sampling_slots and not engine.runner._sampling_owner   # no Request kept alive
+    assert not any(batch.params) and len(batch._free_rows) == len(batch.num_blocks) - 1   # every row back
 
 
 def test_out_of_vocab_logit_bias_is_refused(model_dir):

@@ -1,7 +1,6 @@
 """Multi-step scheduling (num_scheduler_steps, vLLM V0's flag): several decode steps per device program give
 the same tokens as one step at a time, for greedy and seeded sampling, with every stop condition, parallel
 samples, preemption, and requests whose sampling needs the host (which fall back to single steps)."""
-import jax
 import numpy as np
 import pytest
 
@@ -93,58 +92,25 @@ def test_num_scheduler_steps_is_validated(model_dir):
             layer_dispatch="per_layer")
 
 
-@pytest.mark.parametrize("platform,usage,dispatch,expected", [
-    ("gpu", "llm_class", "scan", 16), ("gpu", "llm_class", "unrolled", 16),
-    ("gpu", "llm_class", "per_layer", 1), ("gpu", "openai_api_server", "scan", 1),
-    ("cpu", "llm_class", "scan", 1)])
-def test_default_scheduler_steps(platform, usage, dispatch, expected):
-    """Offline (the LLM class) on a GPU with the step in one program: 16 decode steps per program; the
-    server, the CPU and per-layer dispatch: one."""
-    from jaxpaged.config import OFFLINE_GPU_SCHEDULER_STEPS, default_scheduler_steps
-    assert OFFLINE_GPU_SCHEDULER_STEPS == 16
-    assert default_scheduler_steps(platform, usage, dispatch) == expected
-
-
-def test_engine_resolves_the_default_and_keeps_an_explicit_value(model_dir):
-    """On the CPU an unnamed num_scheduler_steps is 1; a named one is kept."""
-    kw = dict(model=model_dir, dtype="float32", max_model_len=64, compile_buckets=False)
-    assert LLM(**kw).llm_engine.num_scheduler_steps == 1
-    assert LLM(**kw, num_scheduler_steps=4).llm_engine.num_scheduler_steps == 4
-
-
-def test_offline_default_runs_multi_step_and_async_keeps_one(model_dir, monkeypatch):
-    """With the platform rule answering as on a GPU, LLM gets 16 steps per program and its greedy tokens
-    equal an explicit single-step run's; AsyncLLM.from_engine_args (a streaming engine) keeps one step."""
-    import jaxpaged.engine.llm_engine as llm_engine
+def test_explicit_steps_equal_one_step_and_the_server_keeps_one(model_dir):
+    """16 decode steps per program give an explicit single-step run's greedy tokens; the server's engine
+    (AsyncLLM, usage openai_api_server) resolves to one step unless asked (config.resolve's rules are
+    checked per platform in tests/test_config.py)."""
     from jaxpaged.config import EngineArgs
     from jaxpaged.engine.async_llm import AsyncLLM
-    monkeypatch.setattr(llm_engine, "default_scheduler_steps", lambda platform, usage, dispatch: 16)
     kw = dict(model=model_dir, dtype="float32", max_model_len=160, max_num_seqs=8, block_size=8,
               compile_buckets=False)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (4, 30, 12)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = LLM(**kw)
+    llm = LLM(**kw, num_scheduler_steps=16)
     assert llm.llm_engine.num_scheduler_steps == 16
     multi = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     single = [o.outputs[0].token_ids for o in LLM(**kw, num_scheduler_steps=1).generate(
         prompts, params, use_tqdm=False)]
     assert multi == single
-    alm = AsyncLLM.from_engine_args(EngineArgs(**kw))
+    alm = AsyncLLM.from_engine_args(EngineArgs(**kw, usage_context="openai_api_server"))
     try:
         assert alm.engine.num_scheduler_steps == 1
     finally:
         alm.shutdown()
-
-
-@pytest.mark.parametrize("platform, usage, layer_mib, expected", [
-    ("gpu", "llm_class", 8, "unrolled"),              # offline on a GPU: one graph per decode step
-    ("gpu", "openai_api_server", 8, "scan"),          # the server: one step per program, the scan's launch
-    ("cpu", "llm_class", 8, "scan"),
-    ("gpu", "llm_class", 64, "per_layer"),            # large layers: a few layers per program, whatever the use
-    ("gpu", "openai_api_server", 64, "per_layer"),
-])
-def test_default_layer_dispatch(platform, usage, layer_mib, expected):
-    from jaxpaged.runner.layerwise import default_dispatch
-    params = {"layers": {"w": jax.ShapeDtypeStruct((4, layer_mib << 20), np.int8)}, "embed": np.zeros(3)}
-    assert default_dispatch(params, platform, usage) == expected

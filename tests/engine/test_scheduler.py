@@ -38,13 +38,10 @@ def fake_token(r):
 def step(s):
     """schedule() then what the engine does with the sampled ids (one token per finished chunk)."""
     out = s.schedule()
-    for r in list(out.scheduled):
-        sampled = (r.request_id in out.sampling_ids) if hasattr(out, "sampling_ids") \
-            else r.num_computed_tokens >= r.num_tokens
-        if not sampled:
+    for r in [s.requests[rid] for rid in out.req_ids]:
+        if r.request_id not in out.sampling_ids:
             continue
-        if hasattr(r, "num_output_placeholders"):
-            r.num_output_placeholders -= 1
+        s.settle(r, out.num_steps)
         r.append_output_token(fake_token(r))
         status = s.check_stop(r)
         if status is not None:
@@ -61,7 +58,7 @@ def run_all(s, max_steps=10_000):
 
 
 def sched_map(out):
-    return {r.request_id: out.num_scheduled_tokens[r.request_id] for r in out.scheduled}
+    return {rid: out.num_scheduled_tokens[rid] for rid in out.req_ids}
 
 
 def test_token_budget_and_chunked_prefill_beside_decodes():
@@ -115,7 +112,7 @@ def test_priority_policy_admits_and_preempts_by_priority():
     for rid, prio, t in [("low", 5, 0.0), ("high", 0, 1.0), ("mid", 1, 2.0)]:
         s.add_request(req(rid, 5, max_tokens=3, priority=prio, arrival=t))
     out = step(s)
-    assert [r.request_id for r in out.scheduled] == ["high", "mid"]
+    assert out.req_ids == ["high", "mid"]
     # priority preemption picks the lowest priority (largest value), then the latest arrival
     s2 = make(num_blocks=5, policy="priority", max_num_batched_tokens=64)
     hi, lo = req("hi", 7, max_tokens=6, priority=0, arrival=1.0), req("lo", 7, max_tokens=6, priority=3, arrival=0.0)
@@ -124,7 +121,7 @@ def test_priority_policy_admits_and_preempts_by_priority():
     step(s2)
     step(s2)
     out = step(s2)         # each needs a third block; only 4 exist
-    assert out.preempted_ids == ["lo"] and lo.status == RequestStatus.PREEMPTED
+    assert out.preempted_req_ids == ["lo"] and lo.status == RequestStatus.PREEMPTED
     run_all(s2)
     assert hi.num_output_tokens == lo.num_output_tokens == 6
 
@@ -143,7 +140,7 @@ def test_preemption_when_blocks_run_out(mode, caplog):
     assert s.kv.pool.num_free_blocks == 0
     with caplog.at_level(logging.WARNING, logger="jaxpaged.scheduler"):
         out = step(s)
-    assert out.preempted_ids == ["b"] and sched_map(out) == {"a": 1}
+    assert out.preempted_req_ids == ["b"] and sched_map(out) == {"a": 1}
     assert s.num_preemptions == 1 and b.num_preemptions == 1
     assert f"Request b preempted by {mode} (total preemptions 1)" in caplog.text
     assert s.kv.get_block_ids("a") == [1, 2, 4]     # b freed tail first: the queue was [4, 3]

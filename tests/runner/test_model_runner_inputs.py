@@ -1,6 +1,7 @@
-"""The host fast paths of one engine step: the KV cache manager's persistent block table (updated on
-allocate, copy-on-write, fork, swap and free) always equals the request block lists, and the runner's
-vectorised inputs equal the per-request reference (the pre-table implementation) on mixed steps with
+"""The scheduler -> runner hand-off and the runner's host inputs: the runner's own per-request state
+(InputBatch), kept only from each step's plain-data SchedulerOutput, always equals the scheduler's block
+lists and tokens (through allocation, copy-on-write, forks, swaps, preemption and finishes), and its
+vectorised inputs equal a per-request reference built from the scheduler's requests on mixed steps with
 chunked prefill, prefix hits, n > 1, prompt logprobs, preemption and async placeholders."""
 import itertools
 
@@ -10,64 +11,60 @@ import pytest
 from jaxpaged import SamplingParams
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.config import MOSAIC_INPUT_ALIGN
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.runner.input_batch import InputBatch
 
 
-def check_table(kv: KVCacheManager) -> None:
-    view = kv.block_ids_view()
-    used = set()
-    for rid, blocks in kv.req_to_blocks.items():
-        ids = [b.block_id for b in blocks]
-        assert view[rid] == ids
-        row = kv.table_rows.get(rid)
-        if row is None:
-            assert not ids
+def check_batch(batch: InputBatch, s: Scheduler, kv: KVCacheManager) -> None:
+    """Every request the runner holds is running (or finished since the last step: the next step's
+    finished_req_ids tell the runner), with the scheduler's block ids and tokens; free rows are zeroed
+    (row 0, the padding row, too)."""
+    running = {r.request_id: r for r in s.running}
+    assert set(batch.rows) <= set(running) | s.finished_req_ids
+    for rid, row in batch.rows.items():
+        if rid in s.finished_req_ids:
             continue
-        used.add(row)
-        assert kv.block_table[row, :len(ids)].tolist() == ids and not kv.block_table[row, len(ids):].any()
-        assert kv.row_lens[row] == len(ids)
-    assert set(kv.table_rows) <= set(kv.req_to_blocks)
-    assert 0 not in used and len(used) == len(kv.table_rows)
-    free = [r for r in range(kv.block_table.shape[0]) if r not in used]
-    assert not kv.block_table[free].any() and not kv.row_lens[free].any()   # null and free rows: zeros
-    rids = list(kv.req_to_blocks)
-    width = kv.block_table.shape[1]
-    got = view.gather(rids + ["not-there"], len(rids) + 3, width)
-    want = np.zeros_like(got)
-    for i, rid in enumerate(rids):
         ids = kv.get_block_ids(rid)
-        want[i, :len(ids)] = ids
-    np.testing.assert_array_equal(got, want)
+        assert batch.block_table[row, :len(ids)].tolist() == ids and not batch.block_table[row, len(ids):].any()
+        assert batch.num_blocks[row] == len(ids)
+        assert batch.token_ids[row] == running[rid].all_token_ids
+    free = [r for r in range(len(batch.num_blocks)) if r not in batch.rows.values()]
+    assert 0 in free and not batch.block_table[free].any() and not batch.num_blocks[free].any()
 
 
 @pytest.mark.parametrize("mode,caching", [("recompute", True), ("swap", True), ("recompute", False)])
-def test_block_table_follows_every_block_list_change(mode, caching):
+def test_runner_state_follows_every_block_list_change(mode, caching):
     """A random workload over a small pool: prefix hits, forks (beam-style, with copy-on-write of the
-    shared partly filled block), preemption by recompute or swap, aborts and finishes."""
+    shared partly filled block), preemption by recompute or swap, aborts and finishes. The runner's state
+    sees only the SchedulerOutputs (and appends the tokens it samples, as the runner does)."""
     rng = np.random.default_rng(0)
     kv = KVCacheManager(48, 4, caching, num_cpu_blocks=64 if mode == "swap" else 0)
     s = Scheduler(SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=40, max_model_len=96,
                                   preemption_mode=mode), kv)
+    batch = InputBatch(max_blocks_per_req=24)
     base = rng.integers(100, 200, 9).tolist()
     ids = itertools.count()
-    forks = 0
+    forks = replaced = 0
     for step in range(400):
         if rng.random() < 0.3 and len(s.requests) < 16:
             prompt = (base if rng.random() < 0.5 else []) + rng.integers(100, 200, int(rng.integers(1, 20))).tolist()
             s.add_request(Request(f"r{next(ids)}", prompt, SamplingParams(max_tokens=int(rng.integers(2, 30))),
                                   block_size=4))
         out = s.schedule()
-        check_table(kv)
+        batch.apply(out)
+        replaced += len(out.scheduled_cached_reqs.replaced_block_ids)
+        assert set(out.req_ids) <= set(batch.rows)
         allocated = sum(len(kv.req_to_blocks.get(r.request_id, ())) * 4 for r in s.running)
         used = sum(min(r.num_computed_tokens, len(kv.req_to_blocks.get(r.request_id, ())) * 4) for r in s.running)
         assert kv.slot_usage(s.running) == (allocated, used)
-        for r in list(out.scheduled):
+        for r in [s.requests[rid] for rid in out.req_ids]:
             if r.request_id not in out.sampling_ids:
                 continue
-            r.num_output_placeholders -= 1
-            if r.is_finished:
-                continue
-            r.append_output_token(int(rng.integers(100, 200)))
+            s.settle(r, 1)
+            token = int(rng.integers(100, 200))
+            r.append_output_token(token)
+            batch.token_ids[batch.rows[r.request_id]].append(token)       # the runner's own copy
             status = s.check_stop(r)
             if status is None and rng.random() < 0.02:
                 status = RequestStatus.FINISHED_ABORTED
@@ -79,13 +76,14 @@ def test_block_table_follows_every_block_list_change(mode, caching):
                     child.append_output_token(t)
                 s.add_forked(r, child)
                 forks += 1
-        check_table(kv)
+        check_batch(batch, s, kv)
     while s.has_unfinished():
         for r in list(s.running) + list(s.waiting):
             s.finish_request(r, RequestStatus.FINISHED_ABORTED)
-    check_table(kv)
-    assert forks > 5 and s.num_preemptions > 0
-    assert not kv.table_rows and not kv.block_table.any() and kv.pool.num_free_blocks == 47
+    batch.apply(s.schedule())          # the finished ids reach the runner with the next step
+    check_batch(batch, s, kv)
+    assert forks > 5 and s.num_preemptions > 0 and replaced > 0      # parents copy-on-write after forks
+    assert not batch.rows and not batch.block_table.any() and kv.pool.num_free_blocks == 47
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -98,7 +96,7 @@ def test_preempting_a_request_scheduled_earlier_in_the_step_undoes_its_tokens(mo
     hi = Request("hi", list(range(200, 208)), SamplingParams(max_tokens=6), priority=0, arrival_time=1.0, block_size=4)
     s.add_request(lo)
     out = s.schedule()                       # lo's prompt of 5 tokens: two blocks
-    lo.num_output_placeholders -= 1          # its sample arrives
+    s.settle(lo, 1)                          # its sample arrives
     lo.append_output_token(5)
     s.add_request(hi)
     out = s.schedule()                       # lo's token 6 in place; hi's prompt of 8: two blocks
@@ -107,12 +105,12 @@ def test_preempting_a_request_scheduled_earlier_in_the_step_undoes_its_tokens(mo
     assert (lo.num_computed_tokens, lo.num_output_placeholders) == (6, 1)
     # lo's token 7 fits its second block (scheduled first), hi's token 9 needs a third: none is free
     out = s.schedule()
-    assert out.preempted_ids == ["lo"] and [r.request_id for r in out.scheduled] == ["hi"]
+    assert out.preempted_req_ids == ["lo"] and out.req_ids == ["hi"]
+    assert [n.req_id for n in out.scheduled_new_reqs] == [] and out.scheduled_cached_reqs.req_ids == ["hi"]
     assert out.sampling_ids == {"hi"} and hi.num_output_placeholders == 2
     assert lo.num_output_placeholders == 1   # undone: only the in-flight one is left
     assert lo.num_computed_tokens == (6 if mode == "swap" else 0)
     assert lo.status == (RequestStatus.SWAPPED if mode == "swap" else RequestStatus.PREEMPTED)
-    check_table(kv)
 
 
 def test_request_counters_are_kept_as_attributes():
@@ -136,9 +134,8 @@ def test_request_counters_are_kept_as_attributes():
 
 # ---- the runner's inputs against the per-request reference -------------------------------------
 
-def reference_inputs(runner, out, block_ids):
-    """The pre-table prepare_inputs: one python pass per request, block lists flattened every step."""
-    reqs = out.scheduled
+def reference_inputs(runner, out, reqs, block_ids, prev_rows):
+    """One python pass per request over the scheduler's own requests (tokens, counters, block lists)."""
     n = len(reqs)
     n_sched = np.array([out.num_scheduled_tokens[r.request_id] for r in reqs], np.int32)
     seq_lens = np.array([r.num_computed_tokens for r in reqs], np.int32)
@@ -160,7 +157,7 @@ def reference_inputs(runner, out, block_ids):
         known = r.all_token_ids[s:s + k]
         if len(known) < k:
             fill_idx[i] = qsl[i] + k - 1
-            fill_src[i] = runner.prev_rows[r.request_id]
+            fill_src[i] = prev_rows[r.request_id]
             known = known + [0]
         pieces.append(known)
     token_ids[:num_tokens] = np.concatenate(pieces)
@@ -204,12 +201,12 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     real_prepare = runner.prepare          # the engine builds each step's inputs through runner.prepare
     checked = []
 
-    def prepare(out, block_ids):
-        want = reference_inputs(runner, out, {rid: block_ids[rid] for rid in out.num_scheduled_tokens})
-        mi, bucket, _ = runner.prepare_inputs(out, block_ids)
-        si, _ = runner.prepare_sampling(out, bucket.padded_num_reqs)
-        # the dict path (beam search hands the runner plain lists) builds the same tables
-        mi_dict, _, _ = runner.prepare_inputs(out, {rid: list(block_ids[rid]) for rid in out.num_scheduled_tokens})
+    def prepare(out):
+        reqs = [eng.scheduler.requests[rid] for rid in out.req_ids]
+        block_ids = {rid: eng.kv_manager.get_block_ids(rid) for rid in out.req_ids}
+        want = reference_inputs(runner, out, reqs, block_ids, dict(runner.prev_rows))
+        prepared = real_prepare(out)
+        mi, si = prepared.inputs.model_input, prepared.inputs.sampling
         got = dict(token_ids=mi.token_ids, positions=mi.meta.positions, slot_mapping=mi.meta.slot_mapping,
                    block_tables=mi.meta.block_tables, query_start_loc=mi.meta.query_start_loc,
                    fill_token_idx=mi.fill_token_idx, fill_src_row=mi.fill_src_row,
@@ -217,9 +214,8 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
                    temperature=si.temperature)
         for k, v in want.items():
             np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
-        np.testing.assert_array_equal(mi_dict.meta.block_tables, want["block_tables"])
         checked.append(bool(mi.fill_token_idx.min() < len(mi.token_ids)))
-        return real_prepare(out, block_ids)
+        return prepared
 
     runner.prepare = prepare
     rng = np.random.default_rng(5)
@@ -236,10 +232,8 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     assert len(checked) > 20 and any(checked)            # async steps read tokens from the device
     if "preemption_mode" in kw:
         assert eng.scheduler.num_preemptions > 0
-    kv = eng.kv_manager
-    assert not kv.table_rows and not kv.block_table.any()
-    # every finished request's sampler slot came back (or is reclaimable: its request is finished)
-    assert all(r.is_finished for r in runner._sampling_slots)
+    # the engine went idle: the runner dropped every request's state
+    assert not runner.batch.rows and not runner.batch.block_table.any()
 
 
 def test_steps_read_their_inputs_from_persistent_pinned_buffers(model_dir):
@@ -250,32 +244,32 @@ def test_steps_read_their_inputs_from_persistent_pinned_buffers(model_dir):
     from jaxpaged import LLM
     llm = LLM(model=model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=8,
               num_gpu_blocks_override=64, compile_buckets=False)
-    runner = llm.llm_engine.runner
-    assert runner.host_inputs is not None                      # on by default
-    real_run = runner.run_packed
+    programs = llm.llm_engine.runner.programs
+    real_run = programs.run_packed
     seen_inputs, seen_prev = set(), set()
 
-    def run_packed(params, kv_cache, prev_sampled, ints, floats, **kw):
+    def run_packed(kv_cache, prev_sampled, ints, floats, **kw):
         assert ints.sharding.memory_kind == floats.sharding.memory_kind == "pinned_host"
         seen_inputs.add((ints.unsafe_buffer_pointer(), floats.unsafe_buffer_pointer()))
-        out = real_run(params, kv_cache, prev_sampled, ints, floats, **kw)
+        out = real_run(kv_cache, prev_sampled, ints, floats, **kw)
         seen_prev.add(out[1].unsafe_buffer_pointer())
         return out
 
-    runner.run_packed = run_packed
+    programs.run_packed = run_packed
     rng = np.random.default_rng(11)
     # prompts long enough that a prefill step's packed inputs outgrow a decode step's (two packed sizes)
     prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (5, 90, 100)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     pinned = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    slots = runner.host_inputs._slots
+    slots = programs.host_inputs._slots
     assert len(slots) >= 2                                     # a prefill size and a decode size at least
     assert seen_inputs <= {(s.arrays[0].unsafe_buffer_pointer(), s.arrays[1].unsafe_buffer_pointer())
                            for ring in slots.values() for s in ring}
     assert len(seen_inputs) > len(slots)                       # a size's slots taken in turn
     assert len(seen_prev) == 1                                 # donated, returned in place
-    runner.run_packed = real_run
-    runner.host_inputs = None                                  # fresh host arrays straight into the step
+    # the same step on fresh host copies of the inputs gives the same tokens
+    programs.run_packed = lambda kv, prev, ints, floats, **kw: real_run(kv, prev, np.array(ints), np.array(floats),
+                                                                        **kw)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == pinned
 
 
@@ -324,7 +318,7 @@ def test_packed_inputs_round_trip_and_start_on_their_grid(align):
     off = {"i": 0, "f": 0}
     for kind, shape, dtype in layout[1]:
         start = -(-off[kind] // align) * align
-        if align == si.MOSAIC_ALIGN:
+        if align == MOSAIC_INPUT_ALIGN:
             assert start * 4 % 256 == 0
         off[kind] = start + int(np.prod(shape))
     got = jax.jit(lambda i, f: si.unpack(i, f, layout))(jnp.asarray(ints), jnp.asarray(floats))

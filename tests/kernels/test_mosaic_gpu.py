@@ -1,0 +1,272 @@
+"""The Mosaic GPU (Hopper) kernels against their references: ragged paged attention, and the decode that
+packs a kv head's query heads into one tile of it.
+
+On the CPU JAX's Mosaic GPU interpreter runs them: it simulates the three warpgroups as threads, TMA
+copies, barriers (strictly: every waiter must observe every phase) and SMEM, with output buffers poisoned
+with NaN (uninitialized_memory="nan": an element the kernel fails to write shows up) and, where a case
+asks, its race detector on. It leaves out tiling/swizzling and wgmma (the kernel's matmuls take a jnp path
+there): the GPU run covers those, and the CUDA lowering tests below catch layout and TMA errors without a
+GPU. On a Hopper GPU the compiled kernels run the same cases, plus the real sizes; other GPUs skip them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import (INTERPRET, POOL_TOO_SMALL, REAL_DECODE, REAL_LAYOUTS, REAL_RAGGED, Case, DecodeBatch, Layout,
+                          RaggedBatch, case_id, chunked_reference, decode_inputs, gpu_only, max_rel_err,
+                          ragged_inputs, reference)
+from jaxpaged.pallas_kernels._mgpu_schedule import tile_schedule
+from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attention_reference
+from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+try:
+    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
+    from jaxpaged.pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
+    _NO_MGPU = None
+except ImportError as e:  # pragma: no cover - a jax without Pallas's Mosaic GPU module
+    _NO_MGPU = f"no Mosaic GPU Pallas here: {e}"
+try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover - jax without the Mosaic GPU interpreter
+    InterpretGPUParams = None
+
+pytestmark = pytest.mark.skipif(_NO_MGPU is not None, reason=_NO_MGPU or "")
+
+
+def _unsupported_here() -> str | None:
+    """Why the Mosaic GPU kernel cannot take a plain bf16 call on this GPU (not Hopper, a bad ptxas)."""
+    if INTERPRET or _NO_MGPU:
+        return None
+    sds = jax.ShapeDtypeStruct
+    return mgpu_supported(sds((8, 4, 64), jnp.bfloat16), sds((1, 2, 4, 2, 16, 64), jnp.bfloat16), 16)
+
+
+def _cannot_run() -> str | None:
+    if not INTERPRET:
+        return _unsupported_here()
+    if InterpretGPUParams is None:
+        return "jax has no Mosaic GPU interpreter"
+    if POOL_TOO_SMALL:
+        return "XLA CPU pool too small here; test_in_fresh_process runs these in a new process"
+    return None
+
+
+on_hopper = pytest.mark.skipif(_unsupported_here() is not None, reason=str(_unsupported_here()))
+runs_kernel = pytest.mark.skipif(_cannot_run() is not None, reason=str(_cannot_run()))
+TOL = {"bfloat16": 1e-2, "float16": 3e-3}          # max |out - ref| / max |ref|
+
+
+def interpret_arg(detect_races: bool):
+    """The kernels' interpret argument: on the CPU the interpreter, outputs poisoned with NaN and the race
+    detector on where asked; on the GPU False (compiled)."""
+    if not INTERPRET:
+        return False
+    return InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
+
+
+def races_found() -> bool:
+    """The interpreter's race detector's verdict on the last run (compiled kernels have none)."""
+    if not INTERPRET:
+        return False
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    return interpret_pallas_call.get_races().races_found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_compile_cache():
+    """jax 0.10's interpreter recompiles every thread's jaxpr at every grid point (a closure defeats
+    jit's caches; jax 0.11 fixed it with a top-level function). Apply the same fix: ~8x faster."""
+    if not INTERPRET:
+        yield
+        return
+    from jax._src import core as jax_core
+    from jax._src.pallas.mosaic.interpret import thread_map
+    if hasattr(thread_map, "_run"):                  # already fixed upstream
+        yield
+        return
+
+    def _run_jaxpr(jaxpr, consts, *args):
+        jax.jit(_eval_jaxpr, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()(
+            consts, *args)
+
+    def _eval_jaxpr(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(thread_map, "_run_jaxpr", _run_jaxpr)
+    yield
+    mp.undo()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicCase(Case):
+    block_kv: int = 128                 # keys per pipeline step
+    max_concurrent_steps: int = 2       # K/V slots in flight
+    num_ctas: int | None = None         # persistent CTAs; None: the kernel's (3 interpreted, one per SM)
+    detect_races: bool = False          # the interpreter's race detector (the CPU only)
+    chunked_reference: bool = False     # real sizes: the XLA path in f32 (kernel_cases.chunked_reference)
+
+    @property
+    def id(self) -> str:
+        ctas = f"-ctas{self.num_ctas}" if self.num_ctas else ""
+        return f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}"
+
+
+# 37: not a multiple of BQ; 64: exactly BQ, mid-sequence; 1: a decode; 150: > 2 BQ (last CTA shifted
+# back); 5: a short chunk mid-sequence. 7 bucket-padding tokens at the end.
+_MIXED = RaggedBatch("mixed", (37, 64, 1, 150, 5), (0, 19, 50, 21, 9), 7)
+# (head dim, kv heads, group, dtype, block_kv, block size)
+RAGGED_CASES = [MosaicCase(layout=Layout(block_size, head_dim, kv * group, kv, dtype), batch=_MIXED, block_kv=block_kv)
+                for head_dim, kv, group, dtype, block_kv, block_size in [
+                    (64, 2, 1, "bfloat16", 64, 16), (64, 1, 2, "bfloat16", 64, 8), (128, 1, 4, "float16", 128, 16),
+                    (128, 1, 7, "bfloat16", 128, 16), (128, 1, 8, "bfloat16", 128, 32)]]
+# Only sub-tile requests (every CTA takes the clamped, partial-store path), T < BQ.
+RAGGED_CASES += [MosaicCase(layout=Layout(16, 64, 2, 1, "bfloat16"),
+                            batch=RaggedBatch("short-only", (3, 1, 2), (30, 0, 17), 2), block_kv=64)]
+# Long context (5 K/V steps through 2 slots), items of several tiles and heads per persistent CTA (one CTA:
+# every item, so slots, q and output buffers are reused across all of them), a zero tile: the
+# interpreter's race detector sees no SMEM race.
+RAGGED_CASES += [MosaicCase(layout=Layout(16, 64, 2, 1, "bfloat16"),
+                            batch=RaggedBatch("long-context", (70, 2, 130), (250, 100, 3), 5), block_kv=64,
+                            num_ctas=num_ctas, detect_races=True) for num_ctas in (1, 3)]
+# Real sizes: the kernel's defaults (one CTA per SM).
+RAGGED_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_RAGGED, chunked_reference=True)
+                         for layout in REAL_LAYOUTS)
+
+# Contexts of 1 (fewer keys than heads), 17, a whole 64-key step, 150 (three steps of 64 through two
+# slots) and a padding request (seq_len 0: zeros, though its table holds real blocks); two kv heads.
+_DECODES = DecodeBatch("5reqs", 12, (1, 17, 64, 150, 0), full_tables=True)
+DECODE_CASES = [MosaicCase(layout=Layout(16, head_dim, 2 * group, 2, "bfloat16"), batch=_DECODES, block_kv=block_kv,
+                           num_ctas=num_ctas, detect_races=True)
+                for head_dim, group, block_kv, num_ctas in [(64, 7, 64, 3), (128, 4, 128, 2)]]
+DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE) for layout in REAL_LAYOUTS)
+
+
+def _check(out, ref, case, padding_rows):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not (case.detect_races and races_found())
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    assert (out[padding_rows] == 0).all()                             # bucket padding / seq_len 0
+    assert max_rel_err(out, ref) <= TOL[case.layout.dtype]
+
+
+class TestRaggedPrefillMosaic:
+    @runs_kernel
+    @pytest.mark.parametrize("case", RAGGED_CASES, ids=case_id)
+    def test_matches_reference(self, case):
+        x = ragged_inputs(case.rng(), case.layout, case.batch)
+        scale = case.layout.head_dim ** -0.5
+        out = ragged_paged_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
+                                          max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
+                                          interpret=interpret_arg(case.detect_races))
+        ref_fn = chunked_reference if case.chunked_reference else ragged_paged_attention_reference
+        _check(out, reference(ref_fn, *x.args, scale=scale), case, slice(x.num_real_tokens, None))
+
+    @on_hopper
+    def test_rejects_unsupported(self):
+        q = jnp.zeros((8, 4, 64), jnp.bfloat16)
+        kv = jnp.zeros((1, 2, 4, 2, 16, 64), jnp.bfloat16)
+        args = (q, kv, 0, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                jnp.array([0, 1], jnp.int32))
+        assert mgpu_supported(q, kv, 16) is None
+        assert "sliding" in mgpu_supported(q, kv, 16, sliding_window=8)
+        assert "head dim" in mgpu_supported(jnp.zeros((8, 4, 256), jnp.bfloat16),
+                                            jnp.zeros((1, 2, 4, 2, 16, 256), jnp.bfloat16), 16)
+        assert "bf16" in mgpu_supported(q.astype(jnp.float32), kv.astype(jnp.float32), 16)
+        for kw in (dict(sliding_window=4), dict(soft_cap=30.0), dict(block_kv=96), dict(block_q=32),
+                   dict(max_concurrent_steps=1), dict(block_kv=128, max_concurrent_steps=8)):
+            with pytest.raises(ValueError):
+                ragged_paged_attention_mgpu(*args, scale=0.125, **kw)
+        with pytest.raises(ValueError):
+            ragged_paged_attention_mgpu(q.astype(jnp.float32), kv.astype(jnp.float32), *args[2:], scale=0.125)
+
+    @on_hopper
+    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+    def test_lowers_for_cuda(self, semantics):
+        """The real (wgmma, swizzled SMEM, TMA) path lowers to a Mosaic GPU module without a GPU: catches
+        layout-inference and TMA-tiling errors the interpreter cannot see (e.g. unaligned tiled TMA)."""
+        sds = jax.ShapeDtypeStruct
+        args = (sds((300, 8, 128), jnp.bfloat16), sds((2, 2, 100, 2, 16, 128), jnp.bfloat16),
+                sds((), jnp.int32), sds((4, 32), jnp.int32), sds((4,), jnp.int32), sds((5,), jnp.int32))
+        lowered = ragged_paged_attention_mgpu.trace(*args, scale=0.1, interpret=False,
+                                                    lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+class TestPagedDecodeMosaic:
+    @runs_kernel
+    @pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+    def test_matches_reference(self, case):
+        """paged_decode_attention_mgpu: the G heads of a kv head as one tile (not causal)."""
+        x = decode_inputs(case.rng(), case.layout, case.batch)
+        scale = case.layout.head_dim ** -0.5
+        out = paged_decode_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
+                                          max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
+                                          interpret=interpret_arg(case.detect_races))
+        ref = reference(paged_decode_attention_reference, *x.args, scale=scale)
+        _check(out, ref, case, np.asarray(x.seq_lens) == 0)
+
+    @on_hopper
+    def test_lowers_for_cuda(self):
+        """The packed decode call (llama3-8b's heads) lowers to a Mosaic GPU module for CUDA."""
+        sds = jax.ShapeDtypeStruct
+        args = (sds((64, 32, 128), jnp.bfloat16), sds((2, 2, 100, 8, 16, 128), jnp.bfloat16),
+                sds((), jnp.int32), sds((64, 32), jnp.int32), sds((64,), jnp.int32))
+        lowered = jax.jit(lambda *a: paged_decode_attention_mgpu(*a, scale=0.1, interpret=False)).trace(
+            *args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+class TestTileSchedule:
+    @pytest.mark.parametrize("pad", [0, 3, 200])
+    def test_covers_every_row_once_per_owner(self, pad):
+        """Every token is written by some warpgroup tile, and only by tiles of its own request; the bucket
+        padding only by zero tiles; live tiles come first, those with K/V steps longest first."""
+        q_lens = np.array([37, 64, 1, 150, 5, 128, 0, 129])
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        num_rows = int(qsl[-1]) + pad
+        seq_lens = q_lens + 11
+        sched, live, num_tiles = tile_schedule(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), num_rows,
+                                               num_rows, 64, 64)
+        sched, live = np.asarray(sched), int(live)
+        owner = np.searchsorted(qsl[1:], np.arange(num_rows), side="right")
+        written, zeroed = np.zeros(num_rows, int), np.zeros(num_rows, int)
+        steps_col = sched[:, 1]
+        assert (steps_col[:live][steps_col[:live] > 0] == np.sort(steps_col[steps_col > 0])[::-1]).all()
+        assert (steps_col[live:] == 0).all() and (sched[live:, 4] == 0).all() and (sched[live:, 8] == 0).all()
+        for t, (req, steps, *wgs) in enumerate(sched[:live]):
+            if req < 0:                                                  # a zero tile
+                assert steps == 0 and wgs[2] > 0
+                for load, lo, rows, _ in (wgs[:4], wgs[4:]):
+                    assert lo == 0 and load >= qsl[-1] and load + rows <= num_rows
+                    zeroed[load:load + rows] += 1
+                continue
+            for load, lo, rows, pos in (wgs[:4], wgs[4:]):
+                assert 0 <= load <= num_rows - 64 and 0 <= lo and lo + rows <= 64
+                toks = np.arange(load + lo, load + lo + rows)
+                assert (owner[toks] == req).all()
+                # position of the first written row: context + offset inside the request's chunk
+                if rows:
+                    assert pos == seq_lens[req] - q_lens[req] + (load + lo - qsl[req])
+                    assert steps * 64 >= pos + rows
+                written[toks] += 1
+        assert (written[:qsl[-1]] >= 1).all() and (written[qsl[-1]:] == 0).all()
+        assert (zeroed[:qsl[-1]] == 0).all() and (zeroed[qsl[-1]:] == 1).all()
+        assert num_tiles == sched.shape[0]
+
+
+@pytest.mark.skipif(not POOL_TOO_SMALL, reason="only needed when the XLA CPU pool started too small")
+def test_in_fresh_process():
+    env = dict(os.environ, PJRT_NPROC="8")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=900,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

@@ -1,0 +1,66 @@
+"""The ragged paged attention kernel (Triton backend: prefill chunks and decodes in one flat batch) against
+its reference: interpret mode on the CPU, compiled on the GPU, where it also runs at real sizes
+(kernel_cases.py says how the switch works)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import (BAD_INPUTS, INTERPRET, REAL_LAYOUTS, REAL_RAGGED, SMALL_LAYOUTS, TOL, Case, Layout,
+                          bad_inputs, case_id, chunked_reference, gpu_only, lowered_calls, mixed_batch,
+                          ragged_inputs, reference, rel_err)
+from jaxpaged import pallas_kernels as pk
+from jaxpaged.pallas_kernels.ragged_paged_attention_pallas import ragged_paged_attention_pallas
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedCase(Case):
+    block_m: int | None = 16        # rows (tokens x heads of a group) per tile; None: the op's default
+    block_k: int | None = 16        # keys per inner iteration
+    chunked_reference: bool = False  # check against the XLA path in f32 (real sizes) instead of the reference
+
+
+# Small tiles: several tiles per request, tiles with a partial tail, several key iterations (32 rows where
+# a tile must hold more than 8 heads of a group).
+CASES = [RaggedCase(layout=layout, batch=mixed_batch(layout.block_size),
+                    block_m=16 if layout.num_heads // layout.num_kv_heads <= 8 else 32)
+         for layout in SMALL_LAYOUTS]
+CASES += [RaggedCase(layout=Layout(8, 64, 8, 2, "float32"), batch=mixed_batch(8), sliding_window=window, soft_cap=cap)
+          for window, cap in [(9, None), (None, 4.0), (20, 2.0)]]
+# Real sizes: the op's default tiles, plain and windowed + capped.
+CASES += gpu_only(RaggedCase(layout=layout, batch=REAL_RAGGED, block_m=None, block_k=None, chunked_reference=True,
+                             sliding_window=window, soft_cap=cap)
+                  for layout in REAL_LAYOUTS for window, cap in [(None, None), (600, 30.0)])
+
+
+class TestRaggedPrefill:
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_matches_reference(self, case):
+        x = ragged_inputs(case.rng(), case.layout, case.batch)
+        kw = dict(scale=case.layout.head_dim ** -0.5, **case.opts)
+        ref_fn = chunked_reference if case.chunked_reference else pk.ragged_paged_attention_reference
+        ref = reference(ref_fn, *x.args, **kw)
+        out = ragged_paged_attention_pallas(*x.args, block_m=case.block_m, block_k=case.block_k,
+                                            interpret=INTERPRET, **kw)
+        assert out.shape == x.q.shape and out.dtype == x.q.dtype
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert rel_err(out, ref) <= TOL[case.layout.dtype]
+        assert (np.asarray(out[x.num_real_tokens:]) == 0).all()               # bucket padding -> zeros
+
+    @pytest.mark.parametrize("bad", BAD_INPUTS)
+    def test_rejects_bad_inputs(self, bad):
+        q, pool, tables, lens, qsl = bad_inputs(bad)
+        with pytest.raises(ValueError):
+            ragged_paged_attention_pallas(q, pool, 0, tables, lens, qsl, scale=0.1, interpret=INTERPRET)
+
+    def test_lowers_to_triton(self):
+        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call."""
+        s = jax.ShapeDtypeStruct
+        ragged = functools.partial(ragged_paged_attention_pallas, scale=0.1, interpret=False)
+        assert lowered_calls(ragged, s((256, 14, 64), jnp.bfloat16), s((4, 2, 100, 2, 16, 64), jnp.bfloat16),
+                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32), s((9,), jnp.int32)) == (1,)

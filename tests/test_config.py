@@ -1,0 +1,95 @@
+"""config.resolve(): the one function that decides what runs, per platform, use and model size, and the
+errors it gives for combinations that cannot run. Pure Python: no model, no device."""
+import pytest
+
+from jaxpaged.config import (LAYERS_PER_DISPATCH, MOSAIC_INPUT_ALIGN, OFFLINE_GPU_SCHEDULER_STEPS,
+                             PER_LAYER_MIN_BYTES, EngineArgs, Platform, resolve)
+
+H100 = Platform("gpu", "NVIDIA H100 80GB HBM3", 76 * 2**30, True)
+A100 = Platform("gpu", "NVIDIA A100-SXM4-80GB", 76 * 2**30, False)
+L4 = Platform("gpu", "NVIDIA L4", 22 * 2**30, False)
+CPU = Platform("cpu", "cpu", 0, False)
+SMALL, LARGE = 8 << 20, PER_LAYER_MIN_BYTES       # qwen2-0.5b-sized and llama3-8b-sized layers
+SERVER = "openai_api_server"
+
+
+def run(platform=H100, layer_bytes=SMALL, **args):
+    return resolve(EngineArgs(**args), platform, layer_bytes=layer_bytes, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("platform, usage, layer_bytes, dispatch, steps", [
+    (H100, "llm_class", SMALL, "unrolled", OFFLINE_GPU_SCHEDULER_STEPS),   # offline: one graph, 16 steps
+    (H100, SERVER, SMALL, "scan", 1),               # the server streams: one step, the scan's quick launch
+    (H100, "llm_class", LARGE, "per_layer", 1),     # large layers: a few layers per program
+    (H100, SERVER, LARGE, "per_layer", 1),
+    (CPU, "llm_class", SMALL, "scan", 1),
+    (CPU, SERVER, LARGE, "per_layer", 1),
+])
+def test_layer_dispatch_and_steps_by_platform_use_and_layer_size(platform, usage, layer_bytes, dispatch, steps):
+    r = run(platform, layer_bytes, usage_context=usage)
+    assert (r.layer_dispatch, r.num_scheduler_steps) == (dispatch, steps)
+    assert r.layers_per_dispatch == (LAYERS_PER_DISPATCH if dispatch == "per_layer" else 0)
+    assert r.input_align == (MOSAIC_INPUT_ALIGN if dispatch == "unrolled" else 1)
+    assert r.single_program == (dispatch != "per_layer")
+
+
+def test_several_steps_on_large_layers_unroll_them():
+    """--num-scheduler-steps on a model with large layers (llama3-8b in the server) needs the step in one
+    program: the layers are unrolled instead of refusing to start."""
+    r = run(H100, LARGE, usage_context=SERVER, num_scheduler_steps=8)
+    assert (r.layer_dispatch, r.num_scheduler_steps, r.input_align) == ("unrolled", 8, MOSAIC_INPUT_ALIGN)
+    assert run(H100, LARGE, num_scheduler_steps=1).layer_dispatch == "per_layer"
+
+
+def test_explicit_choices_are_kept_and_impossible_ones_refused():
+    assert run(CPU, num_scheduler_steps=4).num_scheduler_steps == 4
+    assert run(H100, layer_dispatch="scan").num_scheduler_steps == OFFLINE_GPU_SCHEDULER_STEPS
+    assert run(H100, attention_backend="xla").attention_backend == "xla"
+    with pytest.raises(ValueError, match="needs the whole step in one program"):
+        run(H100, LARGE, layer_dispatch="per_layer", num_scheduler_steps=4)
+    with pytest.raises(ValueError, match="max_model_len=8192 is larger than the model's"):
+        run(max_model_len=8192)
+    with pytest.raises(ValueError, match="smaller than max_model_len"):
+        run(enable_chunked_prefill=False, max_num_batched_tokens=1024)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineArgs(attention_backend="cudnn")
+
+
+@pytest.mark.parametrize("platform, expected", [(H100, "mosaic"), (A100, "pallas"), (L4, "pallas"), (CPU, "xla")])
+def test_attention_backend_by_platform(platform, expected):
+    """Hopper: the Mosaic GPU kernels; other GPUs: Triton; the CPU: the chunked jnp path."""
+    assert run(platform).attention_backend == expected
+
+
+def test_batch_defaults_are_vllms():
+    """vLLM V1's defaults: GPUs with >= 70 GiB (not A100) 16384 tokens offline, 8192 for the server, 1024
+    sequences; smaller GPUs 8192 / 2048 and 256; the CPU 2048 and 256. Without chunked prefill the budget
+    covers max_model_len."""
+    limits = lambda r: (r.max_num_batched_tokens, r.max_num_seqs)
+    assert limits(run(H100)) == (16384, 1024)
+    assert limits(run(H100, usage_context=SERVER)) == (8192, 1024)
+    assert limits(run(A100)) == (8192, 256)
+    assert limits(run(L4, usage_context=SERVER)) == (2048, 256)
+    assert limits(run(CPU)) == (2048, 256)
+    assert limits(run(CPU, enable_chunked_prefill=False)) == (4096, 256)
+    assert limits(run(H100, max_num_batched_tokens=512, max_num_seqs=3)) == (512, 3)
+    assert run().max_model_len == 4096 and run(max_model_len=100).max_model_len == 100
+
+
+def test_compile_buckets_and_executable_cache():
+    """Buckets compile at start-up on GPUs; compiled steps are kept on disk only for single-program steps
+    on GPUs with the compile cache on (XLA:CPU cannot run some deserialized programs)."""
+    assert run(H100).compile_buckets and not run(CPU).compile_buckets
+    assert run(CPU, compile_buckets=True).compile_buckets
+    assert run(H100).executable_cache and not run(CPU).executable_cache
+    assert not run(H100, LARGE).executable_cache                    # per_layer: several programs a step
+    assert not resolve(EngineArgs(), H100, layer_bytes=SMALL, max_position_embeddings=4096,
+                       compile_cache=False).executable_cache
+
+
+def test_the_summary_is_one_line_naming_every_choice():
+    line = run(H100, LARGE).summary()
+    assert "\n" not in line
+    for part in ("platform=gpu", "attention=mosaic", "layers=per_layer/4", "steps_per_program=1",
+                 "max_num_batched_tokens=16384", "max_num_seqs=1024", "executable_cache=False", "input_align=1"):
+        assert part in line
