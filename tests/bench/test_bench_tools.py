@@ -103,8 +103,9 @@ def test_step_log_row_closes_when_the_steps_results_are_in(monkeypatch):
     for t, tokens in ((1.0, 40), (3.0, 1), (3.5, 1), (4.0, 0)):
         now[0] = t
         req.num_computed_tokens += tokens
-        sched = NS(scheduled=[req] if tokens else [], num_scheduled_tokens={"a": tokens})
-        stats.on_step(sched, scheduler, kv, schedule_s=0.0, execute_s=0.0, process_s=0.0)
+        sched = NS(req_ids=["a"] if tokens else [], num_scheduled_tokens={"a": tokens})
+        stats.on_schedule(sched, {"a": req})       # as LLMEngine.step: the scheduled step counted, then run
+        stats.on_step(scheduler, kv, schedule_s=0.0, execute_s=0.0, process_s=0.0)
     assert stats.step_log == [(3.0, 40, 1, 40), (3.5, 1, 1, 41), (4.0, 1, 1, 42)]
 
 

@@ -56,6 +56,9 @@ def test_zero_recompilations_after_warmup(model_dir, layer_dispatch, tmp_path, t
     monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)     # no executables from earlier runs
     if layer_dispatch == "unrolled":     # 2 layers per_layer is one group, the same program: JAX's jit cache
         model_dir = tiny_llama_dir(tmp_path_factory, "tiny_llama_rt3", num_hidden_layers=3)   # would hold it
+    # The step functions are jitted at module level, so an engine of the same shapes built earlier in this
+    # process (another test, in any order) would leave this warm-up nothing to compile: start from empty caches.
+    jax.clear_caches()
     counter = CompileCounter()
     counter.active = True
     llm = LLM(model=model_dir, **COMPILED, layer_dispatch=layer_dispatch)
