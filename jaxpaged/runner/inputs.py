@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxpaged.engine.output import SchedulerOutput
 from jaxpaged.models import AttentionMetadata
-from jaxpaged.runner.buckets import Bucket, BucketPolicy
+from jaxpaged.runner.buckets import Bucket, BucketPolicy, _round_up_pow2
 from jaxpaged.runner.input_batch import NEEDS_BIAS_COLUMN, PROMPT_LOGPROBS_COLUMN, InputBatch
 from jaxpaged.runner.sampler import Arr, SamplerFlags, SamplingInputs
 
@@ -197,10 +197,8 @@ def _logprobs_width(most: float) -> int:
 
 
 def _pow2(n: int, lo: int = 1) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
+    """The smallest power of two >= n, at least lo (a power of two)."""
+    return max(lo, _round_up_pow2(n))
 
 
 def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:

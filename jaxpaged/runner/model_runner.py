@@ -17,7 +17,7 @@ import numpy as np
 from jaxpaged.config import RunConfig
 from jaxpaged.engine.output import (LogprobsArrays, ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput)
 from jaxpaged.models import LoadedModel, kv_cache_shape
-from jaxpaged.runner.buckets import Bucket, BucketPolicy
+from jaxpaged.runner.buckets import Bucket, BucketPolicy, _round_up_pow2
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.inputs import PreparedInputs, PromptRows, prepare_inputs
 from jaxpaged.runner.sampler import SamplerFlags
@@ -174,18 +174,14 @@ def _prompt_chunks(prompt, prompt_rows: dict[str, PromptRows]) -> dict[str, Prom
             for rid, r in prompt_rows.items()}
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _pad_ids(src: np.ndarray, dst: np.ndarray):
     """Pad block-id lists to a power of two (fewer compiles); padding copies null block onto itself."""
-    n = _pow2(len(src))
+    n = _round_up_pow2(len(src))
     return np.pad(src, (0, n - len(src))), np.pad(dst, (0, n - len(dst)))
 
 
 def _pad_pair(dst: np.ndarray, data: np.ndarray):
-    n = _pow2(len(dst))
+    n = _round_up_pow2(len(dst))
     pad = [(0, 0)] * data.ndim
     pad[2] = (0, n - len(dst))
     # padding rows write zeros into the null block, which holds nothing real
