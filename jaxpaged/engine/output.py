@@ -9,6 +9,7 @@ itself, so nothing here is shared or mutated after it is handed over.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -64,9 +65,9 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
-    @property
+    @functools.cached_property
     def req_ids(self) -> list[str]:
-        """The batch's request ids in batch order."""
+        """The batch's request ids in batch order (read once scheduling is done: stats and the runner)."""
         return self.scheduled_cached_reqs.req_ids + [r.req_id for r in self.scheduled_new_reqs]
 
 
