@@ -39,9 +39,6 @@ class CachedRequestData:
     # Requests whose earlier block ids changed (a copy-on-write of a shared partly filled block).
     replaced_block_ids: set[str] = dataclasses.field(default_factory=set)
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclasses.dataclass
 class SchedulerOutput:

@@ -46,12 +46,6 @@ class InputBatch:
         self.eos_token_ids: list[tuple[int, ...]] = [()] * capacity
         self._free_rows = list(range(capacity - 1, 0, -1))
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self.rows
-
     def apply(self, sched: SchedulerOutput) -> None:
         """Bring the state up to a step's hand-off: drop finished and preempted requests, add the new
         ones, record the blocks the others got."""

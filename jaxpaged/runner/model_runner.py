@@ -30,6 +30,7 @@ class PreparedStep(NamedTuple):
     inputs: PreparedInputs
     req_ids: list[str]            # batch order
     sampled_rows: dict[str, int]  # request id -> row of its sample, for the requests that sample
+    token_lists: list[list[int]]  # the sampling requests' token lists (InputBatch), in sampled_rows order
     prepare_s: float              # host time building the padded inputs
 
 
@@ -37,7 +38,6 @@ class InFlight(NamedTuple):
     """A launched step whose results have not been fetched."""
     prepared: PreparedStep
     result: tuple                 # device arrays from sample(), (+ prompt logprobs)
-    token_lists: list[list[int]]  # the sampling requests' token lists (InputBatch), in sampled_rows order
     launch_s: float               # host time packing the inputs and launching the step
 
 
@@ -94,12 +94,13 @@ class ModelRunner:
         sampling = sched.sampling_ids
         if len(sampling) == len(req_ids):      # every request samples a token (decode steps)
             sampled_rows = dict(zip(req_ids, range(len(req_ids))))
-            batch.num_sampled[rows] += sched.num_steps
         else:
             sampled_rows = {rid: i for i, rid in enumerate(req_ids) if rid in sampling}
-            batch.num_sampled[rows[list(sampled_rows.values())]] += sched.num_steps
+            rows = rows[list(sampled_rows.values())]
+        batch.num_sampled[rows] += sched.num_steps
+        token_lists = list(map(batch.token_ids.__getitem__, rows.tolist()))
         self.compiled_keys.add((inputs.bucket, inputs.flags, sched.num_steps))
-        return PreparedStep(sched, inputs, req_ids, sampled_rows, time.perf_counter() - t0)
+        return PreparedStep(sched, inputs, req_ids, sampled_rows, token_lists, time.perf_counter() - t0)
 
     def launch(self, prepared: PreparedStep) -> InFlight:
         """The device half: pack and launch the step."""
@@ -110,9 +111,7 @@ class ModelRunner:
             self.kv_cache, self.prev_sampled, inputs.model_input, inputs.sampling, options=options,
             flags=inputs.flags)
         self.prev_rows = prepared.sampled_rows
-        batch = self.batch
-        token_lists = [batch.token_ids[batch.rows[rid]] for rid in prepared.sampled_rows]
-        return InFlight(prepared, result, token_lists, time.perf_counter() - t0)
+        return InFlight(prepared, result, time.perf_counter() - t0)
 
     def fetch(self, inflight: InFlight) -> ModelRunnerOutput:
         """Block on a launched step's results (one device_get); append the sampled tokens to the requests'
@@ -123,7 +122,7 @@ class ModelRunner:
         # [R][steps]: each row's tokens in order; one conversion, not one numpy scalar per token
         per_row = ids.reshape(steps, -1).T.tolist()
         sampled = {rid: per_row[row] for rid, row in prepared.sampled_rows.items()}
-        for tokens, new in zip(inflight.token_lists, sampled.values()):
+        for tokens, new in zip(prepared.token_lists, sampled.values()):
             tokens.extend(new)
         flags = prepared.inputs.flags
         logprobs = LogprobsArrays(lp, rank, top_ids, top_lp) if flags.num_logprobs >= 0 else None
