@@ -3,12 +3,19 @@
 Mirrors vLLM's benchmarks/benchmark_serving.py: requests arrive as a Poisson process (`--request-rate`,
 inf = all at once) under an optional `--max-concurrency`; each streams its completion, and the client
 records TTFT, inter-token latencies (ITL, one per streamed chunk after the first), TPOT (excluding the
-first token) and end-to-end latency; goodput counts requests that meet the SLOs (default TTFT <= 1 s,
-TPOT <= 150 ms). Prompts go out as token-id lists with `max_tokens` = the workload's output length and
-`ignore_eos: true`, so every request produces exactly its output length.
+first token) and end-to-end latency; goodput counts requests that meet both SLOs per second. The SLO
+defaults are the serving issue's, TTFT <= 1000 ms and TPOT <= 50 ms (vLLM has no default: these are its
+`--goodput ttft:1000 tpot:50`). Prompts go out as token-id lists with `max_tokens` = the workload's output
+length and `ignore_eos: true`, so every request produces exactly its output length.
 
-Example (a jaxpaged server on port 8000):
+`--request-rates inf,4,16,64` sweeps the rate: the same workload runs once per rate against one server
+(one warm-up request before the first), each rate's result is written as a single run's is, under
+`<stem>-r<rate>`, and `<stem>-sweep.{json,md,png}` hold a row per rate (throughputs, goodput, p50 and p99
+of TTFT, TPOT, ITL and E2EL) and the plot of output throughput and p50/p99 TTFT and TPOT against rate.
+
+Examples (a jaxpaged server on port 8000):
   python -m bench.serve --base-url http://localhost:8000 --dataset openqa --max-concurrency 10
+  python -m bench.serve --dataset sharegpt --request-rates inf,4,16,64
 """
 from __future__ import annotations
 
@@ -138,7 +145,7 @@ def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict[s
 
 def calculate_metrics(input_requests: list[SampleRequest], outputs: list[RequestFuncOutput], dur_s: float,
                       percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0,
-                      slo_tpot_ms: float = 150.0) -> dict[str, Any]:
+                      slo_tpot_ms: float = 50.0) -> dict[str, Any]:
     """vLLM's BenchmarkMetrics from per-request outputs: TPOT = (latency - ttft) / (output_tokens - 1),
     ITL pooled over all requests, goodput = requests meeting both SLOs per second."""
     completed = failed = good = total_input = 0
@@ -181,7 +188,8 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
     row("Failed requests:", m["failed"])
     if m.get("skipped"):
         row("Skipped requests (time limit):", m["skipped"])
-    row("Maximum request concurrency:", max_concurrency)
+    if max_concurrency is not None:   # as vLLM: no line when unlimited
+        row("Maximum request concurrency:", max_concurrency)
     row("Request rate (req/s):", request_rate)
     row("Benchmark duration (s):", f"{m['duration']:.2f}")
     row("Total input tokens:", m["total_input_tokens"])
@@ -206,7 +214,7 @@ RequestFunc = Callable[..., Awaitable[RequestFuncOutput]]
 
 async def benchmark(api_url: str, model: str, requests: list[SampleRequest], request_rate: float = float("inf"),
                     max_concurrency: int | None = None, burstiness: float = 1.0, seed: int = 0,
-                    percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 150.0,
+                    percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 50.0,
                     warmup: bool = True, disable_tqdm: bool = False, send_text: bool = False,
                     time_limit_s: float | None = None,
                     request_func: RequestFunc = async_request_openai_completions) -> dict[str, Any]:
@@ -228,7 +236,8 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
             test = await request_func(make_input(requests[0]), session)
             if not test.success:
                 raise RuntimeError(f"warm-up request failed: {test.error}")
-        pbar = None if disable_tqdm else tqdm(total=len(requests), desc="requests")
+        # leave=None: the bar stays when it is the only one, and is cleared under a sweep's bar over rates
+        pbar = None if disable_tqdm else tqdm(total=len(requests), desc="requests", leave=None)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         start = time.perf_counter()
@@ -273,6 +282,94 @@ async def served_model_name(base_url: str) -> str:
         return (await r.json())["data"][0]["id"]
 
 
+SWEEP_PERCENTILES = (50.0, 99.0)
+SWEEP_LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_rates(text: str) -> list[float]:
+    """'inf,4,16,64' -> [inf, 4.0, 16.0, 64.0]; every rate > 0 and named once (it names a result file)."""
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(not r > 0 for r in rates) or len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"request rates must be distinct and > 0 (inf allowed): {text!r}")
+    return rates
+
+
+def sweep_row(rate: float, m: dict[str, Any]) -> dict[str, Any]:
+    """One rate's line of the sweep: counts, throughputs, goodput, p50 and p99 latencies in ms."""
+    row: dict[str, Any] = {"request_rate": str(rate), "completed": m["completed"], "failed": m["failed"],
+                           "request_throughput": m["request_throughput"],
+                           "output_throughput": m["output_throughput"],
+                           "total_token_throughput": m["total_token_throughput"],
+                           "request_goodput": m["request_goodput"]}
+    for name in SWEEP_LATENCIES:
+        for p in SWEEP_PERCENTILES:
+            row[f"p{p:g}_{name}_ms"] = m[f"p{p:g}_{name}_ms"]
+    return row
+
+
+def plot_sweep(path: Path, rates: list[float], rows: list[dict[str, Any]], slo_ttft_ms: float,
+               slo_tpot_ms: float, title: str) -> Path | None:
+    """Output throughput and p50/p99 TTFT and TPOT against rate, on a log rate axis where inf sits one
+    factor of 4 beyond the largest finite rate under an 'inf' tick; None if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import LogFormatter, NullLocator
+    except ImportError:
+        return None
+    finite = [r for r in rates if r != float("inf")]
+    inf_x = 4 * max(finite) if finite else 1.0
+    xs = [inf_x if r == float("inf") else r for r in rates]
+    order = sorted(range(len(rates)), key=lambda i: xs[i])
+    panels = [("Output throughput (tok/s)", ["output_throughput"], None),
+              ("TTFT (ms)", ["p50_ttft_ms", "p99_ttft_ms"], slo_ttft_ms),
+              ("TPOT (ms)", ["p50_tpot_ms", "p99_tpot_ms"], slo_tpot_ms)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 4))
+    for ax, (ylabel, keys, slo) in zip(axes, panels):
+        for key in keys:
+            ax.plot([xs[i] for i in order], [rows[i][key] for i in order], marker="o",
+                    label=key.split("_")[0] if len(keys) > 1 else None)
+        if slo is not None:
+            ax.axhline(slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo:g} ms")
+            ax.legend(fontsize=8)
+            if all(rows[i][k] > 0 for i in order for k in keys):
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(LogFormatter())
+                ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        ax.set_xscale("log")
+        ax.set_xticks(sorted(set(xs)))
+        ax.set_xticklabels(["inf" if x == inf_x else f"{x:g}" for x in sorted(set(xs))])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_sweep(name: str, rates: list[float], rows: list[dict[str, Any]], settings: dict[str, Any],
+                meta: dict[str, Any], results_dir: Path | None = None) -> Path:
+    """`<name>.json` ({"meta", "metrics": settings + rows}), `<name>.md` (the rows as a table) and
+    `<name>.png` (plot_sweep); returns the JSON path."""
+    from bench import common
+    results_dir = Path(results_dir or common.RESULTS_DIR)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}.json"
+    path.write_text(json.dumps({"meta": meta, "metrics": dict(settings, rows=rows)}, indent=2, default=str) + "\n")
+    lines = [f"# serving sweep: {name}", ""] + [f"- {k}: `{v}`" for k, v in {**meta, **settings}.items()]
+    (results_dir / f"{name}.md").write_text("\n".join(lines + ["", common.markdown_table(rows)]))
+    slo = settings["goodput_slo"]
+    plot_sweep(results_dir / f"{name}.png", rates, rows, slo["ttft_ms"], slo["tpot_ms"],
+               f"{name}: {settings['dataset']} ({settings['workload']['num_prompts']} prompts), "
+               f"max concurrency {settings['max_concurrency'] or 'unlimited'}")
+    return path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/completions is used)")
@@ -283,50 +380,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--input-len", type=int, default=None, help="override random/openqa/longalpaca input length")
     p.add_argument("--output-len", type=int, default=None, help="override their output length")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf: all at once")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf: all at once")
+    rate.add_argument("--request-rates", type=parse_rates, default=None,
+                      help="sweep: comma-separated rates, e.g. inf,4,16,64 (one run each, p50 and p99 added)")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    p.add_argument("--goodput-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--goodput-tpot-ms", type=float, default=150.0)
+    p.add_argument("--goodput-ttft-ms", type=float, default=1000.0, help="goodput SLO on TTFT")
+    p.add_argument("--goodput-tpot-ms", type=float, default=50.0, help="goodput SLO on TPOT")
     p.add_argument("--send-text", action="store_true", help="send prompt text where the workload has it")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--time-limit-s", type=float, default=None,
-                   help="skip requests not started by then (reported as skipped; keeps a suite on time)")
+                   help="skip requests not started by then, per rate (reported as skipped; keeps a suite on time)")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--result-name", default=None, help="results file stem (default serve-<dataset>-c<conc>)")
+    p.add_argument("--result-name", default=None,
+                   help="results file stem (default serve-<dataset>-c<conc>; a sweep adds -r<rate> and -sweep)")
     p.add_argument("--save-per-request", action="store_true", help="keep per-request timings in the JSON")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from bench.common import stamp, write_result
+    """One run at --request-rate, or one per rate of --request-rates and the sweep's files; returns the
+    run's metrics, or the sweep's (settings and rows)."""
+    from tqdm import tqdm
+
+    from bench.common import markdown_table, stamp, write_result
     from bench.datasets import get_dataset, summarize
     args = parse_args(argv)
     requests = get_dataset(args.dataset, args.model, args.num_prompts, args.seed, args.input_len, args.output_len)
     model = args.served_model_name or asyncio.run(served_model_name(args.base_url))
     api_url = args.base_url.rstrip("/") + args.endpoint
-    result = asyncio.run(benchmark(
-        api_url, model, requests, args.request_rate, args.max_concurrency, args.burstiness, args.seed,
-        [float(p) for p in args.percentiles.split(",")], args.goodput_ttft_ms, args.goodput_tpot_ms,
-        warmup=not args.no_warmup, disable_tqdm=args.disable_tqdm, send_text=args.send_text,
-        time_limit_s=args.time_limit_s))
-    m = result["metrics"]
-    print(format_metrics(m, args.max_concurrency, args.request_rate))
-    if result["errors"]:
-        print("errors:", *result["errors"], sep="\n  ")
-    metrics = dict(m, dataset=args.dataset, workload=summarize(requests), model=args.model,
-                   served_model_name=model, max_concurrency=args.max_concurrency,
-                   request_rate=str(args.request_rate), errors=result["errors"])
-    if args.save_per_request:
-        metrics["per_request"] = result["per_request"]
-    name = args.result_name or f"serve-{args.dataset}-c{args.max_concurrency or 'inf'}"
+    sweeping = args.request_rates is not None
+    rates = args.request_rates if sweeping else [args.request_rate]
+    percentiles = [float(p) for p in args.percentiles.split(",")]
+    if sweeping:
+        percentiles = sorted(set(percentiles) | set(SWEEP_PERCENTILES))
+    stem = args.result_name or f"serve-{args.dataset}-c{args.max_concurrency or 'inf'}"
     # The client needs no JAX: the device stamp describes this process's view, the server's is its own.
-    path = write_result(name, metrics, meta=stamp(sys.argv if argv is None else ["bench/serve.py"] + argv,
-                                                  with_device=False), title=f"serving: {name}")
-    print(f"results: {path}")
-    return metrics
+    meta = stamp(sys.argv if argv is None else ["bench/serve.py"] + argv, with_device=False)
+    settings = dict(dataset=args.dataset, workload=summarize(requests), model=args.model, served_model_name=model,
+                    max_concurrency=args.max_concurrency)
+    rows, names, metrics = [], [], {}
+    for i, rate in enumerate(tqdm(rates, desc="request rates", disable=args.disable_tqdm or not sweeping)):
+        result = asyncio.run(benchmark(
+            api_url, model, requests, rate, args.max_concurrency, args.burstiness, args.seed, percentiles,
+            args.goodput_ttft_ms, args.goodput_tpot_ms, warmup=not args.no_warmup and i == 0,
+            disable_tqdm=args.disable_tqdm, send_text=args.send_text, time_limit_s=args.time_limit_s))
+        m = result["metrics"]
+        tqdm.write(format_metrics(m, args.max_concurrency, rate))
+        if result["errors"]:
+            tqdm.write("\n  ".join(["errors:", *result["errors"]]))
+        metrics = dict(m, **settings, request_rate=str(rate), errors=result["errors"])
+        if args.save_per_request:
+            metrics["per_request"] = result["per_request"]
+        name = f"{stem}-r{rate:g}" if sweeping else stem
+        path = write_result(name, metrics, meta=meta, title=f"serving: {name}")
+        tqdm.write(f"results: {path}")
+        if sweeping:
+            rows.append(sweep_row(rate, m))
+            names.append(name)
+    if not sweeping:
+        return metrics
+    sweep = dict(settings, burstiness=args.burstiness, seed=args.seed,
+                 goodput_slo={"ttft_ms": args.goodput_ttft_ms, "tpot_ms": args.goodput_tpot_ms},
+                 rate_results=names)
+    print(markdown_table(rows))
+    path = write_sweep(f"{stem}-sweep", rates, rows, sweep, meta)
+    print(f"sweep: {path} (+ .md, .png)")
+    return dict(sweep, rows=rows)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ math. It is NOT a substitute for the real jaxpaged server in product tests: thos
 `python -m jaxpaged.server` (see bench/run_gpu_suite.sh and the server's own tests).
 """
 import asyncio
+import contextlib
 import json
+import threading
 
 import numpy as np
 import pytest
 
 from bench.datasets import SampleRequest
-from bench.serve import (RequestFuncOutput, benchmark, calculate_metrics, format_metrics, get_request,
+from bench.serve import (RequestFuncOutput, benchmark, calculate_metrics, format_metrics, get_request, main,
                          parse_args)
 
 
@@ -38,7 +40,7 @@ def test_metrics_math_exact():
     assert m["p99_ttft_ms"] == pytest.approx(np.percentile([200.0, 1500.0], 99))
     assert m["mean_itl_ms"] == pytest.approx((4 * 200 + 2 * 250) / 6)
     assert m["mean_e2el_ms"] == pytest.approx(1500.0)
-    # goodput (TTFT <= 1 s and TPOT <= 150 ms): neither request qualifies
+    # goodput (TTFT <= 1 s and TPOT <= 50 ms): neither request qualifies
     assert m["request_goodput"] == 0.0
     m2 = calculate_metrics(reqs, outs, dur_s=4.0, slo_ttft_ms=1000, slo_tpot_ms=200)
     assert m2["request_goodput"] == pytest.approx(0.25)
@@ -76,9 +78,25 @@ def test_poisson_arrivals_rate_and_inf(monkeypatch):
     assert times == pytest.approx(np.concatenate([[0.0], np.cumsum(gaps)]).tolist())
 
 
+def test_goodput_default_slos_are_the_issues():
+    """TTFT <= 1000 ms and TPOT <= 50 ms: only the request inside both counts."""
+    reqs = [_req(4, 5)] * 4
+    outs = [RequestFuncOutput(success=True, ttft=ttft, latency=ttft + 4 * tpot, output_tokens=5)
+            for ttft, tpot in ((0.5, 0.04), (0.5, 0.06), (1.5, 0.04), (1.5, 0.06))]
+    m = calculate_metrics(reqs, outs, dur_s=2.0)
+    assert m["goodput_slo"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0}
+    assert m["request_goodput"] == pytest.approx(0.5) and m["request_throughput"] == pytest.approx(2.0)
+
+
 def test_defaults():
     a = parse_args([])
-    assert a.request_rate == float("inf") and a.goodput_ttft_ms == 1000 and a.goodput_tpot_ms == 150
+    assert a.request_rate == float("inf") and a.goodput_ttft_ms == 1000 and a.goodput_tpot_ms == 50
+    assert a.request_rates is None
+    assert parse_args(["--request-rates", "inf,4,16,64"]).request_rates == [float("inf"), 4.0, 16.0, 64.0]
+    for bad in (["--request-rates", "4,0"], ["--request-rates", "4,inf,4"],
+                ["--request-rates", "4", "--request-rate", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 # ---- client against a stub streaming server (client math only; see the module docstring) ----
@@ -164,3 +182,86 @@ def test_time_limit_skips_unstarted_requests():
     assert m["completed"] + m["skipped"] == 6 and m["failed"] == 0
     assert 1 <= m["completed"] <= 3 and m["skipped"] >= 3
     assert m["total_output_tokens"] == 5 * m["completed"]
+
+
+# ---- the CLI (main) against the stub served from a thread: main runs its own event loops ----
+
+@contextlib.contextmanager
+def _serving_in_thread(app):
+    """`app` listening on a free local port (bound before this yields) in a thread's event loop."""
+    from aiohttp import web
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    import bench.common
+    monkeypatch.setattr(bench.common, "RESULTS_DIR", tmp_path)
+    return tmp_path
+
+
+WORKLOAD = ["--model", "tiny-llama", "--dataset", "random", "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "4", "--served-model-name", "stub"]
+
+
+def _good_requests(per_request, slo_ttft_ms, slo_tpot_ms):
+    """Goodput's count recomputed from the saved per-request timings."""
+    good = 0
+    for ttft, latency, n_out in zip(per_request["ttfts"], per_request["latencies"], per_request["output_tokens"]):
+        tpot = (latency - ttft) / (n_out - 1) if n_out > 1 else 0.0
+        good += ttft * 1000 <= slo_ttft_ms and tpot * 1000 <= slo_tpot_ms
+    return good
+
+
+def test_rate_sweep_writes_rows_table_plot(results_dir, capsys):
+    seen = []
+    with _serving_in_thread(_stub_app(0.001, seen)) as url:
+        sweep = main(["--base-url", url, *WORKLOAD, "--request-rates", "inf,50", "--result-name", "t",
+                      "--save-per-request"])
+    assert len(seen) == 1 + 2 * 4   # one warm-up for the whole sweep, then the workload at each rate
+    rows = sweep["rows"]
+    assert [r["request_rate"] for r in rows] == ["inf", "50.0"]
+    assert sweep["rate_results"] == ["t-rinf", "t-r50"]
+    assert sweep["goodput_slo"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0}
+    for row, name in zip(rows, sweep["rate_results"]):
+        m = json.loads((results_dir / f"{name}.json").read_text())["metrics"]   # a single run's fields
+        assert m["request_rate"] == row["request_rate"] and (results_dir / f"{name}.md").exists()
+        assert row["completed"] == m["completed"] == 4 and row["failed"] == 0
+        assert row["output_throughput"] == m["output_throughput"] == pytest.approx(16 / m["duration"])
+        for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_e2el_ms"):
+            assert row[key] == m[key]
+        assert m["p50_ttft_ms"] == m["median_ttft_ms"]   # --percentiles 99 (default), the sweep adds 50
+        good = _good_requests(m["per_request"], 1000.0, 50.0)
+        assert row["request_goodput"] == m["request_goodput"] == pytest.approx(good / m["duration"])
+        assert row["request_goodput"] <= row["request_throughput"]
+    data = json.loads((results_dir / "t-sweep.json").read_text())
+    assert data["metrics"]["rows"] == rows and "git_revision" in data["meta"]
+    table = (results_dir / "t-sweep.md").read_text()
+    assert "| request_rate | completed |" in table and "| inf | 4 |" in table and "| 50.0 | 4 |" in table
+    assert (results_dir / "t-sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    captured = capsys.readouterr()
+    assert "request rates: 100%" in captured.err and "2/2" in captured.err   # the bar over rates
+    assert captured.out.count("Serving Benchmark Result") == 2
+
+
+def test_single_rate_run_writes_no_sweep(results_dir, capsys):
+    seen = []
+    with _serving_in_thread(_stub_app(0.001, seen)) as url:
+        m = main(["--base-url", url, *WORKLOAD, "--request-rate", "50", "--result-name", "one", "--disable-tqdm"])
+    assert m["completed"] == 4 and m["request_rate"] == "50.0" and "p50_ttft_ms" not in m
+    assert sorted(p.name for p in results_dir.iterdir()) == ["one.json", "one.md"]
+    assert "request rates" not in capsys.readouterr().err
