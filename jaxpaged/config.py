@@ -2,8 +2,8 @@
 
 Every choice of what runs — layer dispatch, decode steps per program, attention backend, executable
 cache, input alignment, batch defaults — is made in resolve() from the engine arguments, the platform and
-two facts of the model. The server and `LLM` both go through it; where they get different programs, the
-rule says why. Nothing below it reads environment variables or asks JAX for the platform to pick a path.
+two facts of the model. The server and `LLM` both go through it and get the same program. Nothing below
+it reads environment variables or asks JAX for the platform to pick a path.
 The measurements behind each rule are in bench/results/NOTES.md.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ USAGE_CONTEXTS = ("llm_class", "openai_api_server")
 LAYER_DISPATCHES = ("scan", "per_layer", "unrolled")
 ATTENTION_BACKENDS = ("reference", "xla", "pallas", "mosaic")
 
-# Decode steps per program for the offline LLM class on a GPU when the whole step is one program. With one
-# step per program a small model's decode is host-bound (the launch and the engine's work outlast the
-# device step); offline there is no stream whose tokens the steps' groups would make uneven.
-OFFLINE_GPU_SCHEDULER_STEPS = 16
+# Decode steps per program on a GPU when the whole step is one program. With one step per program a small
+# model's decode is host-bound (the launch and the engine's work outlast the device step). A stream gets a
+# program's tokens together; the scheduler runs one step whenever a request waits for its prefill.
+GPU_SCHEDULER_STEPS = 16
 # Per-layer dispatch from this many bytes of weights per layer: the layer scan slices each layer's weights
 # out of the stacked arrays, and XLA copies every slice that feeds a matmul; from this size those copies
 # cost more than the extra launches of a few programs per step.
@@ -59,7 +59,7 @@ class EngineArgs:
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default by use
     disable_log_stats: bool = True
-    usage_context: str = "llm_class"          # llm_class | openai_api_server: picks the batch defaults
+    usage_context: str = "llm_class"          # llm_class | openai_api_server: who runs the engine (logged)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):
@@ -150,13 +150,14 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
                          f"max_position_embeddings={max_position_embeddings}")
     max_tokens, max_seqs = _batch_limits(args, platform, max_model_len)
     on_gpu = platform.name == "gpu"
-    offline = args.usage_context == "llm_class"
-    dispatch = args.layer_dispatch or _layer_dispatch(layer_bytes, on_gpu, offline, args.num_scheduler_steps)
+    # The server runs what LLM runs: its streams take each program's tokens as they arrive, and the
+    # scheduler drops to one step per program whenever a request waits (scheduler._num_steps), so a new
+    # request's first token never waits behind a multi-step batch.
+    dispatch = args.layer_dispatch or _layer_dispatch(layer_bytes, on_gpu, args.num_scheduler_steps)
     if args.num_scheduler_steps is not None:
         steps = args.num_scheduler_steps
     else:
-        # The server streams: vLLM's one step per program, so each token leaves as soon as it is sampled.
-        steps = OFFLINE_GPU_SCHEDULER_STEPS if on_gpu and offline and dispatch != "per_layer" else 1
+        steps = GPU_SCHEDULER_STEPS if on_gpu and dispatch != "per_layer" else 1
     if steps > 1 and dispatch == "per_layer":
         raise ValueError("num_scheduler_steps > 1 (multi-step decoding) needs the whole step in one program, "
                          "but layer_dispatch='per_layer' runs the layers in groups: use layer_dispatch "
@@ -175,30 +176,29 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
     )
 
 
-def _layer_dispatch(layer_bytes: int, on_gpu: bool, offline: bool, steps: int | None) -> str:
+def _layer_dispatch(layer_bytes: int, on_gpu: bool, steps: int | None) -> str:
     """Large layers: per_layer, unless several decode steps per program were asked for, which need the
-    step in one program: then unrolled (no weight-slice copies either). Small layers offline on a GPU:
-    unrolled, one CUDA graph per step. Small layers in the server: the scan, whose single-step program
-    launches faster than the one large unrolled graph at small batches."""
+    step in one program: then unrolled (no weight-slice copies either). Small layers on a GPU: unrolled,
+    one CUDA graph per step. The CPU: the scan (quick to compile)."""
     if layer_bytes >= PER_LAYER_MIN_BYTES:
         return "unrolled" if steps is not None and steps > 1 else "per_layer"
-    return "unrolled" if on_gpu and offline else "scan"
+    return "unrolled" if on_gpu else "scan"
 
 
 def _batch_limits(args: EngineArgs, platform: Platform, max_model_len: int) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs): the user's, else vLLM V1's defaults, checked.
+    """(max_num_batched_tokens, max_num_seqs): the user's, else vLLM V1's offline defaults, checked.
 
-    GPUs with >= 70 GiB (H100, H200; not A100, where vLLM measured a regression): 16384 tokens for the
-    offline LLM class, 8192 for the server, 1024 sequences. Smaller GPUs: 8192 / 2048 tokens, 256
-    sequences. The CPU (tests, development) keeps 2048 tokens and 256 sequences, so its compiled shapes
-    stay few and small."""
-    server = args.usage_context == "openai_api_server"
+    GPUs with >= 70 GiB (H100, H200; not A100, where vLLM measured a regression): 16384 tokens, 1024
+    sequences; smaller GPUs 8192 tokens, 256 sequences. vLLM gives its server half the token budget; here
+    the server runs what LLM runs (one program), and a user who wants shorter mixed steps sets
+    --max-num-batched-tokens. The CPU (tests, development) keeps 2048 tokens and 256 sequences, so its
+    compiled shapes stay few and small."""
     if platform.name == "cpu":
         tokens, seqs = 2048, 256
     elif platform.memory_bytes >= 70 * 2**30 and "a100" not in platform.device_kind.lower():
-        tokens, seqs = (8192 if server else 16384), 1024
+        tokens, seqs = 16384, 1024
     else:
-        tokens, seqs = (2048 if server else 8192), 256
+        tokens, seqs = 8192, 256
     if not args.enable_chunked_prefill:
         tokens = max(max_model_len, tokens)
     max_tokens = args.max_num_batched_tokens or tokens

@@ -1,7 +1,9 @@
 """The FastAPI app: routes, OpenAI-shaped errors, the API key check, CORS; and `run_server`.
 
-The engine runs on its own thread (AsyncLLM); handlers only tokenize, queue and stream, so nothing here
-ever waits on an engine step.
+The engine core runs in its own process (AsyncLLM); handlers tokenize (on a worker thread), queue and
+stream, so nothing here ever waits on an engine step. If the core dies, in-flight requests get an error,
+/health answers 503, and the server exits with status 1 a few seconds later; SIGTERM ends every open
+stream with finish_reason "abort", then stops the core.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sys
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -102,13 +106,16 @@ def add_api_key_check(app: FastAPI, api_key: str, root_path: str) -> None:
 
 
 def build_app(state: ServerState, args: argparse.Namespace | None = None) -> FastAPI:
-    metrics = ServerMetrics(state.engine, state.model_name)
+    metrics = ServerMetrics(state.llm, state.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        state.llm.start()                        # read the core's outputs on this loop from now on
         task = asyncio.create_task(metrics.drain_forever())
         yield
         task.cancel()
+        if state.owns_engine:       # stop the core before uvicorn re-raises a caught SIGTERM on its way out
+            state.llm.shutdown()
 
     # --root-path goes to uvicorn (FastAPI's own root_path parameter is deprecated)
     app = FastAPI(title="jaxpaged OpenAI-compatible server", version=_version(), lifespan=lifespan)
@@ -136,16 +143,15 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=name, root=state.engine.model_path,
-                                         max_model_len=state.engine.max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=state.llm.model_path, max_model_len=state.llm.max_model_len)
                                for name in state.served_model_names])
 
     @app.get("/health")
     async def health():
-        """200 while the engine loop is alive and making progress; 503 when it died or stalled."""
+        """200 while the engine core is alive and making progress; 503 when it died or stalled."""
         if state.llm.is_healthy():
             return Response(status_code=200)
-        reason = f"engine loop died: {state.llm.dead_error!r}" if state.llm.errored else "engine loop stalled"
+        reason = f"engine core died: {state.llm.dead_error}" if state.llm.errored else "engine core stalled"
         return _error_response(APIError(reason, 503, "ServiceUnavailableError"))
 
     @app.get("/metrics")
@@ -160,30 +166,37 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     async def tokenize(request: TokenizeRequest):
         state.check_model(request.model)
         tok = state.tokenizer
-        if request.messages is not None:
-            text = apply_chat_template(state, request.messages, request.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
-        elif request.prompt is not None:
-            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        else:
+
+        def run() -> list[int]:
+            if request.messages is not None:
+                text = apply_chat_template(state, request.messages, request.add_generation_prompt)
+                return tok.encode(text, add_special_tokens=False)
+            if request.prompt is not None:
+                return tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
             raise APIError("give either `prompt` or `messages`", param="prompt")
+
+        ids = await state.llm.run_blocking(run)
         strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
-                                token_strs=strs)
+        return TokenizeResponse(count=len(ids), max_model_len=state.llm.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(request: DetokenizeRequest):
         state.check_model(request.model)
-        vocab = state.engine.model_config.vocab_size
+        vocab = state.llm.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await state.llm.run_blocking(state.tokenizer.decode, request.tokens))
+
+
+# After the engine core dies: how long /health answers 503 (and requests get 503s) before the server exits,
+# so a probe or load balancer sees why.
+DEAD_EXIT_DELAY_S = 5.0
+# SIGTERM: how long uvicorn waits for open connections to close after every stream was ended.
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def run_server(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from jaxpaged.engine.async_llm import AsyncLLM
     from jaxpaged.server.cli import engine_args_from
     from jaxpaged.server.serving import load_chat_template
@@ -193,12 +206,42 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = engine_args_from(args)
     llm = AsyncLLM.from_engine_args(engine_args)
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
-    state = ServerState(llm, names, chat_template, log_requests=not args.disable_log_requests)
+    state = ServerState(llm, names, chat_template, log_requests=not args.disable_log_requests, owns_engine=True)
     app = build_app(state, args)
-    logger.info("Serving %s on http://%s:%d (engine ready in %.1f s)", names[0], args.host or "0.0.0.0",
-                args.port, llm.engine.startup_seconds)
+    logger.info("Serving %s on http://%s:%d (engine core ready in %.1f s: %s)", names[0], args.host or "0.0.0.0",
+                args.port, llm.info.startup_seconds, llm.info.run_summary)
+    config = uvicorn.Config(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
+                            root_path=args.root_path or "", timeout_keep_alive=5,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _Server(config, llm)
     try:
-        uvicorn.run(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
-                    root_path=args.root_path or "", timeout_keep_alive=5)
+        server.run()
     finally:
         llm.shutdown()
+    if llm.errored:
+        logger.error("exiting: %s", llm.dead_error)
+        sys.exit(1)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, tied to the engine: a signal ends every open stream (finish_reason "abort") so
+    shutdown never waits on a long generation and no client sees a cut connection; the core's death
+    stops the server after DEAD_EXIT_DELAY_S."""
+
+    def __init__(self, config, llm):
+        super().__init__(config)
+        self.llm = llm
+        llm.on_dead = self._engine_died
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        loop = self.llm.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.llm.abort_all)   # (a signal handler: hand it to the loop)
+
+    def _engine_died(self) -> None:
+        loop = self.llm.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.call_later, DEAD_EXIT_DELAY_S, setattr, self, "should_exit", True)
+        else:
+            self.should_exit = True

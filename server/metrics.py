@@ -1,8 +1,9 @@
 """GET /metrics: vLLM's Prometheus metrics under the `jaxpaged:` prefix.
 
-Gauges and counters are read from the engine at scrape time (a custom collector, so there is one source
-of truth); latency samples are drained from `engine.stats` into histograms — on each scrape and every few
-seconds in the background, so the sample lists never grow without bound.
+Gauges and counters are read at scrape time (a custom collector, so there is one source of truth): the
+scheduler's and the KV cache's from the engine core's latest snapshot (it comes with every step's outputs),
+tokens and finish reasons from what this process delivered (RequestStats). Latency samples are drained
+into histograms on each scrape and every few seconds in the background, so the lists never grow.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class _EngineCollector:
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, llm, model_name: str):
+        self.llm, self.model_name = llm, model_name
 
     def collect(self):
-        e, labels = self.engine, [self.model_name]
+        labels = [self.model_name]
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -40,19 +41,20 @@ class _EngineCollector:
             c.add_metric(labels, value)
             return c
 
-        pool, stats = e.kv_manager.pool, e.stats
-        yield gauge("num_requests_running", "Requests in the running batch.", e.scheduler.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", e.scheduler.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", pool.usage)
+        core, stats = self.llm.core_stats, self.llm.request_stats
+        yield gauge("num_requests_running", "Requests in the running batch.", core.num_requests_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", core.num_requests_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", core.kv_cache_usage)
         yield gauge("num_free_blocks", "KV cache blocks free (cached-but-unreferenced included).",
-                    pool.num_free_blocks)
-        yield gauge("num_blocks", "KV cache blocks in the pool (the null block excluded).", e.num_blocks - 1)
+                    core.num_free_blocks)
+        yield gauge("num_blocks", "KV cache blocks in the pool (the null block excluded).",
+                    self.llm.info.num_blocks - 1)
         yield gauge("kv_cache_waste_perc", "Allocated but unused token slots over allocated slots, over the "
-                    "running requests (waste sits only in each sequence's last block).", stats.kv_cache_waste)
-        yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", pool.num_queries)
-        yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", pool.num_hits)
-        yield counter("num_preemptions", "Preemptions of running requests.", e.scheduler.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens)
+                    "running requests (waste sits only in each sequence's last block).", core.kv_cache_waste)
+        yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", core.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", core.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions of running requests.", core.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens prefilled.", core.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
                                       labels=["model_name", "finished_reason"])
@@ -63,11 +65,11 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str):
-        self.engine = engine
-        engine.stats.record_latencies = True       # drained into the histograms below
+    def __init__(self, llm, model_name: str):
+        self.llm = llm
+        llm.request_stats.record_latencies = True       # drained into the histograms below
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(llm, model_name))
 
         def hist(name, doc, buckets):
             return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
@@ -78,7 +80,7 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS)
 
     def drain(self) -> None:
-        ttft, itl, e2e = self.engine.stats.drain_latencies()
+        ttft, itl, e2e = self.llm.request_stats.drain_latencies()
         for hist, samples in ((self.ttft, ttft), (self.itl, itl), (self.e2e, e2e)):
             for s in samples:
                 hist.observe(s)

@@ -54,14 +54,11 @@ class ServerState:
     served_model_names: list[str]
     chat_template: str | None = None        # --chat-template (file contents or the text)
     log_requests: bool = True
-
-    @property
-    def engine(self):
-        return self.llm.engine
+    owns_engine: bool = False               # shut the engine down with the app (run_server)
 
     @property
     def tokenizer(self):
-        return self.llm.engine.tokenizer
+        return self.llm.tokenizer
 
     @property
     def model_name(self) -> str:
@@ -73,8 +70,8 @@ class ServerState:
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks (vLLM's wording for over-long prompts), run before anything streams."""
-        self.engine.validate_prompt(token_ids, params)
-        vocab = self.engine.model_config.vocab_size
+        self.llm.input_processor.validate_prompt(token_ids, params)
+        vocab = self.llm.vocab_size
         for tid in list(params.logit_bias or ()) + list(params.stop_token_ids or ()):
             if not 0 <= tid < vocab:
                 raise ValueError(f"token id {tid} in logit_bias or stop_token_ids is out of vocabulary "
@@ -85,7 +82,7 @@ class ServerState:
         still reaches the engine's length check and gets its message)."""
         if requested is not None:
             return requested
-        return max(1, self.engine.max_model_len - num_prompt_tokens)
+        return max(1, self.llm.max_model_len - num_prompt_tokens)
 
     def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
         if self.log_requests:

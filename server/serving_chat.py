@@ -49,14 +49,18 @@ def format_chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[in
     return ChatLogprobs(content=content)
 
 
+def _template_and_tokenize(state: ServerState, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    prompt = apply_chat_template(state, request.messages, request.add_generation_prompt, request.chat_template,
+                                 request.chat_template_kwargs)
+    return prompt, chat_prompt_ids(state, prompt)
+
+
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, raw: Request):
     state.check_model(request.model)
     if not request.messages:
         raise APIError("messages cannot be empty", param="messages")
-    try:
-        prompt = apply_chat_template(state, request.messages, request.add_generation_prompt,
-                                     request.chat_template, request.chat_template_kwargs)
-        token_ids = chat_prompt_ids(state, prompt)
+    try:      # templating and tokenizing on a worker thread: the event loop streams on
+        prompt, token_ids = await state.llm.run_blocking(_template_and_tokenize, state, request)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = request.to_sampling_params(state.default_max_tokens(requested, len(token_ids)))
         state.check_prompt(token_ids, params)

@@ -31,7 +31,7 @@ class _Prepared:
     """One prompt, tokenized and checked, with its sampling params."""
 
     def __init__(self, state: ServerState, request: CompletionRequest, prompt: str | list[int]):
-        text, self.token_ids = state.engine.tokenize_prompt(prompt)
+        text, self.token_ids = state.llm.input_processor.tokenize_prompt(prompt)
         self.text = text if text is not None else state.tokenizer.decode(self.token_ids)
         self.params: SamplingParams = request.to_sampling_params(
             state.default_max_tokens(request.max_tokens, len(self.token_ids)))
@@ -73,8 +73,8 @@ def _with_prompt(prompt_lps: CompletionLogProbs, completion: CompletionLogProbs)
 
 async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
     state.check_model(request.model)
-    try:
-        prepared = [_Prepared(state, request, p) for p in _prompts(request)]
+    try:      # tokenizing (and decoding token prompts' text) on a worker thread: the event loop streams on
+        prepared = await state.llm.run_blocking(lambda: [_Prepared(state, request, p) for p in _prompts(request)])
     except ValueError as e:
         raise APIError(str(e)) from None
     request_id = random_id("cmpl")

@@ -50,3 +50,100 @@ def save_tiny_llama(path, **config):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(src, f), path)
     return hf
+
+
+# ---- the server as a real process ------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server process: get SIGTERM if pytest itself dies, so no server outlives the tests."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of pid (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def is_engine_core(pid: int) -> bool:
+    """Whether pid is a spawned multiprocessing child (the engine core), not its resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except FileNotFoundError:
+        return False
+
+
+class ServerProcess:
+    """`python -m jaxpaged.server` with these flags on a free port, healthy on entry; stopped (SIGTERM,
+    then SIGKILL) on exit. Its log is kept in a temporary file and shown if it fails to start."""
+
+    def __init__(self, flags: list[str], start_timeout_s: float = 300):
+        self.flags, self.start_timeout_s = flags, start_timeout_s
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerProcess":
+        import subprocess
+        import sys
+        import tempfile
+        import time
+
+        import httpx
+        import pytest
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="jaxpaged-server-", delete=False)
+        cmd = [sys.executable, "-m", "jaxpaged.server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--uvicorn-log-level", "warning", "--disable-log-requests", *self.flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        try:
+            deadline = time.time() + self.start_timeout_s
+            while True:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"server exited with {self.proc.returncode}:\n{self.read_log()[-4000:]}")
+                try:
+                    if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail(f"server did not become healthy in {self.start_timeout_s} s")
+                time.sleep(0.5)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def core_pid(self) -> int:
+        (pid,) = [p for p in child_pids(self.proc.pid) if is_engine_core(p)]
+        return pid
+
+    def __exit__(self, *exc) -> None:
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)

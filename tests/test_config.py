@@ -1,8 +1,10 @@
 """config.resolve(): the one function that decides what runs, per platform, use and model size, and the
 errors it gives for combinations that cannot run. Pure Python: no model, no device."""
+import dataclasses
+
 import pytest
 
-from jaxpaged.config import (LAYERS_PER_DISPATCH, MOSAIC_INPUT_ALIGN, OFFLINE_GPU_SCHEDULER_STEPS,
+from jaxpaged.config import (LAYERS_PER_DISPATCH, MOSAIC_INPUT_ALIGN, GPU_SCHEDULER_STEPS,
                              PER_LAYER_MIN_BYTES, EngineArgs, Platform, resolve)
 
 H100 = Platform("gpu", "NVIDIA H100 80GB HBM3", 76 * 2**30, True)
@@ -18,8 +20,8 @@ def run(platform=H100, layer_bytes=SMALL, **args):
 
 
 @pytest.mark.parametrize("platform, usage, layer_bytes, dispatch, steps", [
-    (H100, "llm_class", SMALL, "unrolled", OFFLINE_GPU_SCHEDULER_STEPS),   # offline: one graph, 16 steps
-    (H100, SERVER, SMALL, "scan", 1),               # the server streams: one step, the scan's quick launch
+    (H100, "llm_class", SMALL, "unrolled", GPU_SCHEDULER_STEPS),   # small layers: one graph, 16 steps
+    (H100, SERVER, SMALL, "unrolled", GPU_SCHEDULER_STEPS),        # the server runs what LLM runs
     (H100, "llm_class", LARGE, "per_layer", 1),     # large layers: a few layers per program
     (H100, SERVER, LARGE, "per_layer", 1),
     (CPU, "llm_class", SMALL, "scan", 1),
@@ -43,7 +45,7 @@ def test_several_steps_on_large_layers_unroll_them():
 
 def test_explicit_choices_are_kept_and_impossible_ones_refused():
     assert run(CPU, num_scheduler_steps=4).num_scheduler_steps == 4
-    assert run(H100, layer_dispatch="scan").num_scheduler_steps == OFFLINE_GPU_SCHEDULER_STEPS
+    assert run(H100, layer_dispatch="scan").num_scheduler_steps == GPU_SCHEDULER_STEPS
     assert run(H100, attention_backend="xla").attention_backend == "xla"
     with pytest.raises(ValueError, match="needs the whole step in one program"):
         run(H100, LARGE, layer_dispatch="per_layer", num_scheduler_steps=4)
@@ -62,14 +64,14 @@ def test_attention_backend_by_platform(platform, expected):
 
 
 def test_batch_defaults_are_vllms():
-    """vLLM V1's defaults: GPUs with >= 70 GiB (not A100) 16384 tokens offline, 8192 for the server, 1024
-    sequences; smaller GPUs 8192 / 2048 and 256; the CPU 2048 and 256. Without chunked prefill the budget
-    covers max_model_len."""
+    """vLLM V1's offline defaults, for LLM and the server alike (one program): GPUs with >= 70 GiB (not A100)
+    16384 tokens, 1024 sequences; smaller GPUs 8192 and 256; the CPU 2048 and 256. Without chunked prefill
+    the budget covers max_model_len."""
     limits = lambda r: (r.max_num_batched_tokens, r.max_num_seqs)
     assert limits(run(H100)) == (16384, 1024)
-    assert limits(run(H100, usage_context=SERVER)) == (8192, 1024)
+    assert limits(run(H100, usage_context=SERVER)) == (16384, 1024)
     assert limits(run(A100)) == (8192, 256)
-    assert limits(run(L4, usage_context=SERVER)) == (2048, 256)
+    assert limits(run(L4, usage_context=SERVER)) == (8192, 256)
     assert limits(run(CPU)) == (2048, 256)
     assert limits(run(CPU, enable_chunked_prefill=False)) == (4096, 256)
     assert limits(run(H100, max_num_batched_tokens=512, max_num_seqs=3)) == (512, 3)
@@ -93,3 +95,12 @@ def test_the_summary_is_one_line_naming_every_choice():
     for part in ("platform=gpu", "attention=mosaic", "layers=per_layer/4", "steps_per_program=1",
                  "max_num_batched_tokens=16384", "max_num_seqs=1024", "executable_cache=False", "input_align=1"):
         assert part in line
+
+
+@pytest.mark.parametrize("platform", [H100, A100, L4, CPU])
+@pytest.mark.parametrize("layer_bytes", [SMALL, LARGE])
+def test_the_server_and_llm_resolve_the_same_program(platform, layer_bytes):
+    """One program: the two uses differ only in the label."""
+    a = run(platform, layer_bytes, usage_context="llm_class")
+    b = run(platform, layer_bytes, usage_context=SERVER)
+    assert dataclasses.replace(b, usage_context="llm_class") == a

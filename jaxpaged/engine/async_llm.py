@@ -1,88 +1,197 @@
-"""AsyncLLM: the engine loop on its own thread; callers on an asyncio loop stream outputs per request.
+"""AsyncLLM: the server's engine. The API half runs here, on the asyncio loop; the engine core runs in its
+own process (core_client.py), so its loop never waits on this process's GIL.
 
-The loop never waits on a client: each step's outputs are handed to the asyncio loop in one
-`call_soon_threadsafe` call (one wake-up per step, not one per request), which puts them into
-per-request queues, so a slow or vanished client cannot stall the batch. A consumer that falls behind
+Per request: tokenize off the event loop (a thread: a huge prompt never stalls other streams), check
+(InputProcessor), send the core one EngineCoreRequest per sample, and stream RequestOutputs from a
+per-request queue. One task per loop reads the core's per-step messages and runs them through the
+OutputProcessor (detokenization, stop strings: the core is told to abort a sample a stop string ended), in
+chunks with a yield between, so streaming never waits on a whole large step. A consumer that falls behind
 takes what has queued up as one output (deltas concatenated, or the latest cumulative one), as vLLM's
-output collector does, so its per-chunk cost does not grow with the backlog. `abort` frees a request's
-blocks on the engine thread's next turn (before its next step).
+output collector does.
+
+If the core process dies, every in-flight request gets EngineDeadError, `errored` turns true (/health 503)
+and `on_dead` is called (the server exits non-zero).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import queue
-import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.llm_engine import LLMEngine, PromptType
+from jaxpaged.engine.core import resolve_model_path
+from jaxpaged.engine.core_client import CoreProcClient, EngineDeadError
+from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer
+from jaxpaged.engine.input_processor import InputProcessor, PromptType
+from jaxpaged.engine.messages import CoreFailure, CoreStats, EngineCoreOutputs
+from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.async_llm")
 
-# The engine thread shares the GIL with the HTTP event loop: how long a thread may hold it while another
-# waits. Python's 5 ms is longer than a small model's whole step, so the engine thread would sit idle
-# behind request handling; 0.5 ms lets it take the GIL back within a fraction of a step.
-GIL_SWITCH_INTERVAL_S = 0.0005
+__all__ = ["AsyncLLM", "EngineDeadError", "merge_delta"]
 
-
-class EngineDeadError(RuntimeError):
-    pass
+# Core outputs processed between two yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE).
+OUTPUT_CHUNK = 128
+# Prompts longer than this (characters) are tokenized on a worker thread, not on the event loop.
+OFFLOAD_CHARS = 2048
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+    def __init__(self, args: EngineArgs):
+        from transformers import AutoTokenizer
+        self.args = args
+        self.client = CoreProcClient(args)      # the core loads and compiles while the tokenizer loads here
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
+            prepare_detokenizer(self.tokenizer)
+            self.info = self.client.wait_ready()
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.input_processor = InputProcessor(self.tokenizer, self.info, args.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.request_stats = self.output_processor.stats
+        self.core_stats = CoreStats(num_free_blocks=self.info.num_blocks - 1)   # until the first step's
         self.dead_error: BaseException | None = None
-        self._stopped = False
+        self.on_dead: Callable[[], None] | None = None
         self.last_progress = time.time()
-        self._thread = threading.Thread(target=self._loop, name="jaxpaged-engine", daemon=True)
-        self._thread.start()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._output_task: asyncio.Task | None = None
+        self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxpaged-tokenize")
+        self._watcher = threading.Thread(target=self._watch_core, name="jaxpaged-core-watch", daemon=True)
+        self._watcher.start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        return cls(LLMEngine(args))
+        return cls(args)
+
+    # what the server shows of the core
+    @property
+    def model_path(self) -> str:
+        return self.info.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop reading the core's outputs (start())."""
+        return self._loop
 
     # ---- health -------------------------------------------------------------------------------
     @property
     def errored(self) -> bool:
-        return self.dead_error is not None or not self._thread.is_alive()
+        return self.dead_error is not None
 
     def is_healthy(self, stall_seconds: float = 120.0) -> bool:
-        """False when the loop died, or has work waiting but made no progress for stall_seconds."""
+        """False when the core died, or has requests in flight but sent nothing for stall_seconds."""
         if self.errored:
             return False
-        busy = self.engine.has_unfinished_requests()
-        return not busy or time.time() - self.last_progress < stall_seconds
+        return not self._streams or time.time() - self.last_progress < stall_seconds
+
+    def _watch_core(self) -> None:
+        code = self.client.wait_for_exit()
+        if not self.client.shutting_down:
+            err = EngineDeadError(f"the engine core process exited (exit code {code})")
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._fail, err)
+                    return
+                except RuntimeError:
+                    pass         # the loop closed in between
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("engine core failed: %s", err)
+        self.dead_error = err
+        for q in self._streams.values():
+            q.put_nowait(EngineDeadError(str(err)))
+        if self.on_dead is not None:
+            self.on_dead()
+
+    # ---- the output task ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Read the core's outputs on the running loop (called by generate; the server calls it at start-up)."""
+        loop = asyncio.get_running_loop()
+        if self._output_task is not None and self._loop is loop and not self._output_task.done():
+            return
+        self._loop = loop
+        self._output_task = loop.create_task(self._read_outputs(), name="jaxpaged-core-outputs")
+
+    async def _read_outputs(self) -> None:
+        sock = self.client.output_socket()
+        decode = self.client.decode
+        op, streams = self.output_processor, self._streams
+        try:
+            while True:
+                msg = decode(await sock.recv())
+                if isinstance(msg, CoreFailure):
+                    self._fail(EngineDeadError(f"the engine core failed:\n{msg.error}"))
+                    return
+                if not isinstance(msg, EngineCoreOutputs):
+                    continue
+                self.last_progress = time.time()
+                if msg.stats is not None:
+                    self.core_stats = msg.stats
+                outs = msg.outputs
+                for i in range(0, len(outs), OUTPUT_CHUNK):
+                    request_outputs, to_abort = op.process(outs[i:i + OUTPUT_CHUNK])
+                    self.client.abort_requests(to_abort)
+                    for out in request_outputs:
+                        q = streams.get(out.request_id)
+                        if q is not None:
+                            q.put_nowait(out)
+                    if i + OUTPUT_CHUNK < len(outs):
+                        await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:   # a bug here is as fatal as the core dying: fail loudly, not hang
+            logger.exception("reading the engine core's outputs failed")
+            self._fail(EngineDeadError(f"reading the engine core's outputs failed: {e!r}"))
 
     # ---- requests -----------------------------------------------------------------------------
+    async def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """InputProcessor.tokenize_prompt, on a worker thread for long text."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if isinstance(text, str) and len(text) > OFFLOAD_CHARS:
+            return await self.run_blocking(self.input_processor.tokenize_prompt, prompt)
+        return self.input_processor.tokenize_prompt(prompt)
+
+    async def run_blocking(self, fn, *args):
+        """fn(*args) on a worker thread (tokenizing, chat templating), so the event loop keeps streaming."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
+
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs as tokens arrive (deltas when sampling_params.output_kind is DELTA).
-        Raises ValueError for invalid requests before anything is queued."""
+        Raises ValueError for invalid requests before anything is sent to the core."""
+        self.start()
         if self.errored:
-            raise EngineDeadError(f"the engine loop has stopped: {self.dead_error!r}")
-        # Validation is read-only, so it runs here, and a bad request never reaches the engine thread.
-        text, token_ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate_prompt(token_ids, sampling_params)
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, (text, token_ids), sampling_params, priority))
-        self._wakeup.set()
+            raise EngineDeadError(f"the engine core is gone: {self.dead_error}")
+        text, token_ids = await self.tokenize(prompt)
+        self.input_processor.validate_prompt(token_ids, sampling_params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        reqs = self.input_processor.make_requests(request_id, token_ids, sampling_params, priority=priority)
+        self.client.add_requests(reqs)       # raises EngineDeadError if the core is gone; outputs come later,
+        q: asyncio.Queue = asyncio.Queue()   # on this loop, so registering the request after it is safe
+        self._streams[request_id] = q
+        self.output_processor.add(request_id, text, token_ids, sampling_params, [r.request_id for r in reqs],
+                                  reqs[0].arrival_time)
         finished = False
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         try:
@@ -101,85 +210,33 @@ class AsyncLLM:
                 if finished:
                     break
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))   # client went away or cancelled
-                self._wakeup.set()
+            self._streams.pop(request_id, None)
+            if not finished:        # the client went away or cancelled
+                self.client.abort_requests(self.output_processor.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wakeup.set()
+        """Abort a request: its stream ends with finish_reason "abort", its blocks are freed in the core."""
+        self._abort(request_id)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (a draining shutdown's end): each stream ends with "abort"."""
+        for rid in list(self._streams):
+            self._abort(rid)
+
+    def _abort(self, request_id: str) -> None:
+        op = self.output_processor
+        sample_ids = op.sample_ids(request_id)
+        out = op.finish_aborted(request_id)
+        q = self._streams.get(request_id)
+        if out is not None and q is not None:
+            q.put_nowait(out)
+        self.client.abort_requests(sample_ids)
 
     def shutdown(self) -> None:
-        self._stopped = True
-        self._wakeup.set()
-        self._thread.join(timeout=10)
-
-    # ---- the engine thread --------------------------------------------------------------------
-    def _loop(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopped:
-                self._drain_commands()
-                if not engine.has_unfinished_requests():
-                    self.last_progress = time.time()
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-                    continue
-                outputs = engine.step()
-                self.last_progress = time.time()
-                if outputs:
-                    self._push_all([(out.request_id, out) for out in outputs])
-        except BaseException as e:  # the loop is dead: fail every waiting stream, /health turns 503
-            logger.exception("engine loop died")
-            self.dead_error = e
-            with self._lock:
-                streams = list(self._streams)
-            for rid in streams:
-                self._push(rid, EngineDeadError(f"engine loop died: {e!r}"))
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, rid, (text, token_ids), params, priority = cmd
-                with self._lock:
-                    alive = rid in self._streams
-                if not alive:
-                    continue          # cancelled before it reached the engine
-                try:         # validated in generate(), on the caller's loop: not checked twice
-                    self.engine.add_validated_request(rid, text, token_ids, params, priority=priority)
-                except ValueError as e:
-                    self._push(rid, e)
-            elif cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
-
-    def _push(self, request_id: str, item) -> None:
-        self._push_all([(request_id, item)])
-
-    def _push_all(self, items: list[tuple[str, object]]) -> None:
-        """Hand (request id, output or error) pairs to their callers' event loops: one call per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            streams = self._streams
-            for rid, item in items:
-                target = streams.get(rid)
-                if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:
-                pass          # the caller's loop is closed
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+        if self._output_task is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._output_task.cancel)
+        self.client.shutdown()
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
 
 def merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:

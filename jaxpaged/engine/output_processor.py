@@ -1,136 +1,264 @@
-"""Turns per-child engine progress into vLLM's RequestOutputs: detokenizes, applies stop strings, gathers
-the n samples of a parent request, and computes streaming deltas."""
+"""The API process's side of a request: EngineCoreOutputs in, vLLM's RequestOutputs out.
+
+It detokenizes, finds stop strings (cutting a multi-step program's tokens after one, and asking the core
+to abort the request), builds logprob entries, gathers the n samples of a parent request, computes
+streaming deltas, and records what clients received (RequestStats). It keeps its own per-sample state and
+never touches the core's objects, so it runs the same beside an in-process core and a core process.
+"""
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import cast
 
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.request import Request
+from jaxpaged.engine.messages import EngineCoreOutput, PromptLogprobs
+from jaxpaged.engine.stats import RequestStats
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
+class _Sample:
+    """One of a request's n samples (one core request)."""
+    request_id: str
+    detok: IncrementalDetokenizer
+    logprobs_k: int | None              # sample logprobs asked for (None: none)
+    # Stop strings need the text token by token; without them a FINAL_ONLY request's text is decoded once,
+    # at the end, and nobody reads it before.
+    deferred_text: bool
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)      # per token: {token_id: Logprob}
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # DELTA streaming: what was sent already
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    finished_sent: bool = False
+
+
+@dataclasses.dataclass(slots=True)
 class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    children: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    sent_text: list[int]              # characters already streamed, per child (DELTA mode)
-    sent_tokens: list[int]
-    sent_logprobs: list[int]
-    finished_sent: list[bool]
+    arrival_time: float
+    samples: list[_Sample]
+    num_unfinished: int
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None     # from sample 0, chunk by chunk, when asked for
     prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stats: RequestStats | None = None):
         self.tokenizer = tokenizer
+        self.stats = stats or RequestStats()
         self.parents: dict[str, _Parent] = {}
-        self.child_to_parent: dict[str, tuple[_Parent, int]] = {}
+        self._samples: dict[str, tuple[_Parent, _Sample, int]] = {}   # core request id -> (parent, sample, index)
 
-    def add(self, request_id, prompt, prompt_token_ids, params, children, detoks) -> None:
-        n = len(children)
-        parent = _Parent(request_id, prompt, prompt_token_ids, params, children, detoks,
-                         [0] * n, [0] * n, [0] * n, [False] * n)
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            sample_ids: list[str], arrival_time: float) -> None:
+        streams = params.output_kind != RequestOutputKind.FINAL_ONLY
+        stop = cast(list[str], params.stop)               # a list after SamplingParams.__post_init__
+        samples = [_Sample(sid, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                       stop, params.include_stop_str_in_output),
+                           params.logprobs, deferred_text=not streams and not stop)
+                   for sid in sample_ids]
+        parent = _Parent(request_id, prompt, prompt_token_ids, params, arrival_time, samples, len(samples))
         self.parents[request_id] = parent
-        for i, c in enumerate(children):
-            self.child_to_parent[c.request_id] = (parent, i)
+        for i, s in enumerate(samples):
+            self._samples[s.request_id] = (parent, s, i)
 
-    def children_of(self, request_id: str) -> list[Request]:
+    def sample_ids(self, request_id: str) -> list[str]:
+        """The core request ids of a parent's unfinished samples (what an abort sends to the core)."""
         parent = self.parents.get(request_id)
-        return list(parent.children) if parent else []
+        return [s.request_id for s in parent.samples if s.finish_reason is None] if parent else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
 
     def drop(self, request_id: str) -> None:
+        """Forget a parent request (aborted, or finished and sent)."""
         parent = self.parents.pop(request_id, None)
-        if parent:
-            for c in parent.children:
-                self.child_to_parent.pop(c.request_id, None)
+        if parent is not None:
+            for s in parent.samples:
+                self._samples.pop(s.request_id, None)
 
-    def detokenize(self, req: Request) -> str | None:
-        """Feed the newest token to the child's detokenizer; returns a completed stop string or None."""
-        parent, i = self.child_to_parent[req.request_id]
-        match = parent.detoks[i].add_tokens(req.output_token_ids[-1:])
-        return None if match is None else match.stop
+    def abort(self, request_id: str) -> list[str]:
+        """Drop a parent request; returns its unfinished samples' core request ids (to abort there)."""
+        ids = self.sample_ids(request_id)
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            now = time.time()
+            for s in parent.samples:
+                if s.finish_reason is None:
+                    self.stats.on_finish("abort", parent.arrival_time, now)
+        self.drop(request_id)
+        return ids
 
-    def record_logprobs(self, req: Request, token: int, result, row: int) -> None:
-        k = req.sampling_params.logprobs
-        lp = float(result.logprobs[row])
-        req.logprobs.append(self.logprob_entry(token, lp, int(result.ranks[row]), result.top_ids[row][:k],
-                                               result.top_logprobs[row][:k]))
-        req.cumulative_logprob += lp
+    def finish_aborted(self, request_id: str) -> RequestOutput | None:
+        """End a parent request as aborted (its unfinished samples' finish_reason "abort") and return its
+        last output, for a stream that must end cleanly; the caller aborts sample_ids() in the core first."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        now = time.time()
+        for s in parent.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+                parent.num_unfinished -= 1
+                self.stats.on_finish("abort", parent.arrival_time, now)
+        out = self._output(parent)
+        self.drop(request_id)
+        return out
 
-    def logprob_entry(self, token: int, logprob: float, rank: int, top_ids, top_logprobs) -> dict:
+    # ---- one step's outputs -------------------------------------------------------------------
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """One engine step's outputs -> (RequestOutputs to hand to callers, core request ids to abort:
+        samples a stop string finished, which the core does not know of)."""
+        now = time.time()
+        stats = self.stats
+        record = stats.record_latencies
+        touched: dict[str, _Parent] = {}
+        to_abort: list[str] = []
+        delivered = 0
+        t_detok = 0.0
+        for co in core_outputs:
+            entry = self._samples.get(co.request_id)
+            if entry is None:
+                continue                      # aborted or dropped here while the core was still running it
+            parent, sample, index = entry
+            if sample.finish_reason is not None:
+                continue                      # finished by a stop string: the core's later tokens are dropped
+            if co.num_cached_tokens and index == 0:
+                parent.num_cached_tokens = co.num_cached_tokens
+            if co.new_prompt_logprobs is not None and index == 0:
+                self._record_prompt_logprobs(parent, co.new_prompt_logprobs)
+            tokens = co.new_token_ids
+            stop = None
+            if tokens:
+                if sample.first_token_time is None:
+                    sample.first_token_time = now
+                    if record:
+                        stats.ttft.append(now - parent.arrival_time)
+                elif record and sample.last_token_time is not None:
+                    stats.itl.append(now - sample.last_token_time)
+                sample.last_token_time = now
+                if not sample.deferred_text:
+                    t0 = time.perf_counter()
+                    before = len(sample.detok.token_ids)
+                    match = sample.detok.add_tokens(tokens)
+                    t_detok += time.perf_counter() - t0
+                    if match is not None:       # tokens after the one that completed the stop string: dropped
+                        stop = match.stop
+                        tokens = tokens[:len(sample.detok.token_ids) - before]
+                sample.token_ids.extend(tokens)
+                delivered += len(tokens)
+                if co.new_logprobs is not None:
+                    self._record_logprobs(sample, tokens, co)
+            if stop is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                if co.finish_reason is None:
+                    to_abort.append(co.request_id)
+            elif co.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = co.finish_reason.text, co.stop_reason
+            if sample.finish_reason is not None:
+                parent.num_unfinished -= 1
+                stats.on_finish(sample.finish_reason, parent.arrival_time, now)
+                touched[parent.request_id] = parent
+            elif tokens or co.new_prompt_logprobs is not None:
+                if parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    touched[parent.request_id] = parent
+        stats.generation_tokens += delivered
+        stats.detokenize_s += t_detok
+        outputs = []
+        for parent in touched.values():
+            out = self._output(parent)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    self.drop(parent.request_id)
+        return outputs, to_abort
+
+    def _record_logprobs(self, sample: _Sample, tokens: list[int], co: EngineCoreOutput) -> None:
+        lp = co.new_logprobs
+        assert lp is not None and sample.logprobs_k is not None
+        for j, token in enumerate(tokens):
+            sample.logprobs.append(self.logprob_entry(token, lp.logprobs[j], lp.ranks[j], lp.top_ids[j],
+                                                      lp.top_logprobs[j]))
+            sample.cumulative_logprob += lp.logprobs[j]
+
+    def _record_prompt_logprobs(self, parent: _Parent, chunk: PromptLogprobs) -> None:
+        """Append a chunk of prompt logprobs: token p's logits score prompt token p + 1."""
+        if chunk.first_index == 1 or parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None]       # the first prompt token has no logprob
+        for j in range(len(chunk.logprobs)):
+            token = parent.prompt_token_ids[chunk.first_index + j]
+            parent.prompt_logprobs.append(self.logprob_entry(token, chunk.logprobs[j], chunk.ranks[j],
+                                                             chunk.top_ids[j], chunk.top_logprobs[j]))
+
+    def logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int],
+                      top_logprobs: list[float]) -> dict:
         """{token: Logprob} for the chosen token plus the top-k, ranks 1..k in order (as vLLM)."""
         entry = {token: Logprob(logprob, rank, self._piece(token))}
-        for r, (tid, tlp) in enumerate(zip(top_ids.tolist(), top_logprobs.tolist()), start=1):
+        for r, (tid, tlp) in enumerate(zip(top_ids, top_logprobs), start=1):
             if tid == token:
                 entry[tid].rank = r
             else:
-                entry[tid] = Logprob(float(tlp), r, self._piece(tid))
+                entry[tid] = Logprob(tlp, r, self._piece(tid))
         return entry
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
-        seen: dict[str, _Parent] = {}
-        for req in touched:
-            if req.request_id in self.child_to_parent:
-                parent, _ = self.child_to_parent[req.request_id]
-                seen[parent.request_id] = parent      # (FINAL_ONLY requests come only once finished)
-        outputs = []
-        for parent in seen.values():
-            out = self._output(parent)
-            if out is not None:
-                outputs.append(out)
-            if out is not None and out.finished:
-                self.drop(parent.request_id)
-        return outputs
-
     def _output(self, parent: _Parent) -> RequestOutput | None:
         kind = parent.params.output_kind
-        finished = all(c.is_finished for c in parent.children)
+        finished = parent.num_unfinished == 0
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completions = []
-        for i, (child, detok) in enumerate(zip(parent.children, parent.detoks)):
-            done = child.is_finished
-            if child.deferred_text:
-                detok.add_tokens(child.output_token_ids[len(detok.token_ids):])
+        for i, s in enumerate(parent.samples):
+            done = s.finish_reason is not None
+            detok = s.detok
+            if s.deferred_text:
+                detok.add_tokens(s.token_ids[len(detok.token_ids):])
+            with_logprobs = s.logprobs_k is not None
             if kind == RequestOutputKind.DELTA:
-                if parent.finished_sent[i]:
+                if s.finished_sent:
                     continue
                 text_end = detok.releasable_len(done)
-                text = detok.output_text[parent.sent_text[i]:text_end]
-                tokens = child.output_token_ids[parent.sent_tokens[i]:]
-                logprobs = (child.logprobs[parent.sent_logprobs[i]:]
-                            if child.sampling_params.logprobs is not None else None)
+                text = detok.output_text[s.sent_text:text_end]
+                tokens = s.token_ids[s.sent_tokens:]
+                logprobs = s.logprobs[s.sent_logprobs:] if with_logprobs else None
                 if not text and not tokens and not done:
                     continue
-                parent.sent_text[i] = max(parent.sent_text[i], text_end)
-                parent.sent_tokens[i] = child.num_output_tokens
-                parent.sent_logprobs[i] = len(child.logprobs)
-                parent.finished_sent[i] = done
+                s.sent_text = max(s.sent_text, text_end)
+                s.sent_tokens = len(s.token_ids)
+                s.sent_logprobs = len(s.logprobs)
+                s.finished_sent = done
             else:
                 text = detok.output_text
-                tokens = list(child.output_token_ids)
-                logprobs = list(child.logprobs) if child.sampling_params.logprobs is not None else None
+                tokens = list(s.token_ids)
+                logprobs = list(s.logprobs) if with_logprobs else None
             completions.append(CompletionOutput(
                 index=i, text=text, token_ids=tokens,
-                cumulative_logprob=child.cumulative_logprob if child.sampling_params.logprobs is not None else None,
-                logprobs=logprobs, finish_reason=child.status.finish_reason, stop_reason=child.stop_reason))
+                cumulative_logprob=s.cumulative_logprob if with_logprobs else None,
+                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         if not completions and not finished:
             return None
-        first = parent.children[0]
-        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
-                                 first.last_token_time, first.last_token_time if finished else None)
+        first = parent.samples[0]
+        metrics = RequestMetrics(parent.arrival_time, None, first.first_token_time, first.last_token_time,
+                                 first.last_token_time if finished else None)
         prompt_lps = None
-        if parent.params.prompt_logprobs is not None and first.prompt_logprobs:
+        if parent.params.prompt_logprobs is not None and parent.prompt_logprobs:
             if kind != RequestOutputKind.DELTA or not parent.prompt_logprobs_sent:
-                prompt_lps = list(first.prompt_logprobs)
+                prompt_lps = list(parent.prompt_logprobs)
                 parent.prompt_logprobs_sent = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_lps, completions,
-                             finished, max(first.num_cached_tokens, 0), metrics)
+                             finished, parent.num_cached_tokens, metrics)

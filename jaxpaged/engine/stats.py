@@ -1,4 +1,6 @@
-"""Counters and latency samples the engine keeps for /metrics and the benchmarks (vLLM's metric names)."""
+"""Counters and samples for /metrics and the benchmarks (vLLM's metric names): EngineStats in the engine
+core (scheduling, the KV cache, host timings), RequestStats in the API process (what clients saw: latencies,
+tokens delivered, finish reasons)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,13 +26,6 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
-    finished_by_reason: Counter = dataclasses.field(default_factory=Counter)
-    # latency samples since the last drain, kept only when record_latencies is on (the server turns it on
-    # and moves them into histograms every few seconds; offline runs keep none, so nothing grows)
-    record_latencies: bool = False
-    ttft: list = dataclasses.field(default_factory=list)
-    itl: list = dataclasses.field(default_factory=list)
-    e2e: list = dataclasses.field(default_factory=list)
     # host timing of the last steps, seconds
     schedule_s: float = 0.0
     execute_s: float = 0.0
@@ -38,7 +33,6 @@ class EngineStats:
     wait_s: float = 0.0                         # host blocked on the device's sampled ids
     prepare_inputs_s: float = 0.0               # runner: padded model and sampling inputs (host)
     launch_s: float = 0.0                       # runner: packing + JAX dispatch of the step (host)
-    detokenize_s: float = 0.0                   # incremental detokenization and stop strings (host)
     last_step_time: float = dataclasses.field(default_factory=time.time)
     arrivals: int = 0
     max_waste_seen: float = 0.0
@@ -53,21 +47,6 @@ class EngineStats:
 
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
-
-    # on_first_token / on_token: the engine calls them only when record_latencies is on
-    def on_first_token(self, req, now: float) -> None:
-        self.ttft.append(now - req.arrival_time)
-
-    def on_token(self, req, now: float) -> None:
-        if req.last_token_time is not None:
-            self.itl.append(now - req.last_token_time)
-
-    def on_finish(self, req) -> None:
-        reason = req.status.finish_reason
-        if reason:
-            self.finished_by_reason[reason] += 1
-        if self.record_latencies:
-            self.e2e.append(time.time() - req.arrival_time)
 
     def on_schedule(self, sched, requests: dict) -> None:
         """Count a step's prompt tokens as it is scheduled (its requests are all still there)."""
@@ -111,6 +90,25 @@ class EngineStats:
     def kv_cache_waste_avg(self) -> float:
         """Allocated-but-unused slots over allocated slots, weighted over every step so far."""
         return self.waste_slots_unused / self.waste_slots_allocated if self.waste_slots_allocated else 0.0
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """The API process's side: what clients received."""
+    generation_tokens: int = 0                  # tokens delivered (after stop strings cut any)
+    finished_by_reason: Counter = dataclasses.field(default_factory=Counter)
+    detokenize_s: float = 0.0                   # incremental detokenization and stop strings (host)
+    # latency samples since the last drain, kept only when record_latencies is on (the server turns it on
+    # and moves them into histograms every few seconds; offline runs keep none, so nothing grows)
+    record_latencies: bool = False
+    ttft: list = dataclasses.field(default_factory=list)
+    itl: list = dataclasses.field(default_factory=list)
+    e2e: list = dataclasses.field(default_factory=list)
+
+    def on_finish(self, reason: str, arrival_time: float, now: float) -> None:
+        self.finished_by_reason[reason] += 1
+        if self.record_latencies:
+            self.e2e.append(now - arrival_time)
 
     def drain_latencies(self) -> tuple[list, list, list]:
         out = (self.ttft, self.itl, self.e2e)

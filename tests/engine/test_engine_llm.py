@@ -292,50 +292,60 @@ def test_abort_frees_blocks_immediately(llm):
     assert eng.kv_manager.pool.num_free_blocks == free0
 
 
-def test_async_abort_frees_blocks(llm):
+@pytest.fixture(scope="module")
+def alm(model_dir):
+    """The server's engine: AsyncLLM over an engine-core process, the `llm` fixture's arguments."""
+    from jaxpaged.config import EngineArgs
     from jaxpaged.engine.async_llm import AsyncLLM
-    eng = llm.llm_engine
-    free0 = eng.kv_manager.pool.num_free_blocks
-    alm = AsyncLLM(eng)
+    a = AsyncLLM(EngineArgs(model=model_dir[0], dtype="float32", num_gpu_blocks_override=96, max_model_len=MAX_LEN,
+                            max_num_batched_tokens=256, max_num_seqs=8, block_size=16,
+                            usage_context="openai_api_server"))
+    yield a
+    a.shutdown()
+
+
+def test_async_abort_frees_blocks(alm):
+    """An abort ends the stream with finish_reason "abort" and frees the request's blocks in the core
+    process (its gauges come back with the next message)."""
+    free0 = alm.info.num_blocks - 1
 
     async def go():
         gen = alm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=90, ignore_eos=True), "a1")
         first = await gen.__anext__()
-        assert not first.finished and eng.kv_manager.pool.num_free_blocks < free0
+        assert not first.finished
         await alm.abort("a1")
-        deadline = time.monotonic() + 120          # polled: the engine thread takes the abort on its next turn
+        last = await gen.__anext__()
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        deadline = time.monotonic() + 120          # polled: the core takes the abort between its steps
         while time.monotonic() < deadline:
-            if eng.kv_manager.pool.num_free_blocks == free0 and not eng.scheduler.requests:
+            stats = alm.core_stats
+            if stats.num_free_blocks == free0 and stats.num_requests_running == 0:
                 return True
             await asyncio.sleep(0.01)
         return False
 
-    try:
-        assert asyncio.run(go())
-    finally:
-        alm.shutdown()
+    assert asyncio.run(go())
 
 
-def test_async_slow_consumer_gets_coalesced_deltas(llm):
+def test_async_slow_consumer_gets_coalesced_deltas(llm, alm):
     """A DELTA consumer that falls behind receives the backlog as one output (as vLLM's collector does);
     the concatenated deltas (text, tokens, logprobs) equal the whole request's output, n = 2.
     The consumer falls behind for sure, at any machine speed: after its first output it waits until the
-    engine thread has handed over the request's last output, so everything after the first is one backlog."""
-    from jaxpaged.engine.async_llm import AsyncLLM
+    output task has queued the request's last output, so everything after the first is one backlog."""
     from jaxpaged.sampling_params import RequestOutputKind
-    eng = llm.llm_engine
     kw = dict(temperature=0.8, seed=7, n=2, max_tokens=24, ignore_eos=True, logprobs=2)
     whole = llm.generate([PROMPTS[1]], SamplingParams(**kw), use_tqdm=False)[0]
-    alm = AsyncLLM(eng)
     last_pushed = threading.Event()
-    real_push_all = alm._push_all
+    op = alm.output_processor
+    real_process = op.process
 
-    def push_all(items):                    # on the engine thread: the outputs are on their way to the loop
-        real_push_all(items)
-        if any(getattr(item, "finished", False) for _, item in items):
+    def process(core_outputs):              # on the loop: these outputs go to their queues next
+        outputs, to_abort = real_process(core_outputs)
+        if any(o.finished for o in outputs):
             last_pushed.set()
+        return outputs, to_abort
 
-    alm._push_all = push_all
+    op.process = process
 
     async def go():
         got = {0: [[], "", []], 1: [[], "", []]}
@@ -354,7 +364,7 @@ def test_async_slow_consumer_gets_coalesced_deltas(llm):
     try:
         got, chunks, last = asyncio.run(go())
     finally:
-        alm.shutdown()
+        del op.process
     assert last.finished and chunks <= 2    # the first output, then the whole backlog as one
     for c in whole.outputs:
         toks, text, lps = got[c.index]

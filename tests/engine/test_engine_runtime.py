@@ -29,7 +29,7 @@ def exec_cache_root(tmp_path, monkeypatch):
     import dataclasses
 
     from jaxpaged import envs
-    from jaxpaged.engine import llm_engine
+    from jaxpaged.engine import core as llm_engine
     monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
     real = llm_engine.resolve
     monkeypatch.setattr(llm_engine, "resolve", lambda *a, **k: dataclasses.replace(
@@ -183,8 +183,8 @@ def test_no_state_left_behind(model_dir):
     batch = engine.runner.batch          # the runner's own per-request state: empty, freed rows zeroed
     assert not batch.rows and not batch.block_table.any() and not any(batch.token_ids)
     assert not engine.scheduler.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine.output_processor.parents and not engine.output_processor.child_to_parent
-    assert engine._inflight is None
+    assert not engine.output_processor.parents and not engine.output_processor._samples
+    assert engine.core._inflight is None
     assert not any(batch.params) and len(batch._free_rows) == len(batch.num_blocks) - 1   # every row back
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.messages import CoreInfo
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.sampling_params import SamplingParams
@@ -181,9 +182,10 @@ def test_preempted_requests_produce_the_same_tokens():
 
 
 def validate(num_blocks=9, block_size=4, max_model_len=64):
-    stub = types.SimpleNamespace(max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-                                 model_config=types.SimpleNamespace(vocab_size=1000))
-    return lambda ids, sp: LLMEngine.validate_prompt(stub, ids, sp)
+    """The API process's checks (InputProcessor) against a core of these sizes."""
+    info = CoreInfo("m", "LlamaForCausalLM", "float32", 1000, (2,), max_model_len, 8, 20, block_size, num_blocks, 1,
+                    "", 0.0)
+    return InputProcessor(types.SimpleNamespace(eos_token_id=None), info).validate_prompt
 
 
 def test_request_that_can_never_fit_is_refused_on_arrival():

@@ -6,17 +6,14 @@ healthy. Greedy outputs are compared with `jaxpaged.LLM` in this process, built 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -30,57 +27,11 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"}]
 
 
-def _die_with_parent() -> None:
-    """In the server process: get SIGTERM if pytest itself dies, so no server outlives the tests."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="jaxpaged-server-", delete=False)
-    cmd = [sys.executable, "-m", "jaxpaged.server", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--served-model-name", MODEL, "--api-key", API_KEY, "--uvicorn-log-level", "warning",
-           "--disable-log-requests"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
-                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not become healthy in 300 s")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+                        "--served-model-name", MODEL, "--api-key", API_KEY]) as srv:
+        yield srv.base
 
 
 @pytest.fixture(scope="module")

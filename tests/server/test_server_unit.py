@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from jaxpaged.engine.async_llm import EngineDeadError
-from jaxpaged.engine.stats import EngineStats
+from jaxpaged.engine.messages import CoreStats
+from jaxpaged.engine.stats import RequestStats
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.server.api_server import build_app
 from jaxpaged.server.cli import engine_args_from, make_parser, validate_args
@@ -92,18 +93,24 @@ class _Namespace:
 
 
 class _StubLLM:
-    """Streams one delta, then fails as a dying engine loop does."""
+    """AsyncLLM's surface for the app: streams one delta, then fails as a dying engine core does."""
 
     def __init__(self):
-        pool = _Namespace(usage=0.0, num_free_blocks=9, num_queries=0, num_hits=0)
-        sched = _Namespace(num_running=0, num_waiting=0, num_preemptions=0)
-        self.engine = _Namespace(tokenizer=_Tok(), max_model_len=64, model_path="/stub", num_blocks=10,
-                                 stats=EngineStats(), kv_manager=_Namespace(pool=pool), scheduler=sched,
-                                 model_config=_Namespace(vocab_size=100),
-                                 tokenize_prompt=lambda p: (p, _Tok().encode(p)) if isinstance(p, str) else (None, p),
-                                 validate_prompt=lambda ids, params: None)
+        self.tokenizer = _Tok()
+        self.info = _Namespace(num_blocks=10)
+        self.model_path, self.max_model_len, self.vocab_size = "/stub", 64, 100
+        self.core_stats, self.request_stats = CoreStats(num_free_blocks=9), RequestStats()
+        self.input_processor = _Namespace(
+            tokenize_prompt=lambda p: (p, _Tok().encode(p)) if isinstance(p, str) else (None, p),
+            validate_prompt=lambda ids, params: None)
         self.healthy, self.errored, self.dead_error = True, False, None
         self.aborted = []
+
+    def start(self):
+        pass
+
+    async def run_blocking(self, fn, *args):
+        return fn(*args)
 
     def is_healthy(self):
         return self.healthy
@@ -112,7 +119,7 @@ class _StubLLM:
         try:
             yield RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], None,
                                 [CompletionOutput(0, "ab", [1, 2], None, None)], False)
-            raise EngineDeadError("engine loop died: RuntimeError('boom')")
+            raise EngineDeadError("the engine core failed: RuntimeError('boom')")
         finally:
             self.aborted.append(request_id)
 
@@ -151,7 +158,7 @@ def test_health_is_503_when_engine_dead_or_stalled(stub):
     assert client.get("/health").status_code == 200
     llm.healthy = False
     r = client.get("/health")
-    assert r.status_code == 503 and r.json()["error"]["message"] == "engine loop stalled"
+    assert r.status_code == 503 and r.json()["error"]["message"] == "engine core stalled"
     llm.errored, llm.dead_error = True, RuntimeError("boom")
     assert "boom" in client.get("/health").json()["error"]["message"]
 

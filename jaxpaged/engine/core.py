@@ -1,0 +1,272 @@
+"""EngineCore: the scheduler, the KV cache and the device. EngineCoreRequests in, EngineCoreOutputs out.
+
+It never tokenizes or detokenizes: the API process (llm_engine.LLMEngine in-process, async_llm.AsyncLLM
+through core_client.py's process) does. One `step()`:
+
+    schedule step N -> dispatch it to the device -> fetch and process step N-1's sampled ids
+
+Scheduling N before N-1's tokens are on the host is safe: each request that N-1 samples for holds a
+placeholder (scheduler.py), and N reads that token on the device. A request that N-1 finishes has one
+wasted token computed in N, then is freed. Batches that need the exact token history on the host
+(penalties) run synchronously. Stops that need no text (EOS, stop token ids, max_tokens, max_model_len)
+are found here, token by token, so a multi-step program's tokens after one never leave the core; stop
+strings are the API process's (it aborts the request here when it finds one).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxpaged import envs
+from jaxpaged.config import EngineArgs, RunConfig, detect_platform, resolve
+from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
+from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreRequest, FinishReason,
+                                      PromptLogprobs, SampleLogprobs)
+from jaxpaged.engine.output import ModelRunnerOutput
+from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from jaxpaged.runner.model_runner import InFlight
+
+logger = logging.getLogger("jaxpaged.engine")
+
+_FINISH = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+           RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The model folder: the given one, or the embedded SmolLM2-135M-Instruct (converted on first use)."""
+    if model is None:
+        from jaxpaged.models.gguf_convert import default_model_dir
+        return str(default_model_dir(envs.JAXPAGED_CACHE_ROOT / "models"))
+    return model
+
+
+def _configure_jax() -> None:
+    import jax
+    if envs.JAXPAGED_COMPILE_CACHE:
+        jax.config.update("jax_compilation_cache_dir", str(envs.JAXPAGED_CACHE_ROOT / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if envs.JAXPAGED_LOG_COMPILES:
+        jax.config.update("jax_log_compiles", True)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs):
+        from jaxpaged.models import load_model
+        from jaxpaged.runner.layerwise import layer_bytes
+
+        self.args = args
+        _configure_jax()
+        t0 = time.perf_counter()
+        platform = detect_platform()
+        self.model_path = resolve_model_path(args.model)
+        loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed, platform=platform.name)
+        self.model_config = cfg = loaded.config
+        self.dtype = np.dtype(loaded.dtype).name
+        self.run = run = resolve(args, platform, layer_bytes=layer_bytes(loaded.params),
+                                 max_position_embeddings=cfg.max_position_embeddings,
+                                 compile_cache=envs.JAXPAGED_COMPILE_CACHE)
+        logger.info("Run config: %s", run.summary())
+        self.max_model_len, self.max_num_batched_tokens = run.max_model_len, run.max_num_batched_tokens
+        self.max_num_seqs, self.num_scheduler_steps = run.max_num_seqs, run.num_scheduler_steps
+        weights_gib = tree_bytes(loaded.params) / 2**30
+        self._build_cache_and_scheduler(loaded, run)
+        self.stats = EngineStats()
+        self._inflight: InFlight | None = None    # the launched step whose results are not processed yet
+        logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights", self.model_path, cfg.architecture,
+                    self.dtype, weights_gib)
+        if run.compile_buckets:
+            secs = self.runner.warmup(self.buckets.all_buckets(), num_steps=run.num_scheduler_steps)
+            cache = self.runner.exec_cache
+            logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
+                        f" ({cache.hits} loaded from {cache.dir}, {cache.load_s:.1f} s of it reading them)"
+                        if cache is not None and cache.hits else "")
+        # As vLLM after start-up: what exists now (weights' host objects, JAX's caches) lives as long as
+        # the engine, so it leaves the collector's generations, and a full collection then walks only the
+        # requests' objects.
+        gc.collect()
+        gc.freeze()
+        self.startup_seconds = time.perf_counter() - t0
+
+    def _build_cache_and_scheduler(self, loaded, run: RunConfig) -> None:
+        """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""
+        from jaxpaged.runner.buckets import BucketPolicy
+        from jaxpaged.runner.model_runner import ModelRunner
+        args, cfg = self.args, loaded.config
+        per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
+        activations = self._activation_estimate(cfg, run.max_num_batched_tokens, run.max_num_seqs)
+        size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
+                             args.num_gpu_blocks_override)
+        num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
+        self.num_blocks, self.block_size = size.num_blocks, args.block_size
+        self.buckets = BucketPolicy(run.max_num_batched_tokens, run.max_num_seqs)
+        exec_root = str(envs.JAXPAGED_CACHE_ROOT / "executables") if run.executable_cache else None
+        self.runner = ModelRunner(loaded, run, size.num_blocks, args.block_size, self.buckets, num_cpu_blocks,
+                                  exec_root)
+        self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
+                                         num_cpu_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(run.max_num_seqs, run.max_num_batched_tokens,
+                                                   run.max_model_len, args.enable_chunked_prefill,
+                                                   args.scheduling_policy, args.preemption_mode or "recompute",
+                                                   run.num_scheduler_steps),
+                                   self.kv_manager)
+        self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
+                    "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
+                    size.num_blocks * per_block / 2**30, tokens, run.max_model_len, tokens / run.max_model_len)
+
+    @staticmethod
+    def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
+        """Peak of the step's temporaries: the sampled rows' logits, one chunk of every-token logits (prompt
+        logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest MLP activations, slack for XLA."""
+        from jaxpaged.models.decoder import PROMPT_HEAD_CHUNK
+        logits = (max_seqs + min(max_tokens, PROMPT_HEAD_CHUNK)) * cfg.vocab_size * 4 * 3
+        mlp = max_tokens * cfg.intermediate_size * 4 * 3
+        return logits + mlp + (256 << 20)
+
+    def info(self) -> CoreInfo:
+        cfg = self.model_config
+        return CoreInfo(self.model_path, cfg.architecture, self.dtype, cfg.vocab_size, tuple(cfg.eos_token_ids),
+                        self.max_model_len, self.max_num_seqs, self.args.max_logprobs, self.block_size,
+                        self.num_blocks, self.num_scheduler_steps, self.run.summary(), self.startup_seconds)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        if r.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {r.request_id!r} is already in use")
+        self.scheduler.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
+                                           r.arrival_time, r.priority, None, self.block_size,
+                                           r.sample_seed & 0xFFFFFFFF))
+        self.stats.on_arrival(1)
+
+    def abort_requests(self, request_ids) -> None:
+        requests = self.scheduler.requests
+        for rid in request_ids:
+            req = requests.get(rid)
+            if req is not None:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def core_stats(self) -> CoreStats:
+        """The gauges now (read live: an abort moves them between steps) and the counters."""
+        s, pool, sched = self.stats, self.kv_manager.pool, self.scheduler
+        return CoreStats(sched.num_running, sched.num_waiting, pool.usage, s.kv_cache_waste, pool.num_free_blocks,
+                         pool.num_queries, pool.num_hits, sched.num_preemptions, s.prompt_tokens,
+                         s.generation_tokens, s.num_steps)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step N, then process step N-1's results while N runs on the device."""
+        t0 = time.perf_counter()
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None and self._needs_sync():
+            outputs += self._finish_inflight()
+        t1 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.stats.on_schedule(sched, self.scheduler.requests)
+        t2 = time.perf_counter()
+        new = None if sched.is_empty else self.runner.dispatch(sched)
+        t3 = time.perf_counter()
+        try:
+            outputs += self._finish_inflight()
+        finally:
+            self._inflight = new
+        if new is not None:
+            self.stats.prepare_inputs_s += new.prepared.prepare_s
+            self.stats.launch_s += new.launch_s
+        if self._inflight is None and not self.scheduler.has_unfinished():
+            # idle: no next step will pass these ids to the runner, so release them now
+            self.runner.release_finished(self.scheduler.finished_req_ids)
+            self.scheduler.finished_req_ids = set()
+        t4 = time.perf_counter()
+        self.stats.on_step(self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
+                           process_s=(t1 - t0) + (t4 - t3))
+        return outputs
+
+    def _needs_sync(self) -> bool:
+        return any(r.needs_host_history for r in self.scheduler.running)
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        t0 = time.perf_counter()
+        result = self.runner.fetch(inflight)
+        self.stats.wait_s += time.perf_counter() - t0
+        return self._process(result, inflight.prepared.sched.num_steps)
+
+    def _process(self, result: ModelRunnerOutput, steps: int) -> list[EngineCoreOutput]:
+        """Append step N-1's sampled tokens and check the stops that need no text.
+
+        Per request and token this is the core's hottest host loop (1000+ running requests): a multi-step
+        row's tokens after a stop are dropped here, so nothing past a stop leaves the core.
+        """
+        requests, settle, check_stop = self.scheduler.requests, self.scheduler.settle, self.scheduler.check_stop
+        prompt_lps = self._prompt_logprobs(result) if result.prompt_logprobs else {}
+        outputs = []
+        finished = []
+        num_tokens = 0
+        for rid, tokens in result.sampled_token_ids.items():
+            req = requests.get(rid)
+            if req is None:
+                continue      # finished (or aborted) while this step was in flight: wasted tokens
+            settle(req, steps)
+            first = req.num_output_tokens == 0
+            status = None
+            n = 0
+            for token in tokens:
+                req.append_output_token(token)
+                n += 1
+                status = check_stop(req)
+                if status is not None:
+                    break
+            num_tokens += n
+            out = EngineCoreOutput(rid, tokens if n == len(tokens) else tokens[:n])
+            if first and req.num_cached_tokens > 0:
+                out.num_cached_tokens = req.num_cached_tokens
+            if req.sampling_params.logprobs is not None:     # single steps only (Request.multi_step_ok)
+                out.new_logprobs = self._sample_logprobs(result, result.rows[rid], req.sampling_params.logprobs)
+            if rid in prompt_lps:
+                out.new_prompt_logprobs = prompt_lps.pop(rid)
+            if status is not None:
+                out.finish_reason = _FINISH[status]
+                if isinstance(req.stop_reason, int):
+                    out.stop_reason = req.stop_reason
+                finished.append((req, status))
+            outputs.append(out)
+        for rid, chunk in prompt_lps.items():      # prompt chunks that sampled nothing yet
+            if rid in requests:
+                outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=chunk))
+        self.stats.generation_tokens += num_tokens
+        for req, status in finished:
+            self.scheduler.finish_request(req, status)
+        return outputs
+
+    @staticmethod
+    def _sample_logprobs(result: ModelRunnerOutput, row: int, k: int) -> SampleLogprobs:
+        lp = result.logprobs
+        assert lp is not None, "a request that asked for logprobs got none"
+        return SampleLogprobs([float(lp.logprobs[row])], [int(lp.ranks[row])], [lp.top_ids[row][:k].tolist()],
+                              [lp.top_logprobs[row][:k].tolist()])
+
+    def _prompt_logprobs(self, result: ModelRunnerOutput) -> dict[str, PromptLogprobs]:
+        requests = self.scheduler.requests
+        out = {}
+        for rid, chunk in result.prompt_logprobs.items():
+            req = requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            k = req.sampling_params.prompt_logprobs
+            out[rid] = PromptLogprobs(chunk.first_index, chunk.logprobs.tolist(), chunk.ranks.tolist(),
+                                      chunk.top_ids[:, :k].tolist(), chunk.top_logprobs[:, :k].tolist())
+        return out

@@ -1,0 +1,86 @@
+"""The API process's side of a new request: tokenize, check against the core's limits, and expand into one
+EngineCoreRequest per sample. Everything here is read-only towards the core, so a bad request is refused
+before anything reaches it."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxpaged.engine.kv_cache_manager import cdiv
+from jaxpaged.engine.messages import CoreInfo, EngineCoreRequest
+from jaxpaged.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, info: CoreInfo, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.info = info
+        tok_eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        self.eos_token_ids = tuple(sorted(set(info.eos_token_ids) | tok_eos))
+        self._rng = np.random.default_rng(seed)     # per-sample seeds of requests that give none
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                         "'prompt_token_ids'")
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        info = self.info
+        max_model_len = info.max_model_len
+        if not token_ids:
+            raise ValueError("The prompt cannot be empty.")
+        n = len(token_ids)
+        if n >= max_model_len:
+            raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                             f"you requested {n + (params.max_tokens or 0)} tokens ({n} in the messages, "
+                             f"{params.max_tokens or 0} in the completion). Please reduce the length of "
+                             "the messages or completion.")
+        if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+            raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                             f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
+                             f"{params.max_tokens} in the completion). Please reduce the length of the "
+                             "messages or completion.")
+        # Refuse what could never run, rather than admit it to preempt itself forever: the whole
+        # sequence (prompt + every token it may generate) must fit in the pool on its own.
+        total = min(n + (params.max_tokens or max_model_len), max_model_len)
+        if cdiv(total, info.block_size) > info.num_blocks - 1:
+            raise ValueError(f"This request needs up to {total} tokens of context ({n} in the prompt), which "
+                             f"needs more KV cache blocks than the pool holds ({info.num_blocks - 1} blocks of "
+                             f"{info.block_size} tokens). Lower max_tokens, or raise gpu_memory_utilization.")
+        for name, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if k is not None and k > info.max_logprobs:
+                raise ValueError(f"Requested {name} logprobs of {k}, which is greater than max allowed: "
+                                 f"{info.max_logprobs}")
+        vocab = info.vocab_size
+        ids = np.asarray(token_ids)
+        bad = ids[(ids < 0) | (ids >= vocab)]       # one vectorised pass, not a Python loop per token
+        if bad.size:
+            raise ValueError(f"Token id {int(bad[0])} is out of vocabulary (vocab size {vocab}).")
+        bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad_bias:
+            raise ValueError(f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids "
+                             f"(vocab size {vocab}).")
+
+    def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None, priority: int = 0) -> list[EngineCoreRequest]:
+        """One core request per sample: n > 1 becomes n requests that share the prompt's blocks through the
+        prefix cache, the i-th seeded params.seed + i (or drawn)."""
+        arrival = time.time() if arrival_time is None else arrival_time
+        out = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            sample_params = params if params.n == 1 else params.clone(n=1, best_of=None, seed=seed)
+            sample_seed = seed if seed is not None else int(self._rng.integers(0, 2**31))
+            out.append(EngineCoreRequest(request_id if params.n == 1 else f"{i}_{request_id}", token_ids,
+                                         sample_params, self.eos_token_ids, arrival, sample_seed, priority))
+        return out

@@ -1,0 +1,146 @@
+"""The server's two processes: the engine core dying mid-stream, SIGTERM with streams open, and multi-step
+programs whose stop strings land between a program's steps. A tiny random-weight Llama with SmolLM2's
+tokenizer, so each test can start its own server quickly.
+
+Where a test needs a stream open before the core answers, it freezes the core with SIGSTOP first: the
+stream is then open for sure on any machine, with no timing involved.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, child_pids, save_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--served-model-name", MODEL, "--dtype", "float32"]
+BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "temperature": 0,
+        "stream": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_server")
+    save_tiny_llama(d, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, initializer_range=0.2)
+    return str(d)
+
+
+def _data(lines) -> list[str]:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def _poll(fn, deadline_s: float, what: str):
+    """fn() until it returns a truthy value, with a deadline."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"{what}: not within {deadline_s} s")
+
+
+def _health(base: str) -> int | None:
+    try:
+        return httpx.get(base + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:           # a zombie (exited, not reaped yet) is gone too
+        return f.read().split(") ", 1)[1].startswith("Z")
+
+
+def test_core_death_fails_streams_turns_health_503_and_exits_nonzero(model_dir):
+    with ServerProcess(["--model", model_dir, *FLAGS]) as srv:
+        core = srv.core_pid()
+        os.kill(core, signal.SIGSTOP)                  # the request reaches a frozen core: the stream stays open
+        with httpx.stream("POST", srv.base + "/v1/completions", json=BODY, timeout=120) as r:
+            assert r.status_code == 200
+            os.kill(core, signal.SIGKILL)
+            events = _data(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "engine core" in error["message"]
+        assert _poll(lambda: _health(srv.base) == 503, 60, "/health answering 503")
+        r = httpx.post(srv.base + "/v1/completions", json={**BODY, "stream": False}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        code = srv.proc.wait(timeout=120)
+        assert code != 0, srv.read_log()[-3000:]
+        assert "exiting" in srv.read_log()
+
+
+def test_sigterm_ends_open_streams_and_leaves_no_process(model_dir):
+    with ServerProcess(["--model", model_dir, *FLAGS]) as srv:
+        core = srv.core_pid()
+        children = child_pids(srv.proc.pid)
+        os.kill(core, signal.SIGSTOP)                  # streams open, nothing generated yet
+        with httpx.Client(timeout=120) as http:
+            streams = [http.stream("POST", srv.base + "/v1/completions", json={**BODY, "max_tokens": 200})
+                       for _ in range(2)]
+            responses = [s.__enter__() for s in streams]
+            assert all(r.status_code == 200 for r in responses)
+            srv.proc.send_signal(signal.SIGTERM)
+            os.kill(core, signal.SIGCONT)
+            for s, r in zip(streams, responses):
+                events = _data(r.iter_lines())
+                s.__exit__(None, None, None)
+                assert events[-1] == "[DONE]"
+                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        # uvicorn ends a clean shutdown by re-raising the SIGTERM it caught (exit status -15)
+        assert srv.proc.wait(timeout=120) in (0, -signal.SIGTERM), srv.read_log()[-3000:]
+        assert "Traceback" not in srv.read_log()
+        for pid in children:                            # the core and multiprocessing's resource tracker
+            assert _poll(lambda: _gone(pid), 60, f"child process {pid} exiting")
+
+
+def test_multi_step_stop_strings_equal_llm_generate(model_dir):
+    """8 decode steps per program in the server; each stop string ends inside a program's steps. The
+    streamed text, the non-streamed text and the token counts equal LLM.generate with one step per
+    program, and no streamed text goes past the stop."""
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8, num_scheduler_steps=1)
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    cases = []
+    for p, out in zip(prompts, free):
+        ids = out.outputs[0].token_ids
+        for at in (11, 21):                           # tokens 11-12 / 21-22: inside the 2nd / 3rd program
+            stop = tok.decode(ids[at:at + 2]).strip()
+            if stop:
+                cases.append((p, stop))
+    assert len(cases) >= 3
+    refs = [o.outputs[0] for o in llm.generate(
+        [p for p, _ in cases], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[s])
+                                for _, s in cases], use_tqdm=False)]
+    with ServerProcess(["--model", model_dir, *FLAGS, "--num-scheduler-steps", "8"]) as srv:
+        assert "steps_per_program=8" in srv.read_log()
+        with httpx.Client(base_url=srv.base, timeout=120) as http:
+            for (p, stop), ref in zip(cases, refs):
+                body = {**BODY, "prompt": p, "max_tokens": 40, "stop": [stop],
+                        "stream_options": {"include_usage": True}}
+                with http.stream("POST", "/v1/completions", json=body) as r:
+                    events = [json.loads(e) for e in _data(r.iter_lines())[:-1]]
+                text = "".join(c["text"] for e in events for c in e["choices"])
+                finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+                usage = [e["usage"] for e in events if e.get("usage")][-1]
+                assert ref.finish_reason == "stop" and ref.stop_reason == stop
+                assert text == ref.text and stop not in text and finish == ["stop"], (p, stop)
+                assert usage["completion_tokens"] == len(ref.token_ids)
+                full = http.post("/v1/completions", json={**body, "stream": False}).json()
+                assert full["choices"][0]["text"] == ref.text and full["choices"][0]["finish_reason"] == "stop"
+                assert full["usage"]["completion_tokens"] == len(ref.token_ids)
