@@ -91,7 +91,12 @@ def engine_stats(llm) -> dict[str, Any] | None:
         return None
     if dataclasses.is_dataclass(stats):
         stats = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(stats).items()}
+    stats = dict(stats)
+    # the API side's time (detokenization, stop strings) lives beside the core's, in request_stats
+    request_stats = getattr(llm.llm_engine, "request_stats", None)
+    if request_stats is not None and "detokenize_s" not in stats:
+        stats["detokenize_s"] = request_stats.detokenize_s
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in stats.items()}
 
 
 # Counters that only grow (diffed over a run); any other number is a gauge (kv_cache_usage) and is kept as is.

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The server against the engine (issue "the server at the engine's speed"), one model per device call:
+#   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--cold-server]
+# carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
+#   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
+#   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
+#      caches; --cold-server: a fresh cache root, so it compiles)
+#   3. ShareGPT 1000 over HTTP at request rate inf (bench/serve.py)
+#   4. openqa at concurrency 1 (28 in / 300 out, 20 requests): median TPOT
+#   5. --sweep: ShareGPT 200 at Poisson rates 4, 16, 64 req/s (throughput, p50/p99 TTFT/TPOT, goodput, plot)
+# Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
+SWEEP=0; COLD=0
+for a in "$@"; do case $a in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; esac; done
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.jaxpaged-done ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.jaxpaged-done || echo "WARNING: wheel install failed"
+fi
+rm -rf /tmp/jp "$REPO/build"
+$PY -m pip install -q --no-deps --no-index --no-build-isolation --no-compile --target /tmp/jp "$REPO" \
+  || { echo "ERROR: installing jaxpaged into /tmp/jp failed"; exit 1; }
+export PYTHONPATH=/tmp/jp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
+export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
+JAXPAGED_GIT_REV=${JAXPAGED_GIT_REV:-$(cat .cache/gpu/GIT_REV 2>/dev/null || echo unknown)}
+export JAXPAGED_GIT_REV
+cd /tmp || exit 1          # run outside the repository: its folders must not shadow the installed jaxpaged
+echo "serve_vs_offline $MODEL: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
+path=$($PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])" 2>/dev/null \
+       || PYTHONPATH=$REPO:$PYTHONPATH $PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])")
+BENCH=$REPO/bench
+ms() { echo $(( $(date +%s%N) / 1000000 )); }
+secs() { local d=$(( $(ms) - $1 )); printf "%d.%03d" $((d / 1000)) $((d % 1000)); }
+
+echo "== 1. offline ShareGPT 1000"
+t0=$(ms)
+$PY "$BENCH/throughput.py" --no-tqdm --dataset sharegpt --model "$MODEL" 2>&1 | grep -E "Throughput|Run config|Compiled|startup|Error|error" | tail -8
+echo "   ($(secs $t0) s)"
+
+echo "== 2. server start-up"
+[ $COLD = 1 ] && export JAXPAGED_CACHE_ROOT=/tmp/jaxpaged-cold-cache
+PORT=8011
+t0=$(ms)
+$PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
+  --uvicorn-log-level warning > /tmp/server.log 2>&1 &
+SRV=$!
+until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+  if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server.log; exit 1; fi
+  sleep 0.2
+done
+echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo warm))"
+grep -E "Run config|Compiled|engine core ready" /tmp/server.log | sed 's/^/   /'
+client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
+  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate" | sed 's/^/   /'; }
+echo "== 3. ShareGPT 1000 over HTTP, request rate inf"
+client --dataset sharegpt --result-name "serve-$MODEL-sharegpt-rinf"
+echo "== 4. openqa, concurrency 1"
+client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1"
+if [ $SWEEP = 1 ]; then
+  echo "== 5. ShareGPT 200, Poisson rates 4, 16, 64"
+  client --dataset sharegpt --num-prompts 200 --request-rates 4,16,64 --result-name "serve-$MODEL-sharegpt-sweep"
+fi
+kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+tail -5 /tmp/server.log | sed 's/^/   log: /'
+if [ -n "${OUT:-}" ]; then
+  find "$REPO/bench/results" -maxdepth 1 -newer /tmp/server.log -type f -exec cp {} "$OUT/" \; 2>/dev/null
+  find "$REPO/bench/results" -maxdepth 1 -name "throughput-$MODEL-sharegpt*" -mmin -15 -exec cp {} "$OUT/" \;
+  find "$REPO/bench/results" -maxdepth 1 -name "serve-$MODEL*" -mmin -15 -exec cp {} "$OUT/" \;
+  cp /tmp/server.log "$OUT/server-$MODEL.log"
+fi
