@@ -67,9 +67,24 @@ if [ $SWEEP = 1 ]; then
 fi
 kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
 tail -5 /tmp/server.log | sed 's/^/   log: /'
-if [ -n "${OUT:-}" ]; then
-  find "$REPO/bench/results" -maxdepth 1 -newer /tmp/server.log -type f -exec cp {} "$OUT/" \; 2>/dev/null
-  find "$REPO/bench/results" -maxdepth 1 -name "throughput-$MODEL-sharegpt*" -mmin -15 -exec cp {} "$OUT/" \;
-  find "$REPO/bench/results" -maxdepth 1 -name "serve-$MODEL*" -mmin -15 -exec cp {} "$OUT/" \;
+echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
+$PY - "$REPO/bench/results" "$MODEL" <<'PYEOF'
+import json, sys
+from pathlib import Path
+res, model = Path(sys.argv[1]), sys.argv[2]
+def load(name):
+    p = res / f"{name}.json"
+    return json.loads(p.read_text()).get("metrics", {}) if p.exists() else {}
+off = load(f"throughput-{model}-sharegpt")
+inf, c1 = load(f"serve-{model}-sharegpt-rinf"), load(f"serve-{model}-openqa-c1")
+o = off.get("output_tokens_per_second")
+s = inf.get("output_throughput")
+print(f"   offline output tok/s {o}; server rate inf {s}" + (f" ({s / o:.1%} of offline)" if o and s else ""))
+print(f"   server rate inf median TTFT {inf.get('median_ttft_ms')} ms, median TPOT {inf.get('median_tpot_ms')} ms")
+print(f"   openqa c1 median TPOT {c1.get('median_tpot_ms')} ms, output tok/s {c1.get('output_throughput')}")
+PYEOF
+if [ -n "${OUT:-}" ]; then     # one archive: the device returns a limited number of files
+  (cd "$REPO/bench/results" && find . -maxdepth 1 -type f \( -name "throughput-$MODEL-sharegpt*" -o -name "serve-$MODEL*" \) \
+     -mmin -15 -print0 | tar -czf "$OUT/serve_vs_offline-$MODEL.tgz" --null -T -)
   cp /tmp/server.log "$OUT/server-$MODEL.log"
 fi

@@ -58,11 +58,12 @@ def _cache_and_scheduler_flags(c) -> None:
                    help="Most requests in one batch. Default (vLLM's): 1024 on GPUs with >= 70 GiB, else "
                         "256.")
     c.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="Token budget of one engine step. Default (vLLM's server defaults): 8192 on GPUs with "
-                        ">= 70 GiB, 2048 on smaller GPUs and the CPU; at least max-model-len when chunked "
-                        "prefill is off.")
-    c.add_argument("--num-scheduler-steps", type=_positive_int, default=1,
-                   help="Decode steps per device program (multi-step scheduling, as vLLM V0): when every "
+                   help="Token budget of one engine step. Default (as LLM, vLLM's offline defaults): 16384 "
+                        "on GPUs with >= 70 GiB, 8192 on smaller GPUs, 2048 on the CPU; at least max-model-len "
+                        "when chunked prefill is off.")
+    c.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
+                   help="Decode steps per device program (multi-step scheduling, as vLLM V0); default (as "
+                        "LLM): 16 on GPUs where a step is one program, else 1. When every "
                         "running request decodes and none waits, the GPU runs this many steps before the "
                         "host sees their tokens, which then stream in groups of up to this many. Requests "
                         "with logprobs, penalties, logit bias or min_tokens run one step at a time. Models "

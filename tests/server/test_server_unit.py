@@ -62,9 +62,10 @@ def test_flags_map_to_engine_args():
     assert args.allowed_origins == ["http://x"]
     defaults = p.parse_args([])
     assert defaults.enable_prefix_caching and defaults.port == 8000 and defaults.model is None
-    # batch limits left to the engine, which picks vLLM's server defaults for the device
+    # batch limits and steps per program left to config.resolve, which gives the server LLM's program
     d = engine_args_from(defaults)
-    assert (d.max_num_seqs, d.max_num_batched_tokens, d.usage_context) == (None, None, "openai_api_server")
+    assert ((d.max_num_seqs, d.max_num_batched_tokens, d.num_scheduler_steps, d.usage_context)
+            == (None, None, None, "openai_api_server"))
     for bad in (["--max-num-seqs", "0"], ["--block-size", "7"], ["--dtype", "int4"], ["--allowed-origins", "x"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
