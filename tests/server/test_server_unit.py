@@ -199,3 +199,43 @@ def test_root_path_and_api_key_scope():
             assert client.get(path, headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "stub"
         assert client.get("/api/health").status_code == 200 and client.get("/version").status_code == 200
         assert "/api/openapi.json" in client.get("/docs").text
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "slow"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "slow"}]}),
+                                       ("/tokenize", {"prompt": "slow"})])
+def test_tokenizing_never_blocks_the_event_loop(path, body):
+    """While one request's tokenization (or chat templating) is in progress, the server answers others:
+    it runs on a worker thread (AsyncLLM.run_blocking), not on the event loop. The tokenizer here holds
+    until the other request has been answered; on the event loop that would never happen."""
+    import concurrent.futures
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class _SlowTok(_Tok):
+        def encode(self, text, add_special_tokens=True):
+            if "slow" in text:
+                entered.set()
+                assert release.wait(120), "the other request was never answered"
+            return super().encode(text, add_special_tokens)
+
+    llm = _StubLLM()
+    llm.tokenizer = _SlowTok()
+    llm.input_processor.tokenize_prompt = lambda p: (p, llm.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    async def run_blocking(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    llm.run_blocking = run_blocking
+    with TestClient(build_app(ServerState(llm, ["stub"], log_requests=False))) as client:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            slow = ex.submit(client.post, path, json={**body, "max_tokens": 2})
+            assert entered.wait(120)
+            try:
+                assert client.get("/v1/models").status_code == 200     # served while the tokenizer holds
+            finally:
+                release.set()
+            assert slow.result(timeout=120).status_code in (200, 503)   # (the stub engine then fails, 503)
+    pool.shutdown()
