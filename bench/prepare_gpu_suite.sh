@@ -14,7 +14,7 @@ PY=${PYTHON:-.venv/bin/python}
 mkdir -p .whl .cache/gpu/bench_models/_sources .cache/gpu/bench_data
 WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.3 pydantic-core==2.50.4 uvicorn==0.54.0
 annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 gguf==0.19.0 opentelemetry-api==1.45.2
-pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-timeout==2.4.0 pyzmq==27.3.0 msgspec==0.22.0"
+pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-timeout==2.4.0 pyzmq==27.3.0 msgspec==0.22.0 httptools==0.9.0 uvloop==0.23.0"
 for spec in $WHEELS; do
   name=${spec%%==*}; stem=$(echo "$name" | tr '-' '_')
   if ls .whl/ 2>/dev/null | grep -qi "^${stem}-"; then continue; fi

@@ -73,8 +73,9 @@ def _with_prompt(prompt_lps: CompletionLogProbs, completion: CompletionLogProbs)
 
 async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
     state.check_model(request.model)
-    try:      # tokenizing (and decoding token prompts' text) on a worker thread: the event loop streams on
-        prepared = await state.llm.run_blocking(lambda: [_Prepared(state, request, p) for p in _prompts(request)])
+    prompts = _prompts(request)
+    try:      # long prompts are tokenized (token prompts' text decoded) on a worker thread: the loop streams on
+        prepared = await state.off_loop(sum(map(len, prompts)), lambda: [_Prepared(state, request, p) for p in prompts])
     except ValueError as e:
         raise APIError(str(e)) from None
     request_id = random_id("cmpl")

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.core import resolve_model_path
-from jaxpaged.engine.core_client import CoreProcClient, EngineDeadError
+from jaxpaged.engine.core_client import CoreProcClient, EngineDeadError, run_core_process
 from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer
 from jaxpaged.engine.input_processor import InputProcessor, PromptType
 from jaxpaged.engine.messages import CoreFailure, CoreStats, EngineCoreOutputs
@@ -42,10 +42,11 @@ OFFLOAD_CHARS = 2048
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, core_target=run_core_process):
         from transformers import AutoTokenizer
         self.args = args
-        self.client = CoreProcClient(args)      # the core loads and compiles while the tokenizer loads here
+        # the core loads and compiles while the tokenizer loads here
+        self.client = CoreProcClient(args, core_target)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
             prepare_detokenizer(self.tokenizer)

@@ -106,7 +106,9 @@ class CoreProcClient:
     """Starts the core process and talks to it. `start()` returns at once (the core loads and compiles in
     the background); `wait_ready()` returns its CoreInfo."""
 
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, target=run_core_process):
+        """target: the core process's entry point, (args, input_addr, output_addr, parent_pid) -> None
+        (bench/api_capacity.py swaps in a core without a model to measure the API process alone)."""
         self._dir = tempfile.mkdtemp(prefix="jaxpaged-core-")
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
@@ -120,7 +122,7 @@ class CoreProcClient:
         self._decoder = core_message_decoder()
         self.shutting_down = False
         spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(target=run_core_process, name="jaxpaged-engine-core", daemon=True,
+        self.proc = spawn.Process(target=target, name="jaxpaged-engine-core", daemon=True,
                                   args=(args, input_addr, output_addr, os.getpid()))
         self.proc.start()
 

@@ -215,3 +215,21 @@ def test_kernel_bench_variants_and_routing(monkeypatch):
     bk._routed(big, 16 * 8)
     assert big["routed_kernel"] == "mosaic" and big["routed_us"] == 100.0
     assert "routed_vs_jax" not in big and "routed_vs_anchor" not in big     # no JAX run, no anchor shape
+
+
+def test_api_capacity_streams_every_token_through_the_real_server(tmp_path):
+    """bench/api_capacity.py: the real server process over the stand-in core (no model) serves every
+    request its whole output length."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    env = {**os.environ, "JAXPAGED_BENCH_RESULTS": str(tmp_path)}
+    subprocess.run([sys.executable, "bench/api_capacity.py", "--num-prompts", "16", "--output-len", "40",
+                    "--tokens-per-step", "16", "--port", str(free_port())], check=True, env=env, timeout=600,
+                   capture_output=True)
+    (result,) = tmp_path.glob("api-capacity-16x40-k16.json")
+    m = json.loads(result.read_text())["metrics"]
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (16, 0, 16 * 40)

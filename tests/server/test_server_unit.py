@@ -201,11 +201,14 @@ def test_root_path_and_api_key_scope():
         assert "/api/openapi.json" in client.get("/docs").text
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "slow"}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "slow"}]}),
-                                       ("/tokenize", {"prompt": "slow"})])
+LONG = "slow " * 1000          # past AsyncLLM's OFFLOAD_CHARS: tokenized off the loop
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": LONG}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}),
+                                       ("/tokenize", {"prompt": LONG})])
 def test_tokenizing_never_blocks_the_event_loop(path, body):
-    """While one request's tokenization (or chat templating) is in progress, the server answers others:
+    """While a long prompt's tokenization (or chat templating) is in progress, the server answers others:
     it runs on a worker thread (AsyncLLM.run_blocking), not on the event loop. The tokenizer here holds
     until the other request has been answered; on the event loop that would never happen."""
     import concurrent.futures

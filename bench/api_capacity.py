@@ -1,0 +1,152 @@
+"""The API process alone: how many streamed tokens per second the server's HTTP side can deliver.
+
+The real server (FastAPI app, AsyncLLM, OutputProcessor, SSE) runs in its own process over a stand-in
+engine core that has no model: every step it hands each running request `--tokens-per-step` random tokens
+(as a multi-step program does) until its max_tokens, after `--step-ms` of pretend device time. So the
+figure is the API side's ceiling, whatever the GPU: if it is not well above the engine's offline tok/s,
+the server cannot reach the engine's speed. Runs on the CPU.
+
+  python bench/api_capacity.py --num-prompts 1000 --tokens-per-step 16 [--profile api.prof]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to_path
+    _bench = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _bench]
+    sys.path.append(str(_bench.parent))
+
+VOCAB = 1 << 18        # token ids the checks accept (qwen2-0.5b's workload; SmolLM2's table detokenizes)
+
+
+def run_stand_in_core(args, input_addr: str, output_addr: str, parent_pid: int, tokens_per_step: int = 16,
+                      step_s: float = 0.0) -> None:
+    """An engine core without a model: CoreInfo, then per step every running request's next tokens."""
+    import random
+    import signal
+
+    import msgspec
+    import zmq
+
+    from jaxpaged.engine.messages import (Command, CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs,
+                                          FinishReason, abort_decoder, add_decoder)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(input_addr)
+    out.connect(output_addr)
+    encode = msgspec.msgpack.Encoder().encode
+    out.send(encode(CoreInfo("stand-in", "none", "bfloat16", VOCAB, (2,), 1 << 20, 1 << 16, 20, 16, 1 << 20, 1,
+                             "stand-in core", 0.0)))
+    running: dict[str, int] = {}        # request id -> tokens left
+    rng = random.Random(0)
+    decode_add, decode_abort = add_decoder().decode, abort_decoder().decode
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    while os.getppid() == parent_pid:
+        while poller.poll(0 if running else 500):
+            cmd, payload = inp.recv_multipart()
+            if cmd[0] == Command.SHUTDOWN:
+                return
+            if cmd[0] == Command.ADD:
+                for r in decode_add(payload):
+                    running[r.request_id] = r.sampling_params.max_tokens or 16
+            else:
+                for rid in decode_abort(payload):
+                    running.pop(rid, None)
+        if not running:
+            continue
+        if step_s:
+            time.sleep(step_s)
+        outputs = []
+        for rid, left in list(running.items()):
+            k = min(left, tokens_per_step)
+            o = EngineCoreOutput(rid, [rng.randrange(100, 40000) for _ in range(k)])
+            if k == left:
+                o.finish_reason = FinishReason.LENGTH
+                del running[rid]
+            else:
+                running[rid] = left - k
+            outputs.append(o)
+        out.send(encode(EngineCoreOutputs(outputs, CoreStats(num_requests_running=len(running)))))
+
+
+def serve(port: int, tokens_per_step: int, step_ms: float, profile: str | None) -> None:
+    """The server process: the real app over the stand-in core."""
+    import functools
+
+    import uvicorn
+
+    from jaxpaged.config import EngineArgs
+    from jaxpaged.engine.async_llm import AsyncLLM
+    from jaxpaged.server.api_server import build_app
+    from jaxpaged.server.serving import ServerState
+    target = functools.partial(run_stand_in_core, tokens_per_step=tokens_per_step, step_s=step_ms / 1000)
+    llm = AsyncLLM(EngineArgs(usage_context="openai_api_server"), core_target=target)
+    app = build_app(ServerState(llm, ["stand-in"], log_requests=False, owns_engine=True))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    if not profile:
+        server.run()
+        return
+    import cProfile
+    import signal
+    # uvicorn re-raises the SIGTERM it caught once it has shut down: exit through Python, so the
+    # profile is written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        server.run()
+    finally:
+        prof.disable()
+        prof.dump_stats(profile)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--tokens-per-step", type=int, default=16)
+    p.add_argument("--step-ms", type=float, default=0.0, help="pretend device time per step")
+    p.add_argument("--port", type=int, default=8019)
+    p.add_argument("--profile", default=None, help="write the server process's cProfile here")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)    # (the server process)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.port, args.tokens_per_step, args.step_ms, args.profile)
+        return
+    import httpx
+    cmd = [sys.executable, __file__, "--serve", "--port", str(args.port), "--tokens-per-step",
+           str(args.tokens_per_step), "--step-ms", str(args.step_ms)] + (["--profile", args.profile]
+                                                                         if args.profile else [])
+    srv = subprocess.Popen(cmd)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if srv.poll() is not None or time.time() > deadline:
+                sys.exit("the server did not start")
+            time.sleep(0.2)
+        subprocess.run([sys.executable, str(Path(__file__).parent / "serve.py"), "--base-url",
+                        f"http://127.0.0.1:{args.port}", "--model", "qwen2-0.5b", "--dataset", "random",
+                        "--num-prompts", str(args.num_prompts), "--input-len", "32", "--output-len",
+                        str(args.output_len), "--no-warmup", "--served-model-name", "stand-in",
+                        "--result-name", f"api-capacity-{args.num_prompts}x{args.output_len}"
+                        f"-k{args.tokens_per_step}"], check=True)
+    finally:
+        srv.terminate()
+        srv.wait(60)
+
+
+if __name__ == "__main__":
+    main()
