@@ -32,7 +32,8 @@ class _Prepared:
 
     def __init__(self, state: ServerState, request: CompletionRequest, prompt: str | list[int]):
         text, self.token_ids = state.llm.input_processor.tokenize_prompt(prompt)
-        self.text = text if text is not None else state.tokenizer.decode(self.token_ids)
+        # token prompts' text is read only to echo it (as vLLM, the output's prompt is None otherwise)
+        self.text = text if text is not None or not request.echo else state.tokenizer.decode(self.token_ids)
         self.params: SamplingParams = request.to_sampling_params(
             state.default_max_tokens(request.max_tokens, len(self.token_ids)))
         state.check_prompt(self.token_ids, self.params)
