@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # The server against the engine (issue "the server at the engine's speed"), one model per device call:
-#   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--cold-server]
+#   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--sweep-prompts N] [--cold-server]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
 #   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
 #      caches; --cold-server: a fresh cache root, so it compiles)
 #   3. ShareGPT 1000 over HTTP at request rate inf (bench/serve.py)
 #   4. openqa at concurrency 1 (28 in / 300 out, 20 requests): median TPOT
-#   5. --sweep: ShareGPT 200 at Poisson rates 4, 16, 64 req/s (throughput, p50/p99 TTFT/TPOT, goodput, plot)
+#   5. --sweep: ShareGPT N (--sweep-prompts, default 200) at Poisson rates 4, 16, 64 req/s (throughput,
+#      p50/p99 TTFT/TPOT, goodput, plot); 1000 prompts take about 330 s
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0
-for a in "$@"; do case $a in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; esac; done
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200
+while [ $# -gt 0 ]; do
+  case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;; esac
+  shift
+done
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.jaxpaged-done ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -62,8 +66,9 @@ client --dataset sharegpt --result-name "serve-$MODEL-sharegpt-rinf"
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1"
 if [ $SWEEP = 1 ]; then
-  echo "== 5. ShareGPT 200, Poisson rates 4, 16, 64"
-  client --dataset sharegpt --num-prompts 200 --request-rates 4,16,64 --result-name "serve-$MODEL-sharegpt-sweep"
+  echo "== 5. ShareGPT $SWEEP_PROMPTS, Poisson rates 4, 16, 64"
+  client --dataset sharegpt --num-prompts "$SWEEP_PROMPTS" --request-rates 4,16,64 \
+    --result-name "serve-$MODEL-sharegpt$SWEEP_PROMPTS-sweep"
 fi
 kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
 tail -5 /tmp/server.log | sed 's/^/   log: /'
