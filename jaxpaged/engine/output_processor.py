@@ -80,9 +80,6 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [s.request_id for s in parent.samples if s.finish_reason is None] if parent else []
 
-    def has_unfinished(self) -> bool:
-        return bool(self.parents)
-
     def drop(self, request_id: str) -> None:
         """Forget a parent request (aborted, or finished and sent)."""
         parent = self.parents.pop(request_id, None)
