@@ -73,7 +73,7 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
         err = APIError(str(exc.detail), exc.status_code, _HTTP_ERROR_TYPES.get(exc.status_code, "Error"))
-        return _error_response(err)
+        return JSONResponse(err.body(), status_code=err.status_code, headers=exc.headers)   # (405: Allow)
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError):

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -16,8 +16,17 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+MAX_N = 128               # samples per prompt, as OpenAI's limit (each is a request in the engine)
+# Fields of OpenAI's and vLLM's APIs that jaxpaged does not implement yet: refused with a 400 naming them,
+# never ignored (a client relying on one must know). response_format {"type": "text"} is the default.
+NOT_IMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+                   "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                   "logits_processors", "prompt_embeds", "lora_request")
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities (JSON's NaN / Infinity literals) are refused: no sampler value may be non-finite
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -46,6 +55,21 @@ class UsageInfo(BaseModel):
 
 class SamplingFields(OpenAIModel):
     """The sampling fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in NOT_IMPLEMENTED:
+                value = data.get(name)
+                if value is None or (name == "response_format" and value == {"type": "text"}):
+                    continue
+                raise ValueError(f"`{name}` is not supported by this server yet.")
+            n = data.get("n")
+            if isinstance(n, int) and n > MAX_N:
+                raise ValueError(f"n must be at most {MAX_N}, got {n}.")
+        return data
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None

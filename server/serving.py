@@ -75,8 +75,10 @@ class ServerState:
         if model and model not in self.served_model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """The engine's own checks (vLLM's wording for over-long prompts), run before anything streams."""
+        if priority and self.llm.args.scheduling_policy != "priority":
+            raise ValueError("priority is only supported with --scheduling-policy priority.")
         self.llm.input_processor.validate_prompt(token_ids, params)
         vocab = self.llm.vocab_size
         for tid in list(params.logit_bias or ()) + list(params.stop_token_ids or ()):

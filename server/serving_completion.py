@@ -32,11 +32,12 @@ class _Prepared:
 
     def __init__(self, state: ServerState, request: CompletionRequest, prompt: str | list[int]):
         text, self.token_ids = state.llm.input_processor.tokenize_prompt(prompt)
-        # token prompts' text is read only to echo it (as vLLM, the output's prompt is None otherwise)
-        self.text = text if text is not None or not request.echo else state.tokenizer.decode(self.token_ids)
         self.params: SamplingParams = request.to_sampling_params(
             state.default_max_tokens(request.max_tokens, len(self.token_ids)))
-        state.check_prompt(self.token_ids, self.params)
+        state.check_prompt(self.token_ids, self.params, request.priority)
+        # token prompts' text is read only to echo it (as vLLM, the output's prompt is None otherwise), and
+        # only once their ids are known to be in the vocabulary
+        self.text = text if text is not None or not request.echo else state.tokenizer.decode(self.token_ids)
         if request.echo and request.logprobs is not None:
             self.params.prompt_logprobs = request.logprobs     # echo scores the prompt tokens too
 

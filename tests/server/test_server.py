@@ -311,6 +311,31 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(server, client, http)
     _assert_error(httpx.post(server + "/v1/completions", json=ok, headers={"Authorization": "Bearer wrong"}), 401)
     _assert_error(httpx.get(server + "/v1/models"), 401)
     _assert_error(http.get("/no-such-route"), 404)
+    # inputs that once broke the server: each a 400 naming the problem, never a 5xx, a hang or a silent pass
+    for prompt in ([-1], [1099511627776], [[5, -3]]):
+        for echo in (False, True):
+            err = _assert_error(http.post("/v1/completions", json={**ok, "prompt": prompt, "echo": echo}), 400)
+            assert "out of vocabulary" in err["message"]
+    err = _assert_error(http.post("/v1/completions", json={**ok, "n": 100000}), 400)
+    assert "n must be at most 128" in err["message"]
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 2, "temperature": %s}' % (MODEL.encode(), literal)
+        err = _assert_error(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                            400)
+        assert "temperature" in err["message"]
+    err = _assert_error(http.post("/v1/completions", json={**ok, "priority": 3}), 400)
+    assert "--scheduling-policy priority" in err["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    for field, value in (("tools", [tool]), ("response_format", {"type": "json_object"}), ("guided_json", {})):
+        err = _assert_error(http.post("/v1/chat/completions", json={**chat, field: value}), 400)
+        assert f"`{field}` is not supported" in err["message"]
+    assert http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "text"}}).status_code == 200
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+    # a temperature past float32's range samples (uniformly), with no overflow
+    big = http.post("/v1/completions", json={**ok, "temperature": 1e308})
+    assert big.status_code == 200 and big.json()["usage"]["completion_tokens"] == 2
     # the openai client maps them to its exceptions
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=-1)
