@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
-from jaxpaged.engine.async_llm import OFFLOAD_CHARS, AsyncLLM, EngineDeadError
+from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
@@ -63,13 +63,6 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
-
-    async def off_loop(self, size: int, fn):
-        """fn() on a worker thread when its input is large (size: characters or tokens), else here: a thread
-        hop costs more than tokenizing a short prompt, and a long one must not stall the event loop."""
-        if size > OFFLOAD_CHARS:
-            return await self.llm.run_blocking(fn)
-        return fn()
 
     def check_model(self, model: str | None) -> None:
         if model and model not in self.served_model_names:

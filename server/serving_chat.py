@@ -61,7 +61,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         raise APIError("messages cannot be empty", param="messages")
     try:      # templating and tokenizing long conversations on a worker thread: the event loop streams on
         size = sum(len(m.text()) for m in request.messages)
-        prompt, token_ids = await state.off_loop(size, lambda: _template_and_tokenize(state, request))
+        prompt, token_ids = await state.llm.off_loop(size, lambda: _template_and_tokenize(state, request))
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = request.to_sampling_params(state.default_max_tokens(requested, len(token_ids)))
         state.check_prompt(token_ids, params, request.priority)

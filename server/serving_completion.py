@@ -77,7 +77,8 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     state.check_model(request.model)
     prompts = _prompts(request)
     try:      # long prompts are tokenized (token prompts' text decoded) on a worker thread: the loop streams on
-        prepared = await state.off_loop(sum(map(len, prompts)), lambda: [_Prepared(state, request, p) for p in prompts])
+        prepared = await state.llm.off_loop(sum(map(len, prompts)),
+                                            lambda: [_Prepared(state, request, p) for p in prompts])
     except ValueError as e:
         raise APIError(str(e)) from None
     request_id = random_id("cmpl")

@@ -168,9 +168,15 @@ class AsyncLLM:
     async def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """InputProcessor.tokenize_prompt, on a worker thread for long text."""
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
-        if isinstance(text, str) and len(text) > OFFLOAD_CHARS:
-            return await self.run_blocking(self.input_processor.tokenize_prompt, prompt)
-        return self.input_processor.tokenize_prompt(prompt)
+        size = len(text) if isinstance(text, str) else 0
+        return await self.off_loop(size, lambda: self.input_processor.tokenize_prompt(prompt))
+
+    async def off_loop(self, size: int, fn):
+        """fn() on a worker thread when its input is large (size: characters or tokens), else here: a thread
+        hop costs more than tokenizing a short prompt, and a long one must not stall the event loop."""
+        if size > OFFLOAD_CHARS:
+            return await self.run_blocking(fn)
+        return fn()
 
     async def run_blocking(self, fn, *args):
         """fn(*args) on a worker thread (tokenizing, chat templating), so the event loop keeps streaming."""

@@ -21,6 +21,10 @@ logger = logging.getLogger("jaxpaged.engine")
 __all__ = ["LLMEngine", "PromptType", "resolve_model_path"]
 
 
+def _from_core(name: str) -> property:
+    return property(lambda self: getattr(self.core, name), doc=f"EngineCore.{name}")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         from transformers import AutoTokenizer
@@ -33,70 +37,23 @@ class LLMEngine:
         self.request_stats = self.output_processor.stats
         prepare_detokenizer(self.tokenizer)
 
-    # the core's parts, in this process
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def runner(self):
-        return self.core.runner
-
-    @property
-    def kv_manager(self):
-        return self.core.kv_manager
-
-    @property
-    def stats(self):
-        return self.core.stats
-
-    @property
-    def run(self):
-        return self.core.run
-
-    @property
-    def model_config(self):
-        return self.core.model_config
-
-    @property
-    def model_path(self) -> str:
-        return self.core.model_path
-
-    @property
-    def buckets(self):
-        return self.core.buckets
-
-    @property
-    def num_blocks(self) -> int:
-        return self.core.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.core.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.core.max_num_seqs
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.core.max_num_batched_tokens
-
-    @property
-    def num_scheduler_steps(self) -> int:
-        return self.core.num_scheduler_steps
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return self.core.kv_cache_tokens
-
-    @property
-    def startup_seconds(self) -> float:
-        return self.core.startup_seconds
+    # the core's parts, in this process (read-only views for in-process tools, tests and beam search)
+    scheduler = _from_core("scheduler")
+    runner = _from_core("runner")
+    kv_manager = _from_core("kv_manager")
+    stats = _from_core("stats")
+    run = _from_core("run")
+    model_config = _from_core("model_config")
+    model_path = _from_core("model_path")
+    buckets = _from_core("buckets")
+    num_blocks = _from_core("num_blocks")
+    block_size = _from_core("block_size")
+    max_model_len = _from_core("max_model_len")
+    max_num_seqs = _from_core("max_num_seqs")
+    max_num_batched_tokens = _from_core("max_num_batched_tokens")
+    num_scheduler_steps = _from_core("num_scheduler_steps")
+    kv_cache_tokens = _from_core("kv_cache_tokens")
+    startup_seconds = _from_core("startup_seconds")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

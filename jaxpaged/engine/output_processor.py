@@ -90,13 +90,7 @@ class OutputProcessor:
     def abort(self, request_id: str) -> list[str]:
         """Drop a parent request; returns its unfinished samples' core request ids (to abort there)."""
         ids = self.sample_ids(request_id)
-        parent = self.parents.get(request_id)
-        if parent is not None:
-            now = time.time()
-            for s in parent.samples:
-                if s.finish_reason is None:
-                    self.stats.on_finish("abort", parent.arrival_time, now)
-        self.drop(request_id)
+        self.finish_aborted(request_id)
         return ids
 
     def finish_aborted(self, request_id: str) -> RequestOutput | None:

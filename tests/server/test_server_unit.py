@@ -10,7 +10,7 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxpaged.engine.async_llm import EngineDeadError
+from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxpaged.engine.messages import CoreStats
 from jaxpaged.engine.stats import RequestStats
 from jaxpaged.outputs import CompletionOutput, RequestOutput
@@ -112,6 +112,8 @@ class _StubLLM:
 
     async def run_blocking(self, fn, *args):
         return fn(*args)
+
+    off_loop = AsyncLLM.off_loop          # the real rule: large inputs go through run_blocking
 
     def is_healthy(self):
         return self.healthy
