@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hmac
+import inspect
 import logging
 import sys
 
@@ -105,12 +107,23 @@ def add_api_key_check(app: FastAPI, api_key: str, root_path: str) -> None:
         return await call_next(request)
 
 
+# Newer FastAPI traces every request with OpenTelemetry unless told not to, asking the global providers (and
+# the environment) per request; jaxpaged's metrics are Prometheus's (/metrics), so the server turns it off.
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI).parameters else {})
+
+
 def build_app(state: ServerState, args: argparse.Namespace | None = None) -> FastAPI:
     metrics = ServerMetrics(state.llm, state.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         state.llm.start()                        # read the core's outputs on this loop from now on
+        # As vLLM's API server: what exists at start-up (tokenizer, app, imported libraries) lives as long
+        # as the server, so it leaves the collector's generations. A full collection then walks only the
+        # requests' objects, instead of pausing the event loop for every stream at each one.
+        gc.collect()
+        gc.freeze()
         task = asyncio.create_task(metrics.drain_forever())
         yield
         task.cancel()
@@ -118,7 +131,8 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
             state.llm.shutdown()
 
     # --root-path goes to uvicorn (FastAPI's own root_path parameter is deprecated)
-    app = FastAPI(title="jaxpaged OpenAI-compatible server", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="jaxpaged OpenAI-compatible server", version=_version(), lifespan=lifespan,
+                  **_NO_NATIVE_TELEMETRY)
     add_error_handlers(app)
     if args is not None and args.api_key:
         add_api_key_check(app, args.api_key, args.root_path or "")
