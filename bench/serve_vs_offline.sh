@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The server against the engine (issue "the server at the engine's speed"), one model per device call:
 #   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--sweep-prompts N] [--cold-server]
+#        [--server-only] [--py-spy]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
 #   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
@@ -9,15 +10,19 @@
 #   4. openqa at concurrency 1 (28 in / 300 out, 20 requests): median TPOT
 #   5. --sweep: ShareGPT N (--sweep-prompts, default 200) at Poisson rates 4, 16, 64 req/s (throughput,
 #      p50/p99 TTFT/TPOT, goodput, plot); 1000 prompts take about 330 s
+# --server-only skips step 1. --py-spy samples the server's processes (API and engine core, idle time
+# included) with py-spy (its wheel in .whl/) through steps 3-5, into $OUT/pyspy-server.json: summarize with
+# python bench/pyspy_summary.py FILE.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0; SWEEP_PROMPTS=200
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0
 while [ $# -gt 0 ]; do
-  case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;; esac
+  case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
+             --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; esac
   shift
 done
 export PYTHONUNBUFFERED=1
@@ -41,16 +46,23 @@ BENCH=$REPO/bench
 ms() { echo $(( $(date +%s%N) / 1000000 )); }
 secs() { local d=$(( $(ms) - $1 )); printf "%d.%03d" $((d / 1000)) $((d % 1000)); }
 
-echo "== 1. offline ShareGPT 1000"
-t0=$(ms)
-$PY "$BENCH/throughput.py" --no-tqdm --dataset sharegpt --model "$MODEL" 2>&1 | grep -E "Throughput|Run config|Compiled|startup|Error|error" | tail -8
-echo "   ($(secs $t0) s)"
+if [ $OFFLINE = 1 ]; then
+  echo "== 1. offline ShareGPT 1000"
+  t0=$(ms)
+  $PY "$BENCH/throughput.py" --no-tqdm --dataset sharegpt --model "$MODEL" 2>&1 | grep -E "Throughput|Run config|Compiled|startup|Error|error" | tail -8
+  echo "   ($(secs $t0) s)"
+fi
 
 echo "== 2. server start-up"
 [ $COLD = 1 ] && export JAXPAGED_CACHE_ROOT=/tmp/jaxpaged-cold-cache
 PORT=8011
 t0=$(ms)
-$PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
+SPY=()
+if [ $PYSPY = 1 ]; then
+  [ -x /tmp/site/bin/py-spy ] || $PY -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.whl/py_spy-*.whl
+  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle -o "${OUT:-/tmp}/pyspy-server.json" --)
+fi
+"${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning > /tmp/server.log 2>&1 &
 SRV=$!
 until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
@@ -70,7 +82,11 @@ if [ $SWEEP = 1 ]; then
   client --dataset sharegpt --num-prompts "$SWEEP_PROMPTS" --request-rates 4,16,64 \
     --result-name "serve-$MODEL-sharegpt$SWEEP_PROMPTS-sweep"
 fi
-kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+if [ $PYSPY = 1 ]; then    # py-spy writes its file on SIGINT; the server goes on, so stop it after
+  kill -INT $SRV; wait $SRV; pkill -TERM -f "jaxpaged.server --port $PORT"; sleep 5
+else
+  kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+fi
 tail -5 /tmp/server.log | sed 's/^/   log: /'
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
 $PY - "$REPO/bench/results" "$MODEL" <<'PYEOF'

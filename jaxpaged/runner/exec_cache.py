@@ -27,7 +27,8 @@ logger = logging.getLogger("jaxpaged.runner")
 
 def _sources_digest() -> str:
     """Every source file the step is built from: jaxpaged and its models and kernels packages, which in a
-    source checkout live in separate folders (pyproject's package-dir)."""
+    source checkout live in separate folders (pyproject's package-dir). The HTTP server builds no part of
+    the step, so its package is left out (installed, it is a folder inside jaxpaged's)."""
     import jaxpaged
     import jaxpaged.models
     import jaxpaged.pallas_kernels
@@ -35,6 +36,8 @@ def _sources_digest() -> str:
     for mod in (jaxpaged, jaxpaged.models, jaxpaged.pallas_kernels):
         root = pathlib.Path(mod.__file__).resolve().parent
         for path in sorted(root.rglob("*.py")):
+            if mod is jaxpaged and path.relative_to(root).parts[0] == "server":
+                continue
             h.update(f"{mod.__name__}/{path.relative_to(root)}".encode())
             h.update(path.read_bytes())
     return h.hexdigest()
