@@ -60,7 +60,7 @@ t0=$(ms)
 SPY=()
 if [ $PYSPY = 1 ]; then
   [ -x /tmp/site/bin/py-spy ] || $PY -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.whl/py_spy-*.whl
-  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle -o "${OUT:-/tmp}/pyspy-server.json" --)
+  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o "${OUT:-/tmp}/pyspy-server.json" --)
 fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning > /tmp/server.log 2>&1 &
