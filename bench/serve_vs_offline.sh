@@ -11,8 +11,8 @@
 #   5. --sweep: ShareGPT N (--sweep-prompts, default 200) at Poisson rates 4, 16, 64 req/s (throughput,
 #      p50/p99 TTFT/TPOT, goodput, plot); 1000 prompts take about 330 s
 # --server-only skips step 1. --py-spy samples the server's processes (API and engine core, idle time
-# included) with py-spy (its wheel in .whl/) through steps 3-5, into $OUT/pyspy-server.json: summarize with
-# python bench/pyspy_summary.py FILE.
+# included) with py-spy (its wheel in .whl/) through steps 3-5, into $OUT/pyspy-server.json.gz and its summary
+# (bench/pyspy_summary.py) $OUT/pyspy-summary.txt.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -60,7 +60,7 @@ t0=$(ms)
 SPY=()
 if [ $PYSPY = 1 ]; then
   [ -x /tmp/site/bin/py-spy ] || $PY -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.whl/py_spy-*.whl
-  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o "${OUT:-/tmp}/pyspy-server.json" --)
+  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o /tmp/pyspy-server.json --)
 fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning > /tmp/server.log 2>&1 &
@@ -84,6 +84,8 @@ if [ $SWEEP = 1 ]; then
 fi
 if [ $PYSPY = 1 ]; then    # py-spy writes its file on SIGINT; the server goes on, so stop it after
   kill -INT $SRV; wait $SRV; pkill -TERM -f "jaxpaged.server --port $PORT"; sleep 5
+  $PY "$BENCH/pyspy_summary.py" /tmp/pyspy-server.json --window-s 0.1 > /tmp/pyspy-summary.txt
+  [ -n "${OUT:-}" ] && cp /tmp/pyspy-summary.txt "$OUT/" && gzip -c /tmp/pyspy-server.json > "$OUT/pyspy-server.json.gz"
 else
   kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
 fi
