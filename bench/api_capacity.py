@@ -4,7 +4,8 @@ The real server (FastAPI app, AsyncLLM, OutputProcessor, SSE) runs in its own pr
 engine core that has no model: every step it hands each running request `--tokens-per-step` random tokens
 (as a multi-step program does) until its max_tokens, after `--step-ms` of pretend device time. So the
 figure is the API side's ceiling, whatever the GPU: if it is not well above the engine's offline tok/s,
-the server cannot reach the engine's speed. Runs on the CPU.
+the server cannot reach the engine's speed. Runs on the CPU. It also prints the server process's CPU time
+for the run, which, unlike the throughput, hardly depends on what else the machine is running.
 
   python bench/api_capacity.py --num-prompts 1000 --tokens-per-step 16 [--profile api.prof]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -108,6 +110,12 @@ def serve(port: int, tokens_per_step: int, step_ms: float, profile: str | None) 
         prof.dump_stats(profile)
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process's own threads (not its children: the stand-in core)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -137,12 +145,20 @@ def main() -> None:
             if srv.poll() is not None or time.time() > deadline:
                 sys.exit("the server did not start")
             time.sleep(0.2)
+        cpu0 = process_cpu_s(srv.pid)
+        client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run([sys.executable, str(Path(__file__).parent / "serve.py"), "--base-url",
                         f"http://127.0.0.1:{args.port}", "--model", "qwen2-0.5b", "--dataset", "random",
                         "--num-prompts", str(args.num_prompts), "--input-len", "32", "--output-len",
                         str(args.output_len), "--no-warmup", "--served-model-name", "stand-in",
                         "--result-name", f"api-capacity-{args.num_prompts}x{args.output_len}"
                         f"-k{args.tokens_per_step}"], check=True)
+        # CPU time barely depends on what else the machine runs, unlike the wall-clock figures above
+        cpu = process_cpu_s(srv.pid) - cpu0
+        print(f"API process CPU time: {cpu:.2f} s, {cpu / args.num_prompts * 1e3:.3f} ms per request")
+        client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        client = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
+        print(f"client (bench/serve.py) CPU time: {client:.2f} s, {client / args.num_prompts * 1e3:.3f} ms per request")
     finally:
         srv.terminate()
         srv.wait(60)
