@@ -15,6 +15,7 @@ import hmac
 import inspect
 import logging
 import sys
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -109,7 +110,7 @@ def add_api_key_check(app: FastAPI, api_key: str, root_path: str) -> None:
 
 # Newer FastAPI traces every request with OpenTelemetry unless told not to, asking the global providers (and
 # the environment) per request; jaxpaged's metrics are Prometheus's (/metrics), so the server turns it off.
-_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+_NO_NATIVE_TELEMETRY: dict[str, Any] = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
                         if "telemetry" in inspect.signature(FastAPI).parameters else {})
 
 

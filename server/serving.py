@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable
 
+import msgspec
 from fastapi import Request
 
 from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
@@ -105,15 +105,19 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 # ---- streams -----------------------------------------------------------------------------------
-def sse(payload) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+_encode_json = msgspec.json.Encoder().encode
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(payload: dict) -> bytes:
+    """One server-sent event, `data: <JSON>`. msgspec writes UTF-8 as is (json.dumps' ensure_ascii=False) in a
+    tenth of json.dumps' time: a server at full speed sends about ten thousand of these a second."""
+    return b"data: " + _encode_json(payload) + b"\n\n"
 
 
-async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Frame a stream for the client: a failure after the 200 header sends an error chunk, and every
     stream that was not cut by the client ends with `data: [DONE]`."""
     try:

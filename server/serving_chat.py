@@ -103,11 +103,11 @@ async def _full(state: ServerState, request: ChatCompletionRequest, request_id: 
 
 
 async def _stream(state: ServerState, request: ChatCompletionRequest, request_id: str, num_prompt: int,
-                  gen) -> AsyncIterator[str]:
+                  gen) -> AsyncIterator[bytes]:
     created = int(time.time())
     num_gen = 0
 
-    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
         body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": state.model_name, "choices": choices}
         if usage is not None:

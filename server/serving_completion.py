@@ -124,14 +124,14 @@ async def _full(state: ServerState, request: CompletionRequest, request_id: str,
 
 
 async def _stream(state: ServerState, request: CompletionRequest, request_id: str, prepared: list[_Prepared],
-                  gens: list) -> AsyncIterator[str]:
+                  gens: list) -> AsyncIterator[bytes]:
     created = int(time.time())
     n = request.n
     text_len: dict[int, int] = {}          # choice index -> characters sent so far (for text_offset)
     num_gen = 0
     num_prompt = sum(len(p.token_ids) for p in prepared)
 
-    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+    def chunk(choices: list[dict], usage: UsageInfo | None = None) -> bytes:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": choices}
         if usage is not None:
