@@ -14,8 +14,9 @@ Same inputs and outputs as step.packed_step; a test checks both give the same to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,11 +104,13 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
     return kv_cache, sampled_buf, result
 
 
-class GroupedStep(NamedTuple):
-    """One engine step as the programs per_layer dispatch runs in turn: the embedding, one per layer group,
-    the head. Each is a jitted function with its static arguments bound (jitted), or what start-up made of
-    one: its lowering (lowerings), or the executable compiled or loaded from it (runner/step.py). Groups
-    of one size share one program."""
+@dataclasses.dataclass(frozen=True)
+class GroupedStep:
+    """One engine step as the programs per_layer dispatch runs in turn: the embedding, one per layer group
+    (groups of one size run one program), the head. Called, it runs the step on jitted functions with
+    their static arguments bound (jitted) or on the executables compiled or loaded at start-up
+    (runner/step.py). The same shape carries each program's cache key (program_keys) and the function that
+    lowers it (lowerings)."""
     pre: Any           # (params, prev_sampled, ints, floats) -> (h, cos, sin, model_input, sampling)
     layers: tuple      # per group: (group_params, h, kv_cache, first_idx, meta, cos, sin) -> (h, kv_cache)
     post: Any          # (params, h, prev_sampled, model_input, sampling) -> (sampled_buf, result)

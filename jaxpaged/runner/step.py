@@ -24,7 +24,7 @@ from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, 
 
 logger = logging.getLogger("jaxpaged.runner")
 
-# Start-up threads with the executable cache on: they deserialize the cached steps and XLA-compile the
+# Start-up threads with the executable cache on: they deserialize the cached programs and XLA-compile the
 # missing ones while the main thread traces and lowers the next.
 STARTUP_THREADS = 8
 
@@ -104,7 +104,8 @@ class StepPrograms:
         programs: dict = {}       # program key -> its executable, as the buckets' steps get them
         compiling: dict = {}      # program key -> the future of its XLA compile on the start-up threads
         if cache is not None and len(variants) > 1:
-            keys = [self._program_keys(b, steps, flags) for b, steps in variants]
+            keys = [self._program_keys(self._layout(*self.dummy_inputs(b)), self.options(b, steps), flags)
+                    for b, steps in variants]
             cache.load_many(list(dict.fromkeys(k for ks in keys for k in ks)), STARTUP_THREADS)
             missing, seen = [], set()     # [(variant, the keys it is the first to miss)]
             for variant, ks in zip(variants, keys):
@@ -115,7 +116,7 @@ class StepPrograms:
             if missing:
                 pool = concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile")
                 for (bucket, steps), new in tqdm(missing, desc="Lowering buckets", disable=not progress):
-                    lowerings = self._lowerings(state, bucket, steps, flags)
+                    lowerings = self._lowerings(state, bucket, self.options(bucket, steps), flags)
                     for key in new:
                         compiling[key] = pool.submit(lowerings[key]().compile)
         try:
@@ -130,7 +131,7 @@ class StepPrograms:
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
         cache = self.exec_cache
-        loaded = self._load_or_compile(cache, state, bucket, steps, flags, programs, compiling) if cache else []
+        loaded = self._load_or_compile(cache, state, bucket, options, flags, programs, compiling) if cache else []
         try:
             state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
                                                            options=options, flags=flags)
@@ -155,21 +156,21 @@ class StepPrograms:
         """The step inputs' layout (step_inputs.flatten): with the options and flags, what picks its programs."""
         return flatten((mi, si), self.run.input_align)[2]
 
-    def _program_keys(self, bucket: Bucket, steps: int, flags: SamplerFlags) -> list[tuple]:
-        """What each program of the bucket's step is stored under, in the order the step runs them: which
-        program it is, its inputs' layout, runtime options and sampler flags (those it takes)."""
-        layout, options = self._layout(*self.dummy_inputs(bucket)), self.options(bucket, steps)
+    def _program_keys(self, layout: tuple, options: RuntimeOptions, flags: SamplerFlags) -> list[tuple]:
+        """What each program of a step is stored under, in the order the step runs them: which program it
+        is, its inputs' layout, runtime options and sampler flags (those it takes)."""
         if self._grouped:
             return layerwise.program_keys(self.layer_groups, layout=layout, options=options, flags=flags).flat()
         return [("step", layout, options, flags)]
 
-    def _load_or_compile(self, cache: ExecutableCache, state, bucket: Bucket, steps: int, flags: SamplerFlags,
-                         programs: dict, compiling: dict) -> list[tuple]:
+    def _load_or_compile(self, cache: ExecutableCache, state, bucket: Bucket, options: RuntimeOptions,
+                         flags: SamplerFlags, programs: dict, compiling: dict) -> list[tuple]:
         """The step's programs: each one an earlier bucket got, else from the on-disk cache, else from
         `compiling` (the start-up threads), else traced and compiled here, and stored on disk; the step
         made of them is what run_packed calls. Returns the keys of those that came from disk (they have
         not run yet)."""
-        keys = self._program_keys(bucket, steps, flags)
+        layout = self._layout(*self.dummy_inputs(bucket))
+        keys = self._program_keys(layout, options, flags)
         from_disk, lowerings = [], None
         for key in dict.fromkeys(keys):
             if key in programs:
@@ -182,13 +183,11 @@ class StepPrograms:
                 if future is not None:
                     compiled = future.result()
                 else:
-                    lowerings = lowerings or self._lowerings(state, bucket, steps, flags)
+                    lowerings = lowerings or self._lowerings(state, bucket, options, flags)
                     compiled = lowerings[key]().compile()
                 cache.store(key, compiled)
             programs[key] = compiled
-        mi, si = self.dummy_inputs(bucket)
-        self._compiled[self._layout(mi, si), self.options(bucket, steps), flags] = self._assemble(
-            [programs[k] for k in keys])
+        self._compiled[layout, options, flags] = self._assemble([programs[k] for k in keys])
         return from_disk
 
     def _assemble(self, executables: list):
@@ -200,13 +199,13 @@ class StepPrograms:
             return functools.partial(executables[0], self.params)
         return functools.partial(executables[0], self.params, self.layer_groups[0][0])
 
-    def _lowerings(self, state, bucket: Bucket, steps: int, flags: SamplerFlags) -> dict:
+    def _lowerings(self, state, bucket: Bucket, options: RuntimeOptions, flags: SamplerFlags) -> dict:
         """Program key -> a function that traces and lowers that program of the bucket's step, for inputs
         as the steps are given them: packed, in pinned host memory."""
         host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
         ints, floats = self.host_inputs.write(host_ints, host_floats).arrays
-        kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=self.options(bucket, steps), flags=flags)
-        keys = self._program_keys(bucket, steps, flags)
+        kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
+        keys = self._program_keys(layout, options, flags)
         if self._grouped:
             return dict(zip(keys, layerwise.lowerings(self.params, self.layer_groups, state.kv_cache,
                                                       state.prev_sampled, ints, floats, **kw).flat()))

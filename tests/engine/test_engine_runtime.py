@@ -102,7 +102,7 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
     assert sum(t.startswith("jaxpaged-compile") for t in compile_threads) == n
     assert cold.llm_engine.runner.exec_cache.misses == n and cold.llm_engine.runner.exec_cache.hits == 0
     want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp, use_tqdm=False)]
-    del cold; print("T cold", time.perf_counter() - T0)
+    del cold
     counter = CompileCounter()
     counter.active = True
     from jaxpaged.runner.exec_cache import ExecutableCache
