@@ -172,7 +172,9 @@ def test_per_layer_programs_compile_in_parallel_once_and_load_warm(tmp_path_fact
     counter.names.clear()
     want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp, use_tqdm=False)]
     assert not counter.names.keys() & programs.keys()        # the steps ran the compiled executables
-    shared = cold.llm_engine.runner.programs._program_keys(Bucket(4, 4, True), 1, SamplerFlags())[0]
+    step, decode4 = cold.llm_engine.runner.programs, Bucket(4, 4, True)
+    shared = step._program_keys(step._layout(*step.dummy_inputs(decode4)), step.options(decode4, 1), SamplerFlags())[0]
+    assert shared[0] == "pre"
     del cold
 
     counter.count = 0
