@@ -126,7 +126,7 @@ class RunConfig:
 
     @property
     def single_program(self) -> bool:
-        """Whether one engine step is one compiled program (what multi-step and the executable cache need)."""
+        """Whether one engine step is one compiled program (what multi-step decoding needs)."""
         return self.layer_dispatch != "per_layer"
 
     def summary(self) -> str:
@@ -170,8 +170,9 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
         layers_per_dispatch=LAYERS_PER_DISPATCH if dispatch == "per_layer" else 0,
         num_scheduler_steps=steps,
         compile_buckets=args.compile_buckets if args.compile_buckets is not None else on_gpu,
-        # XLA:CPU cannot run some deserialized bf16 programs, and CPU compiles are quick anyway.
-        executable_cache=on_gpu and compile_cache and dispatch != "per_layer",
+        # Every dispatch: per_layer's embedding, layer-group and head programs are each cached. Not on the
+        # CPU: XLA:CPU cannot run some deserialized bf16 programs, and CPU compiles are quick anyway.
+        executable_cache=on_gpu and compile_cache,
         input_align=MOSAIC_INPUT_ALIGN if dispatch == "unrolled" else 1,
     )
 

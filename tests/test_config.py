@@ -79,21 +79,22 @@ def test_batch_defaults_are_vllms():
 
 
 def test_compile_buckets_and_executable_cache():
-    """Buckets compile at start-up on GPUs; compiled steps are kept on disk only for single-program steps
-    on GPUs with the compile cache on (XLA:CPU cannot run some deserialized programs)."""
+    """Buckets compile at start-up on GPUs; compiled steps are kept on disk on GPUs with the compile cache
+    on, under every layer dispatch (XLA:CPU cannot run some deserialized programs)."""
     assert run(H100).compile_buckets and not run(CPU).compile_buckets
     assert run(CPU, compile_buckets=True).compile_buckets
     assert run(H100).executable_cache and not run(CPU).executable_cache
-    assert not run(H100, LARGE).executable_cache                    # per_layer: several programs a step
-    assert not resolve(EngineArgs(), H100, layer_bytes=SMALL, max_position_embeddings=4096,
-                       compile_cache=False).executable_cache
+    assert run(H100, LARGE).executable_cache                        # per_layer: each of a step's programs
+    for layer_bytes in (SMALL, LARGE):
+        assert not resolve(EngineArgs(), H100, layer_bytes=layer_bytes, max_position_embeddings=4096,
+                           compile_cache=False).executable_cache
 
 
 def test_the_summary_is_one_line_naming_every_choice():
     line = run(H100, LARGE).summary()
     assert "\n" not in line
     for part in ("platform=gpu", "attention=mosaic", "layers=per_layer/4", "steps_per_program=1",
-                 "max_num_batched_tokens=16384", "max_num_seqs=1024", "executable_cache=False", "input_align=1"):
+                 "max_num_batched_tokens=16384", "max_num_seqs=1024", "executable_cache=True", "input_align=1"):
         assert part in line
 
 

@@ -2,13 +2,15 @@
 
 JAX's persistent compilation cache saves XLA's compile, but every start-up still traces the step through
 the Flax model and lowers it (Pallas kernels included) once per shape bucket before it can look the
-executable up: about 0.5 s a bucket, most of the start-up with a warm cache. Here each bucket's compiled
-executable is serialized (jax.experimental.serialize_executable) under a fingerprint of everything it
-was built from: JAX and jaxlib versions, the device, XLA_FLAGS, the jaxpaged sources, the model config,
-dtype, attention backend and pool shape. A later start-up with the same fingerprint loads the executable
-and calls it directly. Anything that fails to load, or to run in warm-up, falls back to tracing with a
-warning (XLA:CPU cannot run some deserialized bf16 programs). config.resolve turns it on for single-program
-steps on GPUs (RunConfig.executable_cache), where it roughly halves a small model's warm start-up.
+executable up: about 0.5 s a bucket, most of the start-up with a warm cache. Here each compiled program
+of a bucket's step (the step itself, or under per_layer dispatch its embedding, layer-group and head
+programs: runner/step.py names them) is serialized (jax.experimental.serialize_executable) under its key,
+in a folder named by a fingerprint of everything it was built from: JAX and jaxlib versions, the device,
+XLA_FLAGS, the jaxpaged sources, the model config, dtype, layer dispatch, attention backend and pool
+shape. A later start-up with the same fingerprint loads the executables and calls them directly. Anything
+that fails to load, or to run in warm-up, falls back to tracing with a warning (XLA:CPU cannot run some
+deserialized bf16 programs). config.resolve turns it on on GPUs (RunConfig.executable_cache), where it
+roughly halves a small model's warm start-up.
 """
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ Same inputs and outputs as step.packed_step; a test checks both give the same to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,9 +104,70 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
     return kv_cache, sampled_buf, result
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedStep:
+    """One engine step as the programs per_layer dispatch runs in turn: the embedding, one per layer group
+    (groups of one size run one program), the head. Called, it runs the step on jitted functions with
+    their static arguments bound (jitted) or on the executables compiled or loaded at start-up
+    (runner/step.py). The same shape carries each program's cache key (program_keys) and the function that
+    lowers it (lowerings)."""
+    pre: Any           # (params, prev_sampled, ints, floats) -> (h, cos, sin, model_input, sampling)
+    layers: tuple      # per group: (group_params, h, kv_cache, first_idx, meta, cos, sin) -> (h, kv_cache)
+    post: Any          # (params, h, prev_sampled, model_input, sampling) -> (sampled_buf, result)
+
+    def __call__(self, params, layer_groups, kv_cache, prev_sampled, ints, floats):
+        """The step -> (kv_cache, sampled_buf, results), as step.packed_step."""
+        h, cos, sin, model_input, sampling = self.pre(params, prev_sampled, ints, floats)
+        meta = model_input.meta
+        for (group_params, first_idx), layers in zip(layer_groups, self.layers):
+            h, kv_cache = layers(group_params, h, kv_cache, first_idx, meta, cos, sin)
+        sampled_buf, result = self.post(params, h, prev_sampled, model_input, sampling)
+        return kv_cache, sampled_buf, result
+
+    def flat(self) -> list:
+        """The programs in the order they run (a group's once per group)."""
+        return [self.pre, *self.layers, self.post]
+
+    @classmethod
+    def of(cls, programs: list) -> GroupedStep:
+        """flat's inverse."""
+        return cls(programs[0], tuple(programs[1:-1]), programs[-1])
+
+
+def program_keys(layer_groups, *, layout, options: RuntimeOptions, flags: SamplerFlags) -> GroupedStep:
+    """What tells each program of a step apart (the executable cache's keys): which program it is, the
+    step's input layout, and the static arguments it takes. A group's key names its size, not its place:
+    groups of one size run one program, and so do the embeddings (heads) of buckets with one layout."""
+    return GroupedStep(("pre", layout), tuple(("layers", len(g), layout, options) for g, _ in layer_groups),
+                       ("post", layout, flags))
+
+
+def jitted(layer_groups, *, layout, cfg, dtype, options: RuntimeOptions, flags: SamplerFlags) -> GroupedStep:
+    """The step's programs as jitted functions."""
+    layers = functools.partial(_layers_jit, cfg=cfg, dtype=dtype, options=options)
+    return GroupedStep(functools.partial(_pre, layout=layout, cfg=cfg, dtype=dtype), (layers,) * len(layer_groups),
+                       functools.partial(_post, cfg=cfg, dtype=dtype, flags=flags))
+
+
+def lowerings(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
+              options: RuntimeOptions, flags: SamplerFlags) -> GroupedStep:
+    """Functions that trace and lower each of the step's programs for these arguments, as they are called
+    (jax.stages.Lowered). The embedding is traced now: its output shapes stand for the activations it
+    hands to the layers and the head, so each program lowers on its own."""
+    pre = _pre.trace(params, prev_sampled, ints, floats, layout=layout, cfg=cfg, dtype=dtype)
+    h, cos, sin, model_input, sampling = pre.out_info
+
+    def lower_layers(group_params, first_idx):
+        return lambda: _layers_jit.trace(group_params, h, kv_cache, first_idx, model_input.meta, cos, sin,
+                                         cfg=cfg, dtype=dtype, options=options).lower()
+    return GroupedStep(pre.lower, tuple(lower_layers(*g) for g in layer_groups),
+                       lambda: _post.trace(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
+                                           flags=flags).lower())
+
+
 def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
          options: RuntimeOptions, flags: SamplerFlags):
-    """One engine step dispatched group by group -> (kv_cache, sampled_buf, results), as _packed_step.
+    """One engine step through jit -> (kv_cache, sampled_buf, results), as step.packed_step.
 
     layer_groups: from group_layers; each group's layers run unrolled in one program (a last, smaller
     group compiles its own), its first index a device scalar made once (a Python int is copied every call).
@@ -116,12 +179,5 @@ def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, 
                           cfg=cfg, dtype=dtype, options=options, flags=flags)
     if options.num_steps > 1:
         raise ValueError("multi-step decoding needs the whole step in one program, not layer groups")
-    h, cos, sin, model_input, sampling = _pre(params, prev_sampled, ints, floats, layout=layout, cfg=cfg,
-                                              dtype=dtype)
-    meta = model_input.meta
-    for group_params, first_idx in layer_groups:
-        h, kv_cache = _layers_jit(group_params, h, kv_cache, first_idx, meta, cos, sin, cfg=cfg, dtype=dtype,
-                                  options=options)
-    sampled_buf, result = _post(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
-                                flags=flags)
-    return kv_cache, sampled_buf, result
+    programs = jitted(layer_groups, layout=layout, cfg=cfg, dtype=dtype, options=options, flags=flags)
+    return programs(params, layer_groups, kv_cache, prev_sampled, ints, floats)

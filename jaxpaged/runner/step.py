@@ -24,7 +24,7 @@ from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, 
 
 logger = logging.getLogger("jaxpaged.runner")
 
-# Start-up threads with the executable cache on: they deserialize the cached steps and XLA-compile the
+# Start-up threads with the executable cache on: they deserialize the cached programs and XLA-compile the
 # missing ones while the main thread traces and lowers the next.
 STARTUP_THREADS = 8
 
@@ -48,7 +48,7 @@ class StepPrograms:
             self.params, self.layer_groups = params, None
         self.host_inputs = HostInputs()
         self.max_blocks_per_req = max_blocks_per_req
-        self._compiled: dict = {}       # (layout, options, flags) -> executable, filled at warm-up
+        self._compiled: dict = {}       # (layout, options, flags) -> the step's compiled programs, at warm-up
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_groups))
@@ -73,18 +73,21 @@ class StepPrograms:
 
     def run_packed(self, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
                    flags: SamplerFlags):
-        """The step on already packed inputs (step_inputs.pack): a compiled program when warm-up made
-        one, else through jit."""
+        """The step on already packed inputs (step_inputs.pack): the programs warm-up made for it, else
+        through jit."""
         compiled = self._compiled.get((layout, options, flags))
+        if compiled is not None:
+            return compiled(kv_cache, prev_sampled, ints, floats)
         if self.layer_groups is None:
-            if compiled is not None:
-                return compiled(self.params, kv_cache, prev_sampled, ints, floats)
             return packed_step(self.params, kv_cache, prev_sampled, ints, floats, layout=layout, cfg=self.cfg,
                                dtype=self.dtype, options=options, flags=flags)
-        if compiled is not None:         # unrolled, from the executable cache or the start-up threads
-            return compiled(self.params, self.layer_groups[0][0], kv_cache, prev_sampled, ints, floats)
         return layerwise.step(self.params, self.layer_groups, kv_cache, prev_sampled, ints, floats, layout=layout,
                               cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
+
+    @property
+    def _grouped(self) -> bool:
+        """Whether a step is several programs (per_layer dispatch over more than one layer group)."""
+        return self.layer_groups is not None and len(self.layer_groups) > 1
 
     # ---- warm-up ------------------------------------------------------------------------------
     def warmup(self, state, variants: list[tuple[Bucket, int]], progress: bool = True) -> None:
@@ -93,78 +96,125 @@ class StepPrograms:
 
         With the executable cache, cached programs are deserialized on several threads at once; the others
         are traced and lowered here (Python, one at a time) and compiled by XLA on the threads, while this
-        one lowers the next."""
+        one lowers the next. A program that several buckets run (per_layer: an embedding or head of one
+        input layout, a layer group of one size) is compiled once."""
         from tqdm.auto import tqdm
         flags = SamplerFlags()
-        pool, compiling = None, {}          # compiling: key -> the future of its XLA compile
-        if self.exec_cache is not None and len(variants) > 1:
-            keys = [self._cache_key(*self.dummy_inputs(b), self.options(b, steps), flags) for b, steps in variants]
-            self.exec_cache.load_many(keys, STARTUP_THREADS)
-            missing = [(v, k) for v, k in zip(variants, keys) if not self.exec_cache.prefetched(k)]
+        cache, pool = self.exec_cache, None
+        programs: dict = {}       # program key -> its executable, as the buckets' steps get them
+        compiling: dict = {}      # program key -> the future of its XLA compile on the start-up threads
+        if cache is not None and len(variants) > 1:
+            keys = [self._program_keys(self._layout(*self.dummy_inputs(b)), self.options(b, steps), flags)
+                    for b, steps in variants]
+            cache.load_many(list(dict.fromkeys(k for ks in keys for k in ks)), STARTUP_THREADS)
+            missing, seen = [], set()     # [(variant, the keys it is the first to miss)]
+            for variant, ks in zip(variants, keys):
+                new = [k for k in dict.fromkeys(ks) if not cache.prefetched(k) and k not in seen]
+                seen.update(new)
+                if new:
+                    missing.append((variant, new))
             if missing:
                 pool = concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile")
-                for (bucket, steps), key in tqdm(missing, desc="Lowering buckets", disable=not progress):
-                    lowered = self._lower(state, *self.dummy_inputs(bucket), self.options(bucket, steps), flags)
-                    compiling[key] = pool.submit(lowered.compile)
+                for (bucket, steps), new in tqdm(missing, desc="Lowering buckets", disable=not progress):
+                    lowerings = self._lowerings(state, bucket, self.options(bucket, steps), flags)
+                    for key in new:
+                        compiling[key] = pool.submit(lowerings[key]().compile)
         try:
             for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
-                self._warm_one(state, bucket, steps, flags, compiling)
+                self._warm_one(state, bucket, steps, flags, programs, compiling)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
 
-    def _warm_one(self, state, bucket: Bucket, steps: int, flags: SamplerFlags, compiling: dict) -> None:
+    def _warm_one(self, state, bucket: Bucket, steps: int, flags: SamplerFlags, programs: dict,
+                  compiling: dict) -> None:
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
         cache = self.exec_cache
-        loaded = self._load_or_compile(cache, state, mi, si, options, flags, compiling) if cache else None
+        loaded = self._load_or_compile(cache, state, bucket, options, flags, programs, compiling) if cache else []
         try:
             state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
                                                            options=options, flags=flags)
             jax.block_until_ready(res)
         except jax.errors.JaxRuntimeError as e:
-            if loaded is None or cache is None:
+            if not loaded or cache is None:
                 raise
             # A loaded executable that does not run (XLA:CPU cannot run some deserialized bf16 programs):
-            # forget it and trace as usual. The pool holds nothing yet, so it is simply remade.
+            # forget those of this step that came from disk and trace the step as usual; a later bucket
+            # that runs one of them compiles it. The pool holds nothing yet, so it is simply remade.
             logger.warning("A cached executable failed to run (%s); compiling it instead", e)
-            cache.discard(loaded)
-            del self._compiled[loaded]
+            for key in loaded:
+                cache.discard(key)
+                del programs[key]
+            del self._compiled[self._layout(mi, si), options, flags]
             state.reset_buffers()
             state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
                                                            options=options, flags=flags)
             jax.block_until_ready(res)
 
-    def _cache_key(self, mi, si, options: RuntimeOptions, flags: SamplerFlags) -> tuple:
-        """What a step's executable is stored under: its inputs' layout, runtime options and sampler flags."""
-        return (flatten((mi, si), self.run.input_align)[2], options, flags)
+    def _layout(self, mi, si) -> tuple:
+        """The step inputs' layout (step_inputs.flatten): with the options and flags, what picks its programs."""
+        return flatten((mi, si), self.run.input_align)[2]
 
-    def _load_or_compile(self, cache: ExecutableCache, state, mi, si, options: RuntimeOptions, flags: SamplerFlags,
-                         compiling: dict) -> tuple | None:
-        """The bucket's executable from the on-disk cache, else from `compiling` (the start-up threads),
-        else traced and compiled here; stored on disk. Returns its key when it came from disk (it has not
-        run yet), else None."""
-        key = self._cache_key(mi, si, options, flags)
-        compiled = cache.load(key)
-        from_disk = compiled is not None
-        if not from_disk:
-            future = compiling.pop(key, None)
-            compiled = future.result() if future is not None else self._lower(state, mi, si, options, flags).compile()
-            cache.store(key, compiled)
-        self._compiled[key] = compiled
-        return key if from_disk else None
+    def _program_keys(self, layout: tuple, options: RuntimeOptions, flags: SamplerFlags) -> list[tuple]:
+        """What each program of a step is stored under, in the order the step runs them: which program it
+        is, its inputs' layout, runtime options and sampler flags (those it takes)."""
+        if self._grouped:
+            return layerwise.program_keys(self.layer_groups, layout=layout, options=options, flags=flags).flat()
+        return [("step", layout, options, flags)]
 
-    def _lower(self, state, mi, si, options: RuntimeOptions, flags: SamplerFlags):
-        """The step traced and lowered for these inputs as the steps are called: packed, in pinned host memory."""
-        host_ints, host_floats, layout = pack((mi, si), self.run.input_align)
+    def _load_or_compile(self, cache: ExecutableCache, state, bucket: Bucket, options: RuntimeOptions,
+                         flags: SamplerFlags, programs: dict, compiling: dict) -> list[tuple]:
+        """The step's programs: each one an earlier bucket got, else from the on-disk cache, else from
+        `compiling` (the start-up threads), else traced and compiled here, and stored on disk; the step
+        made of them is what run_packed calls. Returns the keys of those that came from disk (they have
+        not run yet)."""
+        layout = self._layout(*self.dummy_inputs(bucket))
+        keys = self._program_keys(layout, options, flags)
+        from_disk, lowerings = [], None
+        for key in dict.fromkeys(keys):
+            if key in programs:
+                continue
+            compiled = cache.load(key)
+            if compiled is not None:
+                from_disk.append(key)
+            else:
+                future = compiling.pop(key, None)
+                if future is not None:
+                    compiled = future.result()
+                else:
+                    lowerings = lowerings or self._lowerings(state, bucket, options, flags)
+                    compiled = lowerings[key]().compile()
+                cache.store(key, compiled)
+            programs[key] = compiled
+        self._compiled[layout, options, flags] = self._assemble([programs[k] for k in keys])
+        return from_disk
+
+    def _assemble(self, executables: list):
+        """The step as run_packed calls it, (kv_cache, prev_sampled, ints, floats) -> outputs, from its
+        programs' executables (in _program_keys' order)."""
+        if self._grouped:
+            return functools.partial(layerwise.GroupedStep.of(executables), self.params, self.layer_groups)
+        if self.layer_groups is None:
+            return functools.partial(executables[0], self.params)
+        return functools.partial(executables[0], self.params, self.layer_groups[0][0])
+
+    def _lowerings(self, state, bucket: Bucket, options: RuntimeOptions, flags: SamplerFlags) -> dict:
+        """Program key -> a function that traces and lowers that program of the bucket's step, for inputs
+        as the steps are given them: packed, in pinned host memory."""
+        host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
         ints, floats = self.host_inputs.write(host_ints, host_floats).arrays
         kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
+        keys = self._program_keys(layout, options, flags)
+        if self._grouped:
+            return dict(zip(keys, layerwise.lowerings(self.params, self.layer_groups, state.kv_cache,
+                                                      state.prev_sampled, ints, floats, **kw).flat()))
         if self.layer_groups is None:
             traced = packed_step.trace(self.params, state.kv_cache, state.prev_sampled, ints, floats, **kw)
         else:
             traced = layerwise.whole_step.trace(self.params, self.layer_groups[0][0], state.kv_cache,
                                                 state.prev_sampled, ints, floats, **kw)
-        return traced.lower()
+        return {keys[0]: traced.lower}
 
     def dummy_inputs(self, bucket: Bucket) -> tuple[ModelInput, SamplingInputs]:
         """A bucket's inputs with no real request: every token is padding, writes go to the null block."""

@@ -1,5 +1,6 @@
 """Runtime properties of the engine: nothing recompiles after warm-up, and a deleted LLM frees its device
 memory (no runner is kept alive by JAX's caches)."""
+import collections
 import gc
 import threading
 
@@ -38,16 +39,19 @@ def exec_cache_root(tmp_path, monkeypatch):
 
 
 class CompileCounter:
-    """Counts XLA backend compilations through jax.monitoring's compile-duration events."""
+    """Counts XLA backend compilations through jax.monitoring's compile-duration events, in all and by the
+    compiled function's name ("jit(_pre)")."""
 
     def __init__(self):
         self.count = 0
+        self.names: collections.Counter = collections.Counter()
         self.active = False
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event, duration, **kwargs):
         if self.active and event == "/jax/core/compile/backend_compile_duration":
             self.count += 1
+            self.names[kwargs.get("fun_name")] += 1
 
 
 @pytest.mark.parametrize("layer_dispatch", ["scan", "per_layer", "unrolled"])
@@ -122,6 +126,81 @@ def test_warm_start_loads_executables_and_gives_the_same_tokens(model_dir, exec_
     assert [o.outputs[0].token_ids for o in warm.generate(prompts, sp, use_tqdm=False)] == want
     other = LLM(**{**kw, "num_gpu_blocks_override": 80})
     assert other.llm_engine.runner.exec_cache.hits == 0
+
+
+def test_per_layer_programs_compile_in_parallel_once_and_load_warm(tmp_path_factory, exec_cache_root):
+    """Per-layer dispatch over 5 layers in groups of 4 and 1: each bucket's step is four programs (the
+    embedding, a 4-layer and a 1-layer group, the head). A cold start compiles each distinct program once,
+    on the start-up threads (buckets of one input layout share their embedding and head), and the steps
+    run those executables. A second start over the same cache loads every program and compiles none, then
+    or while generating. A shared program that fails to run falls back: its bucket's step is traced, the
+    next bucket that runs it compiles it again. All give the tokens of the step through jit."""
+    from jaxpaged.runner.buckets import Bucket
+    from jaxpaged.runner.exec_cache import ExecutableCache
+    from jaxpaged.runner.sampler import SamplerFlags
+    model = tiny_llama_dir(tmp_path_factory, "tiny_llama_rt5", num_hidden_layers=5)
+    # max_num_seqs = max_num_batched_tokens = 4: decode buckets of 1, 2 and 4 rows, and a mixed one of
+    # 4 tokens and 4 rows, whose input layout the 4-row decode bucket shares
+    kw = dict(model=model, **COMPILED, layer_dispatch="per_layer")
+    kw.update(max_num_batched_tokens=4, max_num_seqs=4)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (3, 21, 9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    jax.clear_caches()        # nothing compiled earlier in this process stands in for a program
+    compile_threads = []
+    real_compile = jax.stages.Lowered.compile
+
+    def compile_(self, *a, **k):
+        compile_threads.append(threading.current_thread().name)
+        return real_compile(self, *a, **k)
+
+    counter = CompileCounter()
+    counter.active = True
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax.stages.Lowered, "compile", compile_)
+        cold = LLM(**kw)
+    assert [len(g) for g, _ in cold.llm_engine.runner.programs.layer_groups] == [4, 1]
+    buckets = cold.llm_engine.buckets.all_buckets()
+    layouts = {(b.padded_num_tokens, b.padded_num_reqs) for b in buckets}
+    assert len(buckets) == 4 and len(layouts) == 3
+    programs = {"jit(_pre)": len(layouts), "jit(_layers)": 2 * len(buckets), "jit(_post)": len(layouts)}
+    n = sum(programs.values())
+    assert {name: counter.names[name] for name in programs} == programs
+    assert len(compile_threads) == n and all(t.startswith("jaxpaged-compile") for t in compile_threads)
+    cache = cold.llm_engine.runner.exec_cache
+    assert cache.misses == n and cache.hits == 0 and len(list(exec_cache_root.rglob("*.bin"))) == n
+    counter.names.clear()
+    want = [o.outputs[0].token_ids for o in cold.generate(prompts, sp, use_tqdm=False)]
+    assert not counter.names.keys() & programs.keys()        # the steps ran the compiled executables
+    step, decode4 = cold.llm_engine.runner.programs, Bucket(4, 4, True)
+    shared = step._program_keys(step._layout(*step.dummy_inputs(decode4)), step.options(decode4, 1), SamplerFlags())[0]
+    assert shared[0] == "pre"
+    del cold
+
+    counter.count = 0
+    warm = LLM(**kw)
+    assert warm.llm_engine.runner.exec_cache.hits == n and warm.llm_engine.runner.exec_cache.misses == 0
+    assert [o.outputs[0].token_ids for o in warm.generate(prompts, sp, use_tqdm=False)] == want
+    assert counter.count == 0, counter.names
+    del warm
+    counter.active = False
+
+    real_load = ExecutableCache.load
+
+    def broken(*args):
+        raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_convert not found")
+
+    def load(self, key):        # the embedding of the 4-row layout, in two buckets' steps, fails to run
+        compiled = real_load(self, key)
+        return broken if compiled is not None and key == shared else compiled
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ExecutableCache, "load", load)
+        fallback = LLM(**kw)
+    # the failed bucket's four programs are dropped, the mixed bucket compiles its embedding and head again
+    assert fallback.llm_engine.runner.exec_cache.hits == n - 4
+    assert len(list(exec_cache_root.rglob("*.bin"))) == n - 2
+    assert [o.outputs[0].token_ids for o in fallback.generate(prompts, sp, use_tqdm=False)] == want
 
 
 def test_cached_executable_that_fails_to_run_falls_back(model_dir, exec_cache_root, monkeypatch):
