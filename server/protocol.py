@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,8 +25,10 @@ NOT_IMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parall
 
 
 class OpenAIModel(BaseModel):
-    # NaN and infinities (JSON's NaN / Infinity literals) are refused: no sampler value may be non-finite
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: a value of another JSON type is refused, not coerced (true is no token id, "16" no max_tokens),
+    # as OpenAI does; so what the server takes is what its OpenAPI schema says. NaN and infinities (JSON's
+    # NaN / Infinity literals, or 1e999) are refused: no sampler value may be non-finite.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -65,28 +67,28 @@ class SamplingFields(OpenAIModel):
                 if value is None or (name == "response_format" and value == {"type": "text"}):
                     continue
                 raise ValueError(f"`{name}` is not supported by this server yet.")
-            n = data.get("n")
-            if isinstance(n, int) and n > MAX_N:
-                raise ValueError(f"n must be at most {MAX_N}, got {n}.")
         return data
 
+    # The ranges are OpenAI's and vLLM's (SamplingParams checks the same for LLM); declared here, they reach
+    # the OpenAPI schema and refuse a value before anything is built from it (n=100000 would make 100000
+    # requests).
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)      # int64, as vLLM (it crosses to the core)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None     # OpenAI's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -121,10 +123,10 @@ class SamplingFields(OpenAIModel):
 # ---- /v1/completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
@@ -182,11 +184,11 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -194,8 +196,6 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
-        if self.top_logprobs is not None and self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be non-negative, got {self.top_logprobs}.")
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
@@ -296,3 +296,7 @@ class DetokenizeRequest(OpenAIModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
