@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -24,9 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxpaged
 from jaxpaged import envs
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.middleware import APIKeyCheck, BodySizeLimit, document_api_key
-from jaxpaged.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+from jaxpaged.server import openapi
+from jaxpaged.server.middleware import APIKeyCheck, BodySizeLimit, is_public
+from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                       ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
 from jaxpaged.server.serving import HTTP_ERROR_TYPES, APIError, ServerState, error_for, logger
 from jaxpaged.server.serving_chat import apply_chat_template, create_chat_completion
@@ -97,7 +97,7 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
         task = asyncio.create_task(metrics.drain_forever())
         yield
         task.cancel()
-        if state.owns_engine:       # stop the core before uvicorn re-raises a caught SIGTERM on its way out
+        if state.owns_engine:       # the core stops with the app
             state.llm.shutdown()
 
     # --root-path goes to uvicorn (FastAPI's own root_path parameter is deprecated)
@@ -107,7 +107,7 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
     keys = api_keys(args) if args is not None else []
     if keys:
         app.add_middleware(APIKeyCheck, keys=keys)
-        document_api_key(app)
+    openapi.customize(app, guarded=(lambda path: not is_public(path)) if keys else None)
     if args is not None:
         app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_mib * 2**20,
                            flag="--max-request-body-mib")
@@ -119,34 +119,25 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
     return app
 
 
-# The OpenAPI schema's answers besides each route's 200. Request validation errors are 400s here (as in
-# vLLM), so the 422 FastAPI would document is replaced by every 4xx in OpenAI's error schema.
-_Responses = dict[int | str, dict[str, Any]]
-_REFUSED: _Responses = {"4XX": {"model": ErrorResponse, "description": "A refused request, in OpenAI's error schema"}}
-_ENGINE_GONE: _Responses = {503: {"model": ErrorResponse, "description": "The engine core died or stalled"}}
-_GENERATES: _Responses = {**_REFUSED, **_ENGINE_GONE,
-              200: {"description": "The whole response, or with `stream` server-sent events: JSON chunks, "
-                                   "then `data: [DONE]`",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-
-
 def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATES)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=openapi.generates(CompletionResponse))
     async def completions(request: CompletionRequest, raw: Request):
         """OpenAI completions (with vLLM's sampling extras)."""
         return await create_completion(state, request, raw)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATES)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=openapi.generates(ChatCompletionChunk))
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         """OpenAI chat completions, through the model's chat template."""
         return await create_chat_completion(state, request, raw)
 
-    @app.get("/v1/models", response_model=ModelList, responses=_REFUSED)
+    @app.get("/v1/models", response_model=ModelList, responses=openapi.REFUSED)
     async def models():
         return ModelList(data=[ModelCard(id=name, root=state.llm.model_path, max_model_len=state.llm.max_model_len)
                                for name in state.served_model_names])
 
-    @app.api_route("/health", methods=["GET"], response_class=Response, responses=_ENGINE_GONE)
+    @app.get("/health", response_class=Response, responses=openapi.ENGINE_GONE)
     async def health():
         """200 (no body) while the engine core is alive and making progress; 503 when it died or stalled."""
         if state.llm.is_healthy():
@@ -156,10 +147,10 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
     for method in ("GET", "POST"):          # vLLM's (and SageMaker's) other name for /health
         app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}",
-                          response_class=Response, responses=_ENGINE_GONE)
+                          response_class=Response, responses=openapi.ENGINE_GONE)
 
-    prometheus_text: _Responses = {200: {"description": "Prometheus text exposition",
-                                         "content": {"text/plain": {"schema": {"type": "string"}}}}}
+    prometheus_text: openapi.Responses = {200: {"description": "Prometheus text exposition",
+                                                "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
     @app.get("/metrics", response_class=Response, responses=prometheus_text)
     async def prometheus_metrics():
@@ -169,7 +160,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
     async def version():
         return VersionResponse(version=_version())
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=_REFUSED)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.REFUSED)
     async def tokenize(request: TokenizeRequest):
         state.check_model(request.model)
         tok = state.tokenizer
@@ -186,7 +177,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.llm.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_REFUSED)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=openapi.REFUSED)
     async def detokenize(request: DetokenizeRequest):
         state.check_model(request.model)
         vocab = state.llm.vocab_size

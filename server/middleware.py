@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from typing import Any
 
-from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -17,7 +15,6 @@ from jaxpaged.server.serving import HTTP_ERROR_TYPES, error_body
 # Routes that stay open with --api-key, as in vLLM: probes, metrics scraping and the API docs. Every other
 # route (a new one too) needs the key.
 PUBLIC_PATHS = ("/health", "/ping", "/version", "/metrics", "/docs", "/redoc", "/openapi.json")
-SECURITY_SCHEME = "APIKey"
 
 
 def is_public(path: str) -> bool:
@@ -57,27 +54,6 @@ class APIKeyCheck:
         for digest in self.digests:          # no early exit: the time does not say which key matched
             match |= secrets.compare_digest(given_digest, digest)
         return match
-
-
-def document_api_key(app: FastAPI) -> None:
-    """Declare the bearer key in the OpenAPI schema on every route APIKeyCheck guards (Swagger UI's
-    Authorize button; schema-driven clients and fuzzers send it)."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        schema = app.openapi_schema
-        if schema is None:
-            schema = generate()             # (which FastAPI keeps in app.openapi_schema: edited once)
-            schema.setdefault("components", {})["securitySchemes"] = {
-                SECURITY_SCHEME: {"type": "http", "scheme": "bearer"}}
-            for path, operations in schema["paths"].items():
-                if not is_public(path):
-                    for operation in operations.values():
-                        operation["security"] = [{SECURITY_SCHEME: []}]
-        return schema
-
-    # FastAPI's documented way to extend the schema
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class BodySizeLimit:

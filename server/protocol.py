@@ -21,7 +21,7 @@ MAX_N = 128               # samples per prompt, as OpenAI's limit (each is a req
 # never ignored (a client relying on one must know). response_format {"type": "text"} is the default.
 NOT_IMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
                    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                   "logits_processors", "prompt_embeds", "lora_request")
+                   "logits_processors", "prompt_embeds", "lora_request", "suffix")
 
 
 class OpenAIModel(BaseModel):
@@ -122,18 +122,25 @@ class SamplingFields(OpenAIModel):
 
 # ---- /v1/completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
+    # (in the OpenAPI schema: /docs shows them, and schema-driven clients and fuzzers start from them)
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.7},
+        {"prompt": ["The capital of France is", "The three primary colors are"], "max_tokens": 8, "n": 2,
+         "seed": 0, "logprobs": 2, "echo": True},
+        {"prompt": [100, 200, 300], "max_tokens": 4, "temperature": 0},
+        {"prompt": "def fibonacci(n):", "max_tokens": 16, "stream": True, "stop": ["\n\n"],
+         "stream_options": {"include_usage": True}},
+    ]})
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    suffix: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) when set, got {self.best_of}.")
-        if self.suffix:
-            raise ValueError("suffix is not supported.")
         return self._sampling_params(max_tokens, self.logprobs)
 
 
@@ -184,6 +191,13 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16},
+        {"messages": [{"role": "system", "content": "You are terse."},
+                      {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}],
+         "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2, "stream": True, "n": 2},
+    ]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -274,6 +288,10 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Hello world", "return_token_strs": True},
+        {"messages": [{"role": "user", "content": "Hello"}]}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -290,6 +308,8 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [100, 200, 300]}]})
+
     model: str | None = None
     tokens: list[int]
 

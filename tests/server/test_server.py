@@ -395,6 +395,8 @@ def _hand_fuzzed_edges(http):
     # echo with logprobs=0 scores the prompt with no top logprobs (its zero-width output killed the engine core)
     r = http.post("/v1/completions", json={**ok, "echo": True, "logprobs": 0, "max_tokens": 1})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    err = _assert_error(http.post("/v1/completions", json={**ok, "suffix": "x"}), 400)
+    assert "`suffix` is not supported" in err["message"]
     # a request's own chat template is code: refused unless --trust-request-chat-template
     for body in ({**chat, "chat_template": "{{ 'x' * 10**9 }}"},
                  {**chat, "chat_template_kwargs": {"chat_template": "x"}}):

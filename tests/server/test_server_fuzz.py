@@ -25,7 +25,7 @@ API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Per request: far above any answer of this server on a busy 2-core machine, so that only a hang hits it.
 REQUEST_TIMEOUT_S = 120
-EXAMPLES = 25            # per route and generation mode (schema-valid, schema-breaking)
+EXAMPLES = 25            # per route and kind (the schema's examples, schema-valid, schema-breaking)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz_model")
     save_tiny_llama(d, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                     num_key_value_heads=1)
-    with ServerProcess(["--model", str(d), "--served-model-name", "tiny", "--max-model-len", "128",
+    # a context of 64 tokens bounds the costliest valid request (n=128 samples of up to 64 tokens)
+    with ServerProcess(["--model", str(d), "--served-model-name", "tiny", "--max-model-len", "64",
                         "--dtype", "float32", "--api-key", API_KEY]) as srv:
         yield srv
         # whatever the fuzzing sent, the server is still up, healthy and generating
@@ -44,11 +45,6 @@ def server(tmp_path_factory):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-@pytest.fixture(scope="module")
-def api_schema(server):
-    return schemathesis.openapi.from_url(server.base + "/openapi.json")
-
-
 def openai_error_body(ctx: CheckContext, response, case) -> None:
     """Every refusal (any status from 400) is {"error": {"message", "type", "param", "code"}}."""
     if response.status_code >= 400:
@@ -57,8 +53,8 @@ def openai_error_body(ctx: CheckContext, response, case) -> None:
         assert "Traceback" not in error["message"]
 
 
-def _fuzz(operation, mode: GenerationMode, base: str) -> None:
-    @given(case=operation.as_strategy(mode))
+def _run(strategy, base: str) -> None:
+    @given(case=strategy)
     @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
     def run(case):
@@ -73,8 +69,11 @@ def _fuzz(operation, mode: GenerationMode, base: str) -> None:
 def test_fuzz_every_route(server):
     schema = schemathesis.openapi.from_url(server.base + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) >= 10
+    assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions",
+                                               "POST /tokenize", "POST /detokenize", "GET /health"}
     for operation in operations:
-        _fuzz(operation, GenerationMode.POSITIVE, server.base)
+        for explicit in schema.get_strategies_from_examples(operation):     # the schema's own examples
+            _run(explicit, server.base)
+        _run(operation.as_strategy(GenerationMode.POSITIVE), server.base)
         if len(operation.body):                 # (the routes that take no body have nothing to break)
-            _fuzz(operation, GenerationMode.NEGATIVE, server.base)
+            _run(operation.as_strategy(GenerationMode.NEGATIVE), server.base)
