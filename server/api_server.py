@@ -1,9 +1,10 @@
-"""The FastAPI app: routes, OpenAI-shaped errors, the API key check, CORS; and `run_server`.
+"""The FastAPI app: routes, OpenAI-shaped errors, the access checks (middleware.py) and CORS; and
+`run_server`.
 
 The engine core runs in its own process (AsyncLLM); handlers tokenize (on a worker thread), queue and
 stream, so nothing here ever waits on an engine step. If the core dies, in-flight requests get an error,
 /health answers 503, and the server exits with status 1 a few seconds later; SIGTERM ends every open
-stream with finish_reason "abort", then stops the core.
+stream with finish_reason "abort", stops the core and exits 0.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def add_error_handlers(app: FastAPI) -> None:
         return _error_response(error_for(exc))
 
 
-def api_keys(args: argparse.Namespace) -> list[str]:
+def _api_keys(args: argparse.Namespace) -> list[str]:
     """--api-key, else JAXPAGED_API_KEY (as vLLM: the flag wins over its VLLM_API_KEY)."""
     return args.api_key or ([envs.JAXPAGED_API_KEY] if envs.JAXPAGED_API_KEY else [])
 
@@ -104,7 +105,7 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
     app = FastAPI(title="jaxpaged OpenAI-compatible server", version=_version(), lifespan=lifespan)
     add_error_handlers(app)
     # The last added runs first: CORS (its headers on every answer, refusals too), the body limit, the key.
-    keys = api_keys(args) if args is not None else []
+    keys = _api_keys(args) if args is not None else []
     if keys:
         app.add_middleware(APIKeyCheck, keys=keys)
     openapi.customize(app, guarded=(lambda path: not is_public(path)) if keys else None)
