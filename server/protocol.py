@@ -122,7 +122,7 @@ class SamplingFields(OpenAIModel):
 
 # ---- /v1/completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    # (in the OpenAPI schema: /docs shows them, and schema-driven clients and fuzzers start from them)
+    # Examples for the OpenAPI schema: /docs shows them, schema-driven clients and fuzzers start from them.
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.7},
         {"prompt": ["The capital of France is", "The three primary colors are"], "max_tokens": 8, "n": 2,
