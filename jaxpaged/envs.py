@@ -13,6 +13,8 @@ JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
 JAXPAGED_CPU_KV_CACHE_MIB = int(os.environ.get("JAXPAGED_CPU_KV_CACHE_MIB", "512"))
 # Log every XLA compilation (for checking that nothing recompiles in steady state).
 JAXPAGED_LOG_COMPILES = os.environ.get("JAXPAGED_LOG_COMPILES", "0") == "1"
+# The server's API key when --api-key is not given (as vLLM's VLLM_API_KEY): keeps the key off the command line.
+JAXPAGED_API_KEY = os.environ.get("JAXPAGED_API_KEY") or None
 # As vLLM: give the `jaxpaged` logger its own INFO handler (start-up facts such as the KV pool size),
 # unless the application configures logging itself ("0").
 JAXPAGED_CONFIGURE_LOGGING = os.environ.get("JAXPAGED_CONFIGURE_LOGGING", "1") != "0"

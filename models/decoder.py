@@ -183,7 +183,9 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
         return prompt_head(jnp.dot(hc, w.astype(hc.dtype)).astype(jnp.float32), tc)
 
     out = jax.lax.map(one, (h, targets))
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:t], out)
+    # [chunks, chunk, ...] -> [T, ...], the leading size spelled out: -1 cannot be inferred when an output
+    # is empty (prompt_logprobs=0 asks for zero top logprobs: [chunks, chunk, 0])
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[:t], out)
 
 
 # ---- the same model in three phases, for per-layer dispatch -------------------------------------------

@@ -1,9 +1,10 @@
-"""The FastAPI app: routes, OpenAI-shaped errors, the API key check, CORS; and `run_server`.
+"""The FastAPI app: routes, OpenAI-shaped errors, the access checks (middleware.py) and CORS; and
+`run_server`.
 
 The engine core runs in its own process (AsyncLLM); handlers tokenize (on a worker thread), queue and
 stream, so nothing here ever waits on an engine step. If the core dies, in-flight requests get an error,
 /health answers 503, and the server exits with status 1 a few seconds later; SIGTERM ends every open
-stream with finish_reason "abort", then stops the core.
+stream with finish_reason "abort", stops the core and exits 0.
 """
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hmac
 import inspect
 import logging
-import sys
+import signal
 from typing import Any
 
 import uvicorn
@@ -25,10 +25,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxpaged
+from jaxpaged import envs
 from jaxpaged.server.metrics import ServerMetrics
-from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
-from jaxpaged.server.serving import APIError, ServerState, error_body, error_for, logger
+from jaxpaged.server import openapi
+from jaxpaged.server.middleware import APIKeyCheck, BodySizeLimit, is_public
+from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+from jaxpaged.server.serving import HTTP_ERROR_TYPES, APIError, ServerState, error_for, logger
 from jaxpaged.server.serving_chat import apply_chat_template, create_chat_completion
 from jaxpaged.server.serving_completion import create_completion
 
@@ -40,10 +44,6 @@ def _version() -> str:
     except AttributeError:
         from importlib.metadata import version
         return version("jaxpaged")
-
-
-_HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                     405: "MethodNotAllowed", 422: "BadRequestError", 503: "ServiceUnavailableError"}
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -75,7 +75,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        err = APIError(str(exc.detail), exc.status_code, _HTTP_ERROR_TYPES.get(exc.status_code, "Error"))
+        err = APIError(str(exc.detail), exc.status_code, HTTP_ERROR_TYPES.get(exc.status_code, "Error"))
         return JSONResponse(err.body(), status_code=err.status_code, headers=exc.headers)   # (405: Allow)
 
     @app.exception_handler(ValueError)
@@ -83,29 +83,13 @@ def add_error_handlers(app: FastAPI) -> None:
         return _error_response(error_for(exc))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        err = error_for(exc)
-        if err.status_code >= 500:
-            logger.exception("request failed", exc_info=exc)
-        return _error_response(err)
+    async def _internal_error(_: Request, exc: Exception):   # a bug: a plain 500, the traceback in the log
+        return _error_response(error_for(exc))
 
 
-def add_api_key_check(app: FastAPI, api_key: str, root_path: str) -> None:
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def _check_key(request: Request, call_next):
-        path = request.scope["path"]
-        if root_path and path.startswith(root_path):
-            path = path[len(root_path):]
-        # As vLLM: only the OpenAI routes need the key; /health, /metrics, /version stay open for probes.
-        if request.method != "OPTIONS" and path.startswith("/v1"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return JSONResponse(error_body("Unauthorized: a valid API key is required "
-                                               "(Authorization: Bearer <key>).", "AuthenticationError", 401),
-                                    status_code=401)
-        return await call_next(request)
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key, else JAXPAGED_API_KEY (as vLLM: the flag wins over its VLLM_API_KEY)."""
+    return args.api_key or ([envs.JAXPAGED_API_KEY] if envs.JAXPAGED_API_KEY else [])
 
 
 # Newer FastAPI traces every request with OpenTelemetry unless told not to, asking the global providers (and
@@ -128,15 +112,21 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
         task = asyncio.create_task(metrics.drain_forever())
         yield
         task.cancel()
-        if state.owns_engine:       # stop the core before uvicorn re-raises a caught SIGTERM on its way out
+        if state.owns_engine:       # the core stops with the app
             state.llm.shutdown()
 
     # --root-path goes to uvicorn (FastAPI's own root_path parameter is deprecated)
     app = FastAPI(title="jaxpaged OpenAI-compatible server", version=_version(), lifespan=lifespan,
                   **_NO_NATIVE_TELEMETRY)
     add_error_handlers(app)
-    if args is not None and args.api_key:
-        add_api_key_check(app, args.api_key, args.root_path or "")
+    # The last added runs first: CORS (its headers on every answer, refusals too), the body limit, the key.
+    keys = _api_keys(args) if args is not None else []
+    if keys:
+        app.add_middleware(APIKeyCheck, keys=keys)
+    openapi.customize(app, guarded=(lambda path: not is_public(path)) if keys else None)
+    if args is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_mib * 2**20,
+                           flag="--max-request-body-mib")
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins if args else ["*"],
                        allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
     app.state.server = state
@@ -146,38 +136,47 @@ def build_app(state: ServerState, args: argparse.Namespace | None = None) -> Fas
 
 
 def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=openapi.generates(CompletionResponse))
     async def completions(request: CompletionRequest, raw: Request):
         """OpenAI completions (with vLLM's sampling extras)."""
         return await create_completion(state, request, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=openapi.generates(ChatCompletionChunk))
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         """OpenAI chat completions, through the model's chat template."""
         return await create_chat_completion(state, request, raw)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=openapi.REFUSED)
     async def models():
         return ModelList(data=[ModelCard(id=name, root=state.llm.model_path, max_model_len=state.llm.max_model_len)
                                for name in state.served_model_names])
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=openapi.ENGINE_GONE)
     async def health():
-        """200 while the engine core is alive and making progress; 503 when it died or stalled."""
+        """200 (no body) while the engine core is alive and making progress; 503 when it died or stalled."""
         if state.llm.is_healthy():
             return Response(status_code=200)
         reason = f"engine core died: {state.llm.dead_error}" if state.llm.errored else "engine core stalled"
         return _error_response(APIError(reason, 503, "ServiceUnavailableError"))
 
-    @app.get("/metrics")
+    for method in ("GET", "POST"):          # vLLM's (and SageMaker's) other name for /health
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}",
+                          response_class=Response, responses=openapi.ENGINE_GONE)
+
+    prometheus_text: openapi.Responses = {200: {"description": "Prometheus text exposition",
+                                                "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+    @app.get("/metrics", response_class=Response, responses=prometheus_text)
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse)
     async def version():
-        return {"version": _version()}
+        return VersionResponse(version=_version())
 
-    @app.post("/tokenize", response_model=TokenizeResponse)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.REFUSED)
     async def tokenize(request: TokenizeRequest):
         state.check_model(request.model)
         tok = state.tokenizer
@@ -194,7 +193,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
         strs = tok.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.llm.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=openapi.REFUSED)
     async def detokenize(request: DetokenizeRequest):
         state.check_model(request.model)
         vocab = state.llm.vocab_size
@@ -207,11 +206,13 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 # After the engine core dies: how long /health answers 503 (and requests get 503s) before the server exits,
 # so a probe or load balancer sees why.
 DEAD_EXIT_DELAY_S = 5.0
-# SIGTERM: how long uvicorn waits for open connections to close after every stream was ended.
-GRACEFUL_SHUTDOWN_S = 10
+# SIGTERM: how long uvicorn waits for open connections to close after every stream was ended. With the
+# engine core's own stop (a second or two) the process exits within 10 s.
+GRACEFUL_SHUTDOWN_S = 5
 
 
-def run_server(args: argparse.Namespace) -> None:
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT (-> 0) or the engine core's death (-> 1); the exit status."""
     from jaxpaged.engine.async_llm import AsyncLLM
     from jaxpaged.server.cli import engine_args_from
     from jaxpaged.server.serving import load_chat_template
@@ -221,7 +222,8 @@ def run_server(args: argparse.Namespace) -> None:
     engine_args = engine_args_from(args)
     llm = AsyncLLM.from_engine_args(engine_args)
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
-    state = ServerState(llm, names, chat_template, log_requests=not args.disable_log_requests, owns_engine=True)
+    state = ServerState(llm, names, chat_template, args.trust_request_chat_template,
+                        log_requests=not args.disable_log_requests, owns_engine=True)
     app = build_app(state, args)
     logger.info("Serving %s on http://%s:%d (engine core ready in %.1f s: %s)", names[0], args.host or "0.0.0.0",
                 args.port, llm.info.startup_seconds, llm.info.run_summary)
@@ -235,18 +237,30 @@ def run_server(args: argparse.Namespace) -> None:
         llm.shutdown()
     if llm.errored:
         logger.error("exiting: %s", llm.dead_error)
-        sys.exit(1)
+        return 1
+    return 0
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, tied to the engine: a signal ends every open stream (finish_reason "abort") so
-    shutdown never waits on a long generation and no client sees a cut connection; the core's death
-    stops the server after DEAD_EXIT_DELAY_S."""
+    shutdown never waits on a long generation and no client sees a cut connection, and the process then
+    exits 0; the core's death stops the server after DEAD_EXIT_DELAY_S."""
 
     def __init__(self, config, llm):
         super().__init__(config)
         self.llm = llm
         llm.on_dead = self._engine_died
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, less its re-raising of the caught signal once shut down (which makes the process
+        die by SIGTERM): SIGTERM and SIGINT ask for this drain, so finishing it is a clean exit, status 0."""
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)

@@ -6,6 +6,12 @@ import argparse
 from jaxpaged.config import EngineArgs
 
 
+# Request bodies larger than this are refused (413). 64 MiB holds a 1M-token prompt at 64 bytes a token (a
+# token id in JSON takes at most 8, a token's text rarely 16), yet bounds what one request makes the API
+# process parse and hold.
+DEFAULT_MAX_REQUEST_BODY_MIB = 64
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -40,6 +46,9 @@ def _model_flags(m) -> None:
     m.add_argument("--chat-template", default=None,
                    help="Jinja chat template, as a file path or the template text itself. Default: the "
                         "tokenizer's template.")
+    m.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Run the chat template a request brings (`chat_template`). Off: such requests are "
+                        "refused, since a template is code the server runs.")
     m.add_argument("--seed", type=int, default=0, help="Random seed for weights (dummy) and sampling.")
 
 
@@ -83,8 +92,13 @@ def _cache_and_scheduler_flags(c) -> None:
 def _server_flags(s) -> None:
     s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
-    s.add_argument("--api-key", default=None,
-                   help="If set, /v1/* requests must send `Authorization: Bearer <key>`.")
+    s.add_argument("--api-key", nargs="+", default=None,
+                   help="If set, requests must send `Authorization: Bearer <key>` with one of these keys, on "
+                        "every route but /health, /ping, /version, /metrics and the API docs. Default: the "
+                        "JAXPAGED_API_KEY environment variable, if set.")
+    s.add_argument("--max-request-body-mib", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_MIB,
+                   help="Largest request body accepted, in MiB; a larger one gets a 413 before it is read "
+                        "whole. The default admits a prompt of a million tokens, as text or token ids.")
     s.add_argument("--allowed-origins", type=_json_list, default=["*"],
                    help='CORS allowed origins, as a JSON list, e.g. \'["http://localhost:3000"]\'.')
     s.add_argument("--uvicorn-log-level", default="info",

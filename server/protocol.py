@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,12 +21,14 @@ MAX_N = 128               # samples per prompt, as OpenAI's limit (each is a req
 # never ignored (a client relying on one must know). response_format {"type": "text"} is the default.
 NOT_IMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
                    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                   "logits_processors", "prompt_embeds", "lora_request")
+                   "logits_processors", "prompt_embeds", "lora_request", "suffix")
 
 
 class OpenAIModel(BaseModel):
-    # NaN and infinities (JSON's NaN / Infinity literals) are refused: no sampler value may be non-finite
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: a value of another JSON type is refused, not coerced (true is no token id, "16" no max_tokens),
+    # as OpenAI does; so what the server takes is what its OpenAPI schema says. NaN and infinities (JSON's
+    # NaN / Infinity literals, or 1e999) are refused: no sampler value may be non-finite.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -65,28 +67,28 @@ class SamplingFields(OpenAIModel):
                 if value is None or (name == "response_format" and value == {"type": "text"}):
                     continue
                 raise ValueError(f"`{name}` is not supported by this server yet.")
-            n = data.get("n")
-            if isinstance(n, int) and n > MAX_N:
-                raise ValueError(f"n must be at most {MAX_N}, got {n}.")
         return data
 
+    # The ranges are OpenAI's and vLLM's (SamplingParams checks the same for LLM); declared here, they reach
+    # the OpenAPI schema and refuse a value before anything is built from it (n=100000 would make 100000
+    # requests).
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)      # int64, as vLLM (it crosses to the core)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None     # OpenAI's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -120,18 +122,25 @@ class SamplingFields(OpenAIModel):
 
 # ---- /v1/completions ---------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
+    # Examples for the OpenAPI schema: /docs shows them, schema-driven clients and fuzzers start from them.
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.7},
+        {"prompt": ["The capital of France is", "The three primary colors are"], "max_tokens": 8, "n": 2,
+         "seed": 0, "logprobs": 2, "echo": True},
+        {"prompt": [100, 200, 300], "max_tokens": 4, "temperature": 0},
+        {"prompt": "def fibonacci(n):", "max_tokens": 16, "stream": True, "stop": ["\n\n"],
+         "stream_options": {"include_usage": True}},
+    ]})
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) when set, got {self.best_of}.")
-        if self.suffix:
-            raise ValueError("suffix is not supported.")
         return self._sampling_params(max_tokens, self.logprobs)
 
 
@@ -182,11 +191,18 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16},
+        {"messages": [{"role": "system", "content": "You are terse."},
+                      {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}],
+         "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2, "stream": True, "n": 2},
+    ]})
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -194,8 +210,6 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
-        if self.top_logprobs is not None and self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be non-negative, got {self.top_logprobs}.")
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
@@ -274,6 +288,10 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Hello world", "return_token_strs": True},
+        {"messages": [{"role": "user", "content": "Hello"}]}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -290,9 +308,15 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [100, 200, 300]}]})
+
     model: str | None = None
     tokens: list[int]
 
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

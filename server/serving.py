@@ -33,6 +33,14 @@ class APIError(Exception):
         return error_body(self.message, self.err_type, self.status_code, self.param)
 
 
+# The error `type` of each status the server answers with (the openai client's exception names).
+HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                    405: "MethodNotAllowed", 413: "RequestTooLargeError", 422: "BadRequestError",
+                    503: "ServiceUnavailableError"}
+# What a client sees of an unexpected exception: never its text or traceback, which stay in the log.
+INTERNAL_ERROR_MESSAGE = "The server had an error while processing the request; its log has the details."
+
+
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
 
@@ -45,7 +53,8 @@ def error_for(exc: BaseException) -> APIError:
         return APIError(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 503, "ServiceUnavailableError")
-    return APIError(f"internal error: {exc!r}", 500, "InternalServerError")
+    logger.error("request failed", exc_info=exc)
+    return APIError(INTERNAL_ERROR_MESSAGE, 500, "InternalServerError")
 
 
 @dataclasses.dataclass
@@ -53,6 +62,7 @@ class ServerState:
     llm: AsyncLLM
     served_model_names: list[str]
     chat_template: str | None = None        # --chat-template (file contents or the text)
+    trust_request_chat_template: bool = False   # --trust-request-chat-template: a request's own template runs
     log_requests: bool = True
     owns_engine: bool = False               # shut the engine down with the app (run_server)
 
@@ -200,10 +210,7 @@ async def with_cancellation(work: Awaitable, request: Request):
     except APIError:
         raise
     except Exception as exc:      # the engine's errors become OpenAI-shaped ones (503 for a dead loop)
-        err = error_for(exc)
-        if err.status_code >= 500:
-            logger.error("request failed: %s", err.message)
-        raise err from exc
+        raise error_for(exc) from exc
 
 
 # ---- logprobs ----------------------------------------------------------------------------------

@@ -57,8 +57,12 @@ def _template_and_tokenize(state: ServerState, request: ChatCompletionRequest) -
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, raw: Request):
     state.check_model(request.model)
-    if not request.messages:
-        raise APIError("messages cannot be empty", param="messages")
+    kwargs = request.chat_template_kwargs or {}
+    if not state.trust_request_chat_template and (request.chat_template or kwargs.get("chat_template")):
+        # a template is code the server runs: one line of Jinja can hold the API process for minutes or
+        # take all its memory, so only a server started to trust its clients runs theirs (as vLLM)
+        raise APIError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                       "Refused request with untrusted chat template.", param="chat_template")
     try:      # templating and tokenizing long conversations on a worker thread: the event loop streams on
         size = sum(len(m.text()) for m in request.messages)
         prompt, token_ids = await state.llm.off_loop(size, lambda: _template_and_tokenize(state, request))

@@ -47,8 +47,9 @@ def save_tiny_llama(path, **config):
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
     hf.save_pretrained(path)
     src = resolve_model_path(None)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(src, f), path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(src, f)):   # (older transformers keep the template in tokenizer_config)
+            shutil.copy(os.path.join(src, f), path)
     return hf
 
 

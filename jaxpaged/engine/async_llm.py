@@ -141,7 +141,7 @@ class AsyncLLM:
             while True:
                 msg = decode(await sock.recv())
                 if isinstance(msg, CoreFailure):
-                    self._fail(EngineDeadError(f"the engine core failed:\n{msg.error}"))
+                    self._fail(EngineDeadError(f"the engine core failed: {msg.error}"))
                     return
                 if not isinstance(msg, EngineCoreOutputs):
                     continue

@@ -22,7 +22,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 
 import msgspec
 import zmq
@@ -61,9 +60,9 @@ def run_core_process(args: EngineArgs, input_addr: str, output_addr: str, parent
         core = EngineCore(args)
         out.send(encode(core.info()))
         _core_loop(core, inp, out, encode, parent_pid)
-    except BaseException:
-        logger.exception("engine core failed")
-        out.send(encode(CoreFailure(traceback.format_exc())))
+    except BaseException as e:
+        logger.exception("engine core failed")           # the traceback: here, in the log
+        out.send(encode(CoreFailure(f"{type(e).__name__}: {e}")))
         code = 1
     finally:
         inp.close(linger=0)
@@ -136,7 +135,7 @@ class CoreProcClient:
                     return msg
                 if isinstance(msg, CoreFailure):
                     self.shutdown()
-                    raise EngineDeadError(f"the engine core failed to start:\n{msg.error}")
+                    raise EngineDeadError(f"the engine core failed to start: {msg.error}")
             elif not self.proc.is_alive():
                 code = self.proc.exitcode
                 self.shutdown()

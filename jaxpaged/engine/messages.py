@@ -107,8 +107,9 @@ class CoreInfo(msgspec.Struct, array_like=True, tag=True, gc=False):
 
 
 class CoreFailure(msgspec.Struct, array_like=True, tag=True, gc=False):
-    """The core's last message before it exits on an error (its traceback as text)."""
-    error: str
+    """The core's last message before it exits on an error. Its traceback stays in the core's log: this
+    message reaches clients (/health, error bodies)."""
+    error: str                              # "ExceptionType: message"
 
 
 # The core -> API process stream: CoreInfo once ready, then EngineCoreOutputs per step; CoreFailure on an error.

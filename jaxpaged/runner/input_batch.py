@@ -18,16 +18,19 @@ SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty"
                     "repetition_penalty", "logprobs", "prompt_logprobs", "needs_bias", "seed")
 PROMPT_LOGPROBS_COLUMN = SAMPLING_COLUMNS.index("prompt_logprobs")
 NEEDS_BIAS_COLUMN = SAMPLING_COLUMNS.index("needs_bias")
-MAX_TEMPERATURE = 1e30
+# The table is float32 and top_k an int32 on the device: values past these bounds sample as the bounds do
+# (uniformly, with the most extreme penalty, with no top-k cut), and 1e308 or 2**62 would overflow.
+MAX_FLOAT = 1e30
+MAX_TOP_K = 2**31 - 1
 PADDING_SAMPLING_ROW = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0, -1, -1, 0, 0)      # greedy, nothing extra
 
 
 def sampling_row(sp: SamplingParams, seed: int) -> tuple:
     """A request's row of the sampler table (SAMPLING_COLUMNS); -1: no logprobs asked."""
     needs_bias = bool(sp.logit_bias) or sp.min_tokens > 0
-    # The table is float32: past MAX_TEMPERATURE sampling is uniform anyway, and 1e308 would overflow
-    return (min(sp.temperature, MAX_TEMPERATURE), sp.top_k, sp.top_p, sp.min_p, sp.presence_penalty,
-            sp.frequency_penalty, sp.repetition_penalty, -1 if sp.logprobs is None else sp.logprobs,
+    repetition_penalty = min(max(sp.repetition_penalty, 1 / MAX_FLOAT), MAX_FLOAT)
+    return (min(sp.temperature, MAX_FLOAT), min(sp.top_k, MAX_TOP_K), sp.top_p, sp.min_p, sp.presence_penalty,
+            sp.frequency_penalty, repetition_penalty, -1 if sp.logprobs is None else sp.logprobs,
             -1 if sp.prompt_logprobs is None else sp.prompt_logprobs, needs_bias, seed)
 
 

@@ -21,6 +21,7 @@ API_KEY = "test-key"
 MODEL = "smol"
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 32
+MAX_BODY_MIB = 1
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
            "The three primary colors are"]
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -30,7 +31,8 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--served-model-name", MODEL, "--api-key", API_KEY]) as srv:
+                        "--served-model-name", MODEL, "--api-key", API_KEY,
+                        "--max-request-body-mib", str(MAX_BODY_MIB)]) as srv:
         yield srv.base
 
 
@@ -71,10 +73,15 @@ def metrics(http) -> dict[str, float]:
 # ---- basic endpoints -----------------------------------------------------------------------------
 def test_models_version_health_docs(server, client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert http.get("/version").json()["version"]
-    assert httpx.get(server + "/health").status_code == 200          # no key needed for probes
-    assert http.get("/docs").status_code == 200
-    assert "/v1/chat/completions" in http.get("/openapi.json").json()["paths"]
+    # probes, metrics and the docs need no key (as vLLM); every other route does
+    for path in ("/health", "/ping", "/version", "/metrics", "/docs", "/openapi.json"):
+        assert httpx.get(server + path).status_code == 200, path
+    assert httpx.post(server + "/ping").status_code == 200
+    assert httpx.get(server + "/version").json()["version"]
+    spec = httpx.get(server + "/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["APIKey"] == {"type": "http", "scheme": "bearer"}
+    assert spec["paths"]["/v1/chat/completions"]["post"]["security"] == [{"APIKey": []}]
+    assert "security" not in spec["paths"]["/health"]["get"]
 
 
 def test_tokenize_detokenize(http, llm):
@@ -310,6 +317,9 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(server, client, http)
     _assert_error(httpx.post(server + "/v1/completions", json=ok), 401)                  # no key
     _assert_error(httpx.post(server + "/v1/completions", json=ok, headers={"Authorization": "Bearer wrong"}), 401)
     _assert_error(httpx.get(server + "/v1/models"), 401)
+    _assert_error(httpx.post(server + "/tokenize", json={"prompt": "Hi"}), 401)           # not only /v1
+    _assert_error(httpx.get(server + "/v1/models", headers={"Authorization": f"Basic {API_KEY}"}), 401)
+    assert httpx.get(server + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
     _assert_error(http.get("/no-such-route"), 404)
     # inputs that once broke the server: each a 400 naming the problem, never a 5xx, a hang or a silent pass
     for prompt in ([-1], [1099511627776], [[5, -3]]):
@@ -317,8 +327,8 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(server, client, http)
             err = _assert_error(http.post("/v1/completions", json={**ok, "prompt": prompt, "echo": echo}), 400)
             assert "out of vocabulary" in err["message"]
     err = _assert_error(http.post("/v1/completions", json={**ok, "n": 100000}), 400)
-    assert "n must be at most 128" in err["message"]
-    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+    assert err["message"] == "n: Input should be less than or equal to 128" and err["param"] == "n"
+    for literal in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):      # (1e999 parses as infinity)
         body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 2, "temperature": %s}' % (MODEL.encode(), literal)
         err = _assert_error(http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
                             400)
@@ -343,9 +353,60 @@ def test_errors_are_openai_shaped_and_server_keeps_serving(server, client, http)
         client.chat.completions.create(model="nope", messages=CHAT)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    _hand_fuzzed_edges(http)
     # and the server keeps serving
     assert http.get("/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def _hand_fuzzed_edges(http):
+    """The fuzzer's edges, by hand (and what it found): each a 4xx naming the problem, or served; never a 5xx,
+    a hang or a dead engine."""
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    json_body = {"content-type": "application/json"}
+    # bodies that are not JSON, or JSON nested past the parser's recursion limit
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for raw in (b"", b"\xff\xfe\x00garbage", b'{"prompt": "\xff"}', nested):
+        _assert_error(http.post("/v1/completions", content=raw, headers=json_body), 400)
+    # max_tokens 0, or past the context
+    err = _assert_error(http.post("/v1/completions", json={**ok, "max_tokens": 0}), 400)
+    assert err["param"] == "max_tokens"
+    for path, body in (("/v1/completions", ok), ("/v1/chat/completions", chat)):
+        err = _assert_error(http.post(path, json={**body, "max_tokens": 10**6}), 400)
+        assert "maximum context length is 1024 tokens" in err["message"]
+    # best_of, logprobs and top_logprobs past their limits; values of the wrong JSON type are not coerced
+    for body, field in (({**ok, "best_of": 1000}, "best_of"), ({**ok, "best_of": 0}, "best_of"),
+                        ({**ok, "logprobs": 21}, "logprobs"), ({**ok, "logprobs": -1}, "logprobs"),
+                        ({**ok, "max_tokens": "2"}, "max_tokens"), ({**ok, "prompt": [True]}, "prompt"),
+                        ({**ok, "seed": 2**64}, "seed"), ({**chat, "logprobs": True, "top_logprobs": 21}, "logprobs")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        assert field in _assert_error(http.post(path, json=body), 400)["message"]
+    _assert_error(http.post("/detokenize", json={"tokens": [True]}), 400)
+    # logit_bias: keys that are no token id or out of the vocabulary, values past OpenAI's [-100, 100]
+    for bias in ({"abc": 1}, {"1.5": 1}, {"-5": 1}, {str(10**30): 1}, {"5": 101}, {"5": -1e308}):
+        assert "logit_bias" in _assert_error(http.post("/v1/completions", json={**ok, "logit_bias": bias}),
+                                             400)["message"]
+    # a huge stop list and extreme sampler values are served (the sampler's tables clamp, nothing overflows)
+    stops = [f"never-generated-{i}" for i in range(5000)]
+    for extra in ({"stop": stops}, {"top_k": 2**62}, {"repetition_penalty": 1e308}, {"repetition_penalty": 1e-308}):
+        r = http.post("/v1/completions", json={**ok, **extra, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (extra, r.text)
+    # echo with logprobs=0 scores the prompt with no top logprobs (its zero-width output killed the engine core)
+    r = http.post("/v1/completions", json={**ok, "echo": True, "logprobs": 0, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    err = _assert_error(http.post("/v1/completions", json={**ok, "suffix": "x"}), 400)
+    assert "`suffix` is not supported" in err["message"]
+    # a request's own chat template is code: refused unless --trust-request-chat-template
+    for body in ({**chat, "chat_template": "{{ 'x' * 10**9 }}"},
+                 {**chat, "chat_template_kwargs": {"chat_template": "x"}}):
+        err = _assert_error(http.post("/v1/chat/completions", json=body), 400)
+        assert "--trust-request-chat-template" in err["message"]
+    # bodies past --max-request-body-mib: a clear 413, announced (Content-Length) or not (chunked)
+    big = b'{"prompt": "' + b"x" * (MAX_BODY_MIB * 2**20) + b'"}'
+    for content in (big, iter([big])):
+        err = _assert_error(http.post("/v1/completions", content=content, headers=json_body), 413)
+        assert "--max-request-body-mib" in err["message"]
 
 
 # ---- disconnect and metrics ----------------------------------------------------------------------

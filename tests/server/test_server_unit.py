@@ -16,14 +16,15 @@ from jaxpaged.engine.stats import RequestStats
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.server.api_server import build_app
 from jaxpaged.server.cli import engine_args_from, make_parser, validate_args
-from jaxpaged.server.serving import ServerState, merge_outputs
+from jaxpaged import envs
+from jaxpaged.server.serving import INTERNAL_ERROR_MESSAGE, ServerState, merge_outputs
 
 FLAGS = ["--model", "--tokenizer", "--served-model-name", "--host", "--port", "--api-key", "--dtype",
          "--load-format", "--max-model-len", "--gpu-memory-utilization", "--block-size", "--max-num-seqs",
          "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
          "--enable-chunked-prefill", "--swap-space", "--preemption-mode", "--num-gpu-blocks-override", "--seed",
          "--chat-template", "--tensor-parallel-size", "--allowed-origins", "--uvicorn-log-level",
-         "--disable-log-requests", "--root-path"]
+         "--disable-log-requests", "--root-path", "--max-request-body-mib", "--trust-request-chat-template"]
 
 
 # ---- flags ---------------------------------------------------------------------------------------
@@ -94,7 +95,8 @@ class _Namespace:
 
 
 class _StubLLM:
-    """AsyncLLM's surface for the app: streams one delta, then fails as a dying engine core does."""
+    """AsyncLLM's surface for the app: streams one delta, then fails with `failure` (as a dying engine core
+    does, by default)."""
 
     def __init__(self):
         self.tokenizer = _Tok()
@@ -106,6 +108,7 @@ class _StubLLM:
             validate_prompt=lambda ids, params: None)
         self.healthy, self.errored, self.dead_error = True, False, None
         self.aborted = []
+        self.failure: Exception = EngineDeadError("the engine core failed: RuntimeError: boom")
 
     def start(self):
         pass
@@ -122,9 +125,13 @@ class _StubLLM:
         try:
             yield RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], None,
                                 [CompletionOutput(0, "ab", [1, 2], None, None)], False)
-            raise EngineDeadError("the engine core failed: RuntimeError('boom')")
+            raise self.failure
         finally:
             self.aborted.append(request_id)
+
+
+PATHS = [("/v1/completions", {"prompt": "hi"}),
+         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
 
 
 @pytest.fixture
@@ -138,8 +145,7 @@ def _events(resp) -> list:
     return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+@pytest.mark.parametrize("path,body", PATHS)
 def test_failure_inside_a_stream_sends_error_chunk_then_done(stub, path, body):
     llm, client = stub
     with client.stream("POST", path, json={**body, "stream": True, "max_tokens": 4}) as r:
@@ -154,6 +160,59 @@ def test_failure_inside_a_stream_sends_error_chunk_then_done(stub, path, body):
     # the same failure without streaming is a 503 in OpenAI's shape
     r = client.post(path, json={**body, "max_tokens": 4})
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+@pytest.mark.parametrize("path,body", PATHS)
+def test_unexpected_errors_are_plain_500s(path, body):
+    """A bug (an exception no check expected) reaches the client as a 500 in OpenAI's schema with a plain
+    message: neither its text nor a traceback leaves the server. In a handler, while generating, and after
+    a stream has started."""
+    llm = _StubLLM()
+    llm.failure = RuntimeError("secret /internal/path")
+    with TestClient(build_app(ServerState(llm, ["stub"], log_requests=False)), raise_server_exceptions=False) as client:
+        plain = {"message": INTERNAL_ERROR_MESSAGE, "type": "InternalServerError", "param": None, "code": 500}
+        r = client.post(path, json={**body, "max_tokens": 4})
+        assert r.status_code == 500 and r.json() == {"error": plain}
+        with client.stream("POST", path, json={**body, "stream": True, "max_tokens": 4}) as r:
+            events = _events(r)
+        assert events[-1] == "[DONE]" and json.loads(events[-2]) == {"error": plain}
+
+        def broken_encode(*_, **__):
+            raise KeyError("secret /internal/path")
+
+        llm.tokenizer.encode = broken_encode
+        r = client.post(path, json={**body, "max_tokens": 4})
+        assert r.status_code == 500 and r.json() == {"error": plain}
+        assert "secret" not in r.text and "Traceback" not in r.text
+
+
+def test_api_keys_from_the_flag_else_the_environment(monkeypatch):
+    """--api-key takes one or more keys; without it JAXPAGED_API_KEY is the key (as vLLM's VLLM_API_KEY)."""
+    monkeypatch.setattr(envs, "JAXPAGED_API_KEY", "from-env")
+    for argv, good, bad in ((["--api-key", "a", "b"], ["a", "b"], ["from-env", "ab", ""]),
+                            ([], ["from-env"], ["a", "from-env2"])):
+        app = build_app(ServerState(_StubLLM(), ["stub"], log_requests=False), make_parser().parse_args(argv))
+        with TestClient(app) as client:
+            for key in good:
+                assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            for key in bad:
+                r = client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 401 and r.json()["error"]["code"] == 401
+            assert client.options("/v1/models", headers={"Origin": "http://x", "Access-Control-Request-Method":
+                                                         "GET"}).status_code == 200          # CORS preflight
+
+
+def test_body_limit_answers_413_in_openai_schema_on_every_route():
+    """Also where the route never reads the body (Starlette's own limit answers those in plain text)."""
+    args = make_parser().parse_args(["--max-request-body-mib", "1"])
+    with TestClient(build_app(ServerState(_StubLLM(), ["stub"], log_requests=False), args)) as client:
+        big = b"x" * (2**20 + 1)
+        for method, path in (("GET", "/v1/models"), ("POST", "/tokenize"), ("GET", "/health")):
+            r = client.request(method, path, content=big)
+            error = r.json()["error"]
+            assert r.status_code == 413 and error["type"] == "RequestTooLargeError", path
+            assert "limit of 1048576 bytes" in error["message"]
+        assert client.post("/tokenize", json={"prompt": "x" * (2**20 - 100)}).status_code == 200
 
 
 def test_health_is_503_when_engine_dead_or_stalled(stub):
