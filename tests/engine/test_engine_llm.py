@@ -284,6 +284,49 @@ def test_refused_on_arrival(llm):
     assert not small.has_unfinished_requests()
 
 
+def test_never_fitting_request_is_refused_at_once(model_dir):
+    """A pool of 8 blocks of 16 (128 slots) under max_model_len 192: a request that needs more than the whole
+    pool is a ValueError naming it before anything is queued, not a request that waits forever; one that
+    needs exactly the pool (prompt + max_tokens - 1 = 128) runs to its end, alone, without a preemption."""
+    llm = make_llm(model_dir, num_gpu_blocks_override=9)
+    eng = llm.llm_engine
+    prompt = RNG.integers(100, 40000, 100).tolist()
+    with pytest.raises(ValueError, match=r"needs up to 129 tokens of KV cache \(100 in the prompt, max_tokens=30\), "
+                       r"more than the whole KV cache holds: 128 tokens \(8 blocks of 16\)"):
+        llm.generate([PROMPTS[0], prompt], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert not eng.has_unfinished_requests() and eng.kv_manager.pool.num_free_blocks == 8
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=29, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 29 and eng.scheduler.num_preemptions == 0
+
+
+def test_counters_mean_what_vllms_mean(llm):
+    """vLLM V1's counters (server/metrics.py exports them), exact, for an 18-token prompt with block size 16:
+    prompt_tokens counts the whole prompt of every request (cached tokens too) and prefix_cache_queries /
+    hits count tokens; an n = 2 request is two requests; an abort before the first step counts no prompt."""
+    eng = llm.llm_engine
+    prompt = np.random.default_rng(18).integers(100, 40000, 18).tolist()     # in no other test's cache
+
+    def counters():
+        c, r = eng.core.core_stats(), eng.request_stats
+        return np.array([c.prompt_tokens, c.prefix_cache_queries, c.prefix_cache_hits, c.num_preemptions,
+                         r.generation_tokens, r.finished_by_reason["length"], r.finished_by_reason["abort"]])
+
+    def moved(run):
+        before = counters()
+        run()
+        return (counters() - before).tolist()
+
+    def generate(**kw):
+        return lambda: llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, **kw), use_tqdm=False)
+
+    #                              prompt  queried  hit  preempt  generated  length  abort
+    assert moved(generate()) ==             [18, 18, 0, 0, 4, 1, 0]
+    assert moved(generate()) ==             [18, 18, 16, 0, 4, 1, 0]       # the first block's 16 from the cache
+    assert moved(generate(n=2, seed=1)) ==  [36, 36, 32, 0, 8, 2, 0]
+    assert moved(lambda: (eng.add_request("gone", prompt, SamplingParams(max_tokens=4)),
+                          eng.abort_request("gone"))) == [0, 0, 0, 0, 0, 0, 1]
+
+
 def test_abort_frees_blocks_immediately(llm):
     eng = llm.llm_engine
     free0 = eng.kv_manager.pool.num_free_blocks
