@@ -122,6 +122,9 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
                     "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
                     size.num_blocks * per_block / 2**30, tokens, run.max_model_len, tokens / run.max_model_len)
+        if tokens < run.max_model_len:      # vLLM refuses to start here; this engine refuses such requests
+            logger.warning("The KV cache holds %d tokens, fewer than max_model_len=%d: a request needing more "
+                           "(prompt + max_tokens - 1) is refused on arrival", tokens, run.max_model_len)
 
     @staticmethod
     def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:

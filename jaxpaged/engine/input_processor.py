@@ -77,6 +77,14 @@ class InputProcessor:
             raise ValueError(f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids "
                              f"(vocab size {vocab}).")
 
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may generate: up to max_model_len, and no more than the
+        whole KV cache can hold for it (prompt + max_tokens - 1 slots, max_kv_slots). Negative when the
+        prompt alone is too long."""
+        info = self.info
+        pool_tokens = (info.num_blocks - 1) * info.block_size
+        return min(info.max_model_len, pool_tokens + 1) - num_prompt_tokens
+
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0) -> list[EngineCoreRequest]:
         """One core request per sample: n > 1 becomes n requests that share the prompt's blocks through the
