@@ -15,7 +15,7 @@ What moves each counter, as in vLLM V1 (a request with n samples is n requests, 
     prefix_cache_hits     waits for blocks, nor after a preemption); hits: the tokens the cache served
     num_preemptions       each preemption
     request_success       each finished request by finish reason; `abort` counts the requests a client left
-                          or cancelled (vLLM declares the label but never moves it, a known vLLM bug)
+                          or a shutdown ended (vLLM declares the label but never moves it, a known vLLM bug)
     histograms            time to first token and e2e latency from arrival; inter-token latency between two
                           outputs that carry tokens
 """
@@ -75,9 +75,9 @@ class _EngineCollector:
         yield counter("prompt_tokens", "Number of prefill tokens processed: each request's whole prompt, "
                       "prefix-cache hits included, once, at its first token.", core.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
-        success = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests, "
-                                      "by finish reason (one per sample; abort: the client went away or cancelled).",
-                                      labels=["model_name", "finished_reason"])
+        success = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests, by "
+                                      "finish reason (one per sample; abort: the client left or the server shut "
+                                      "down).", labels=["model_name", "finished_reason"])
         finished = dict(stats.finished_by_reason)
         for reason in sorted(set(FINISH_REASONS) | set(finished)):
             success.add_metric([self.model_name, reason], finished.get(reason, 0))
