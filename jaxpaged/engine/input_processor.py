@@ -51,8 +51,8 @@ class InputProcessor:
                              f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
                              f"{params.max_tokens} in the completion). Please reduce the length of the "
                              "messages or completion.")
-        # Refuse what could never run, rather than admit it to preempt itself forever: the most slots the
-        # request can hold must fit in the pool on its own.
+        # Refuse what could never run, rather than admit it to wait or preempt itself forever: the slots it
+        # must hold at once to finish have to fit in the whole pool.
         slots = max_kv_slots(n, params.max_tokens, max_model_len)
         num_blocks = info.num_blocks - 1
         if cdiv(slots, info.block_size) > num_blocks:
