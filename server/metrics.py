@@ -1,9 +1,23 @@
-"""GET /metrics: vLLM's Prometheus metrics under the `jaxpaged:` prefix.
+"""GET /metrics: vLLM V1's Prometheus metrics under the `jaxpaged:` prefix, each meaning what vLLM's does.
 
 Gauges and counters are read at scrape time (a custom collector, so there is one source of truth): the
 scheduler's and the KV cache's from the engine core's latest snapshot (it comes with every step's outputs),
-tokens and finish reasons from what this process delivered (RequestStats). Latency samples are drained
+tokens and finish reasons from what this process received (RequestStats). Latency samples are drained
 into histograms on each scrape and every few seconds in the background, so the lists never grow.
+
+What moves each counter, as in vLLM V1 (a request with n samples is n requests, as vLLM's child requests):
+
+    prompt_tokens         a request's whole prompt, prefix-cache hits included, once, at its first token
+                          (recomputing it after a preemption does not count again)
+    generation_tokens     the tokens the engine core sent for a request not finished here yet (an output that
+                          completes a stop string counts whole)
+    prefix_cache_queries  a request's tokens, once, when it is first scheduled (not its lookups while it
+    prefix_cache_hits     waits for blocks, nor after a preemption); hits: the tokens the cache served
+    num_preemptions       each preemption
+    request_success       each finished request by finish reason; `abort` counts the requests a client left
+                          or a shutdown ended (vLLM declares the label but never moves it, a known vLLM bug)
+    histograms            time to first token and e2e latency from arrival; inter-token latency between two
+                          outputs that carry tokens
 """
 from __future__ import annotations
 
@@ -42,22 +56,28 @@ class _EngineCollector:
             return c
 
         core, stats = self.llm.core_stats, self.llm.request_stats
-        yield gauge("num_requests_running", "Requests in the running batch.", core.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", core.num_requests_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", core.kv_cache_usage)
+        yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                    core.num_requests_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed (preempted ones included).",
+                    core.num_requests_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv_cache_usage)
         yield gauge("num_free_blocks", "KV cache blocks free (cached-but-unreferenced included).",
                     core.num_free_blocks)
         yield gauge("num_blocks", "KV cache blocks in the pool (the null block excluded).",
                     self.llm.info.num_blocks - 1)
         yield gauge("kv_cache_waste_perc", "Allocated but unused token slots over allocated slots, over the "
                     "running requests (waste sits only in each sequence's last block).", core.kv_cache_waste)
-        yield counter("prefix_cache_queries", "Blocks looked up in the prefix cache.", core.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Blocks found in the prefix cache.", core.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions of running requests.", core.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens prefilled.", core.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
-        success = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                      labels=["model_name", "finished_reason"])
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens "
+                      "(each request's tokens, once, when it is first scheduled).", core.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      core.prefix_cache_hits)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", core.num_preemptions)
+        yield counter("prompt_tokens", "Number of prefill tokens processed: each request's whole prompt, "
+                      "prefix-cache hits included, once, at its first token.", core.prompt_tokens)
+        yield counter("generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        success = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests, by "
+                                      "finish reason (one per sample; abort: the client left or the server shut "
+                                      "down).", labels=["model_name", "finished_reason"])
         finished = dict(stats.finished_by_reason)
         for reason in sorted(set(FINISH_REASONS) | set(finished)):
             success.add_metric([self.model_name, reason], finished.get(reason, 0))
@@ -75,9 +95,10 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
                              buckets=buckets).labels(model_name)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
 
     def drain(self) -> None:
         ttft, itl, e2e = self.llm.request_stats.drain_latencies()

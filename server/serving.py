@@ -90,11 +90,12 @@ class ServerState:
                                  f"(vocab size {vocab}).")
 
     def default_max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int | None:
-        """As vLLM: no max_tokens means up to the context length (at least 1, so an over-long prompt
-        still reaches the engine's length check and gets its message)."""
+        """As vLLM: no max_tokens means up to the context length, here also no more than the KV cache holds
+        (a pool smaller than max_model_len, which vLLM refuses at start-up), so such a request runs rather
+        than being refused; at least 1, so an over-long prompt still gets the engine's check and message."""
         if requested is not None:
             return requested
-        return max(1, self.llm.max_model_len - num_prompt_tokens)
+        return max(1, self.llm.input_processor.max_new_tokens(num_prompt_tokens))
 
     def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
         if self.log_requests:

@@ -148,3 +148,27 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         os.unlink(self.log.name)
+
+
+def metrics(http) -> dict[str, float]:
+    """{sample name + sorted labels: value} of every sample a server's /metrics exposes (http: an httpx.Client
+    on its base URL)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_metrics(http, ready, timeout: float = 120.0) -> dict[str, float]:
+    """Polls /metrics until ready(metrics) holds or the deadline passes; returns the last reading (the
+    caller's asserts then say what was not reached)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if ready(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

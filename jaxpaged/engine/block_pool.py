@@ -92,8 +92,6 @@ class BlockPool:
         self.null_block.ref_cnt = 1            # never free, never handed out
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
-        self.num_queries = 0                   # prefix-cache lookups, counted in blocks
-        self.num_hits = 0
 
     @property
     def num_free_blocks(self) -> int:

@@ -122,6 +122,9 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
                     "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
                     size.num_blocks * per_block / 2**30, tokens, run.max_model_len, tokens / run.max_model_len)
+        if tokens < run.max_model_len:      # vLLM refuses to start here; this engine refuses such requests
+            logger.warning("The KV cache holds %d tokens, fewer than max_model_len=%d: a request needing more "
+                           "(prompt + max_tokens - 1) is refused on arrival", tokens, run.max_model_len)
 
     @staticmethod
     def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
@@ -159,10 +162,10 @@ class EngineCore:
 
     def core_stats(self) -> CoreStats:
         """The gauges now (read live: an abort moves them between steps) and the counters."""
-        s, pool, sched = self.stats, self.kv_manager.pool, self.scheduler
-        return CoreStats(sched.num_running, sched.num_waiting, pool.usage, s.kv_cache_waste, pool.num_free_blocks,
-                         pool.num_queries, pool.num_hits, sched.num_preemptions, s.prompt_tokens,
-                         s.generation_tokens, s.num_steps)
+        s, kv, sched = self.stats, self.kv_manager, self.scheduler
+        return CoreStats(sched.num_running, sched.num_waiting, kv.pool.usage, s.kv_cache_waste,
+                         kv.pool.num_free_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
+                         sched.num_preemptions, s.prompt_tokens, s.generation_tokens, s.num_steps)
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -215,7 +218,7 @@ class EngineCore:
         prompt_lps = self._prompt_logprobs(result) if result.prompt_logprobs else {}
         outputs = []
         finished = []
-        num_tokens = 0
+        num_tokens = num_prompt_tokens = 0
         for rid, tokens in result.sampled_token_ids.items():
             req = requests.get(rid)
             if req is None:
@@ -232,8 +235,12 @@ class EngineCore:
                     break
             num_tokens += n
             out = EngineCoreOutput(rid, tokens if n == len(tokens) else tokens[:n])
-            if first and req.num_cached_tokens > 0:
-                out.num_cached_tokens = req.num_cached_tokens
+            if first:
+                # vLLM's prompt_tokens: a request's whole prompt (cached tokens too) at its first token,
+                # once (recomputing it after a preemption is not counted again)
+                num_prompt_tokens += req.num_prompt_tokens
+                if req.num_cached_tokens > 0:
+                    out.num_cached_tokens = req.num_cached_tokens
             if req.sampling_params.logprobs is not None:     # single steps only (Request.multi_step_ok)
                 out.new_logprobs = self._sample_logprobs(result, result.rows[rid], req.sampling_params.logprobs)
             if rid in prompt_lps:
@@ -248,6 +255,7 @@ class EngineCore:
             if rid in requests:
                 outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=chunk))
         self.stats.generation_tokens += num_tokens
+        self.stats.prompt_tokens += num_prompt_tokens
         for req, status in finished:
             self.scheduler.finish_request(req, status)
         return outputs

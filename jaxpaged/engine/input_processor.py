@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxpaged.engine.kv_cache_manager import cdiv
 from jaxpaged.engine.messages import CoreInfo, EngineCoreRequest
+from jaxpaged.engine.scheduler import max_kv_slots
 from jaxpaged.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -50,13 +51,18 @@ class InputProcessor:
                              f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
                              f"{params.max_tokens} in the completion). Please reduce the length of the "
                              "messages or completion.")
-        # Refuse what could never run, rather than admit it to preempt itself forever: the whole
-        # sequence (prompt + every token it may generate) must fit in the pool on its own.
-        total = min(n + (params.max_tokens or max_model_len), max_model_len)
-        if cdiv(total, info.block_size) > info.num_blocks - 1:
-            raise ValueError(f"This request needs up to {total} tokens of context ({n} in the prompt), which "
-                             f"needs more KV cache blocks than the pool holds ({info.num_blocks - 1} blocks of "
-                             f"{info.block_size} tokens). Lower max_tokens, or raise gpu_memory_utilization.")
+        # Refuse what could never run, rather than admit it to wait or preempt itself forever: the slots it
+        # must hold at once to finish have to fit in the whole pool.
+        slots = max_kv_slots(n, params.max_tokens, max_model_len)
+        num_blocks = info.num_blocks - 1
+        if cdiv(slots, info.block_size) > num_blocks:
+            limit = f"max_tokens={params.max_tokens}" if params.max_tokens is not None else \
+                f"no max_tokens: up to max_model_len={max_model_len}"
+            raise ValueError(f"This request needs up to {slots} tokens of KV cache ({n} in the prompt, {limit}), "
+                             f"more than the whole KV cache holds: {num_blocks * info.block_size} tokens "
+                             f"({num_blocks} blocks of {info.block_size}), so it could never run. Lower max_tokens "
+                             "or shorten the prompt, or give the KV cache more memory (gpu_memory_utilization, "
+                             "num_gpu_blocks_override).")
         for name, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             if k is not None and k > info.max_logprobs:
                 raise ValueError(f"Requested {name} logprobs of {k}, which is greater than max allowed: "
@@ -70,6 +76,14 @@ class InputProcessor:
         if bad_bias:
             raise ValueError(f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids "
                              f"(vocab size {vocab}).")
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request with this prompt may generate: up to max_model_len, and no more than the
+        whole KV cache can hold for it (prompt + max_tokens - 1 slots, max_kv_slots). Negative when the
+        prompt alone is too long."""
+        info = self.info
+        pool_tokens = (info.num_blocks - 1) * info.block_size
+        return min(info.max_model_len, pool_tokens + 1) - num_prompt_tokens
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None, priority: int = 0) -> list[EngineCoreRequest]:

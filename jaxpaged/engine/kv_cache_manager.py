@@ -29,8 +29,14 @@ class KVCacheManager:
         self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
         self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
         self.replaced: set[str] = set()        # requests whose earlier block ids changed (copy-on-write)
+        self.prefix_cache_queries = 0          # tokens looked up in the prefix cache (count_prefix_lookup)
+        self.prefix_cache_hits = 0             # tokens it served
 
     # ---- prefix cache -------------------------------------------------------------------------
+    def _reads_prefix_cache(self, request: Request) -> bool:
+        # prompt logprobs need every prompt position's logits, so such a request computes its whole prompt
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of full blocks. At least one token is always left to compute, since the
         step must produce logits for the request's next token.
@@ -39,7 +45,7 @@ class KVCacheManager:
         shared and only the last token is recomputed: it rewrites its own K/V (the same values) into the
         shared last block. So n samples of one prompt hold its blocks once, not the last one n times.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._reads_prefix_cache(request):
             return ComputedBlocks([], 0)
         max_blocks = request.num_tokens // self.block_size
         hits: list[KVCacheBlock] = []
@@ -48,9 +54,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.pool.num_queries += max_blocks
-        self.pool.num_hits += len(hits)
         return ComputedBlocks(hits, self._hit_tokens(request, hits))
+
+    def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """vLLM's prefix cache counters, in tokens: a request admitted for the first time queried all of its
+        tokens and was served num_hit_tokens of them. The scheduler calls this once per request, so the
+        lookups repeated while it waits for blocks, and a preempted request's lookup on its way back (vLLM
+        counts those apart, as preempted queries), are not counted again."""
+        if self._reads_prefix_cache(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def _hit_tokens(self, request: Request, hits: list[KVCacheBlock]) -> int:
         # 32 hits of 16 on a 512-token request -> 511: the last token is computed again for its logits

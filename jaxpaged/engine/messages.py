@@ -75,10 +75,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     kv_cache_usage: float = 0.0             # fraction of blocks in use
     kv_cache_waste: float = 0.0             # allocated-but-unused slots over allocated (running requests)
     num_free_blocks: int = 0
-    prefix_cache_queries: int = 0           # blocks looked up
-    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0           # tokens of first admissions looked up in the prefix cache
+    prefix_cache_hits: int = 0              # tokens it served
     num_preemptions: int = 0
-    prompt_tokens: int = 0                  # prompt tokens prefilled
+    prompt_tokens: int = 0                  # whole prompts, counted at each request's first token
     generation_tokens: int = 0              # tokens sampled (the API process may drop some after a stop string)
     num_steps: int = 0
 

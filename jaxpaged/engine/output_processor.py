@@ -118,7 +118,7 @@ class OutputProcessor:
         record = stats.record_latencies
         touched: dict[str, _Parent] = {}
         to_abort: list[str] = []
-        delivered = 0
+        generated = 0
         t_detok = 0.0
         for co in core_outputs:
             entry = self._samples.get(co.request_id)
@@ -132,6 +132,7 @@ class OutputProcessor:
             if co.new_prompt_logprobs is not None and index == 0:
                 self._record_prompt_logprobs(parent, co.new_prompt_logprobs)
             tokens = co.new_token_ids
+            generated += len(tokens)          # vLLM counts what the core sent, before a stop string cuts it
             stop = None
             if tokens:
                 if sample.first_token_time is None:
@@ -150,7 +151,6 @@ class OutputProcessor:
                         stop = match.stop
                         tokens = tokens[:len(sample.detok.token_ids) - before]
                 sample.token_ids.extend(tokens)
-                delivered += len(tokens)
                 if co.new_logprobs is not None:
                     self._record_logprobs(sample, tokens, co)
             if stop is not None:
@@ -166,7 +166,7 @@ class OutputProcessor:
             elif tokens or co.new_prompt_logprobs is not None:
                 if parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
                     touched[parent.request_id] = parent
-        stats.generation_tokens += delivered
+        stats.generation_tokens += generated
         stats.detokenize_s += t_detok
         outputs = []
         for parent in touched.values():

@@ -38,6 +38,22 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1            # decode steps one step may run on the device (multi-step)
 
 
+def max_kv_slots(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The KV cache slots (token positions) a request must hold at once to finish: its prompt and every
+    sampled token but the last, which is never fed back. A pool with fewer slots can never finish it: it
+    waits for room forever, or preempts itself again and again.
+
+        prompt 30, max_tokens 3:   positions 0..31 -> 32 slots
+        prompt 30, max_tokens 1:   the prefill alone, positions 0..29 -> 30 slots
+
+    A multi-step decode may compute past max_tokens and so want more (its tokens past the end are dropped),
+    but it needs no more to finish: when the pool is short it preempts the request, whose recompute is a
+    single step that samples a token.
+    """
+    max_new = max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
+    return min(num_prompt_tokens + max_new - 1, max_model_len)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
         self.config = config
@@ -252,8 +268,9 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.num_computed_tokens = computed.num_tokens
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:           # its first admission (not one after a preemption)
                 req.num_cached_tokens = computed.num_tokens
+                self.kv.count_prefix_lookup(req, computed.num_tokens)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             self._admit(out, req, num_new)

@@ -11,7 +11,6 @@ from collections import Counter
 import numpy as np
 
 _COMPUTED = operator.attrgetter("num_computed_tokens")
-_PROMPT = operator.attrgetter("num_prompt_tokens")
 
 
 @dataclasses.dataclass
@@ -20,11 +19,12 @@ class EngineStats:
     num_requests_waiting: int = 0
     kv_cache_usage: float = 0.0                 # fraction of blocks in use
     kv_cache_waste: float = 0.0                 # allocated-but-unused slots over allocated (running requests)
-    prefix_cache_queries: int = 0               # blocks looked up
-    prefix_cache_hits: int = 0
+    # vLLM's counters (server/metrics.py says what each one means)
+    prefix_cache_queries: int = 0               # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0                  # tokens it served
     num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+    prompt_tokens: int = 0                      # whole prompts of the requests that sampled their first token
+    generation_tokens: int = 0                  # tokens sampled (the core's: a stop string may cut some later)
     num_steps: int = 0
     # host timing of the last steps, seconds
     schedule_s: float = 0.0
@@ -49,18 +49,16 @@ class EngineStats:
         self.arrivals += n
 
     def on_schedule(self, sched, requests: dict) -> None:
-        """Count a step's prompt tokens as it is scheduled (its requests are all still there)."""
-        req_ids = sched.req_ids
+        """Note a step's shape as it is scheduled (its requests are all still there), for the step log."""
         self._scheduled = None
-        if req_ids:      # one numpy pass (1000+ requests a step)
-            m = len(req_ids)
-            reqs = list(map(requests.__getitem__, req_ids))
-            computed = np.fromiter(map(_COMPUTED, reqs), np.int64, m)
-            prompt = np.fromiter(map(_PROMPT, reqs), np.int64, m)
-            n = np.fromiter(map(sched.num_scheduled_tokens.__getitem__, req_ids), np.int64, m)
-            self.prompt_tokens += int(np.maximum(0, np.minimum(computed, prompt) - (computed - n)).sum())
-            # (tokens scheduled, requests, tokens of context the step's attention reads)
-            self._scheduled = (int(n.sum()), m, int(computed.sum()))
+        req_ids = sched.req_ids
+        if self.step_log is None or not req_ids:
+            return
+        m = len(req_ids)
+        computed = np.fromiter(map(_COMPUTED, map(requests.__getitem__, req_ids)), np.int64, m)
+        n = np.fromiter(map(sched.num_scheduled_tokens.__getitem__, req_ids), np.int64, m)
+        # (tokens scheduled, requests, tokens of context the step's attention reads)
+        self._scheduled = (int(n.sum()), m, int(computed.sum()))
 
     def on_step(self, scheduler, kv, *, schedule_s: float, execute_s: float, process_s: float) -> None:
         self.num_steps += 1
@@ -72,8 +70,8 @@ class EngineStats:
         self.max_waste_seen = max(self.max_waste_seen, self.kv_cache_waste)
         self.waste_slots_allocated += allocated
         self.waste_slots_unused += allocated - used
-        self.prefix_cache_queries = kv.pool.num_queries
-        self.prefix_cache_hits = kv.pool.num_hits
+        self.prefix_cache_queries = kv.prefix_cache_queries
+        self.prefix_cache_hits = kv.prefix_cache_hits
         self.num_preemptions = scheduler.num_preemptions
         if self.step_log is not None:
             # The engine keeps one step in flight: this call launched step N and processed N-1's results,
@@ -95,8 +93,8 @@ class EngineStats:
 @dataclasses.dataclass
 class RequestStats:
     """The API process's side: what clients received."""
-    generation_tokens: int = 0                  # tokens delivered (after stop strings cut any)
-    finished_by_reason: Counter = dataclasses.field(default_factory=Counter)
+    generation_tokens: int = 0                  # tokens received for unfinished samples (vLLM's count)
+    finished_by_reason: Counter = dataclasses.field(default_factory=Counter)    # samples, aborts included
     detokenize_s: float = 0.0                   # incremental detokenization and stop strings (host)
     # latency samples since the last drain, kept only when record_latencies is on (the server turns it on
     # and moves them into histograms every few seconds; offline runs keep none, so nothing grows)

@@ -97,7 +97,7 @@ def test_step_log_row_closes_when_the_steps_results_are_in(monkeypatch):
     monkeypatch.setattr(stats_mod.time, "perf_counter", lambda: now[0])
     req = NS(request_id="a", num_computed_tokens=0, num_prompt_tokens=40)
     scheduler = NS(num_running=1, num_waiting=0, running=[req], num_preemptions=0)
-    kv = NS(pool=NS(usage=0.1, num_queries=0, num_hits=0), slot_usage=lambda reqs: (48, 41))
+    kv = NS(pool=NS(usage=0.1), prefix_cache_queries=0, prefix_cache_hits=0, slot_usage=lambda reqs: (48, 41))
     # each call at its time: dispatch the prefill (1.0 s), a decode (3.0: the prefill's results are in),
     # another (3.5), then nothing (4.0: the last decode's results)
     for t, tokens in ((1.0, 40), (3.0, 1), (3.5, 1), (4.0, 0)):

@@ -20,11 +20,13 @@ def refs(kv, ids):
 
 
 def schedule(kv, r, n):
-    """What the scheduler does for a waiting request: prefix hits, then slots for the rest."""
+    """What the scheduler does when it first admits a waiting request: prefix hits, slots for the rest, and
+    the lookup counted."""
     hit = kv.get_computed_blocks(r)
     new = kv.allocate_slots(r, n - hit.num_tokens, hit.blocks)
     assert new is not None
     r.num_computed_tokens = n
+    kv.count_prefix_lookup(r, hit.num_tokens)
     return hit
 
 
@@ -97,7 +99,8 @@ def test_allocate_prefix_hit_from_middle_of_free_queue_and_free():
     # 1 and 2 left the queue from its middle/tail; the new block is the queue's head
     assert kv.get_block_ids("b") == [1, 2, 4]
     assert kv.pool.free_queue.block_ids() == [5, 6, 7, 8, 9, 3]
-    assert (kv.pool.num_queries, kv.pool.num_hits) == (4, 2)   # a: 2 looked up, 0 hits; b: 2 and 2
+    # in tokens, as vLLM: a queried 10 and hit none; b queried 11 and hit its 8 in a's two blocks
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (21, 8)
 
     c = req("c", list(range(4)) + [60, 61, 62, 63, 64])      # shares only the first block, which b holds
     schedule(kv, c, 9)

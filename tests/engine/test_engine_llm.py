@@ -82,10 +82,15 @@ def test_greedy_identical_across_scheduling(model_dir, reference, kw):
         assert eng.scheduler.num_preemptions > 0
     if kw.get("max_num_batched_tokens") == 32:
         assert eng.stats.num_steps > len(PROMPTS) * 24 // 8
-    if eng.args.enable_prefix_caching:
-        assert eng.kv_manager.pool.num_hits > 0
-    elif "preemption_mode" not in kw:        # every prompt token prefilled exactly once, chunked or not
-        assert eng.stats.prompt_tokens == sum(map(len, PROMPTS))
+    # vLLM's counters: each request's whole prompt once, however it was chunked, cached or recomputed
+    assert eng.stats.prompt_tokens == sum(map(len, PROMPTS))
+    if eng.args.enable_prefix_caching:       # each request looked up once, preempted or not, in tokens
+        kv = eng.kv_manager
+        assert kv.prefix_cache_queries == sum(map(len, PROMPTS))
+        if "preemption_mode" in kw:
+            assert 0 < kv.prefix_cache_hits <= 32 * (len(PROMPTS) - 1)
+        else:                                # the 5 prompts after the first hit BASE's two full blocks
+            assert kv.prefix_cache_hits == 32 * (len(PROMPTS) - 1)
     assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1
 
 
@@ -261,12 +266,13 @@ def test_prompt_logprobs_match_hf(model_dir, llm, reference, chunk):
 
 def test_n_samples_share_prompt_and_differ(llm):
     eng = llm.llm_engine
-    hits0 = eng.kv_manager.pool.num_hits
+    hits0 = eng.kv_manager.prefix_cache_hits
     sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     out = llm.generate([PROMPTS[4]], sp, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-    assert eng.kv_manager.pool.num_hits - hits0 >= 2 * (len(PROMPTS[4]) // 16)   # samples 1, 2 reuse the prompt
+    # samples 1 and 2 reuse the prompt's full blocks (in tokens)
+    assert eng.kv_manager.prefix_cache_hits - hits0 >= 2 * (len(PROMPTS[4]) // 16 * 16)
     again = llm.generate([PROMPTS[4]], sp, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
@@ -276,6 +282,49 @@ def test_refused_on_arrival(llm):
         llm.generate([[5] * MAX_LEN], GREEDY, use_tqdm=False)
     small = llm.llm_engine
     assert not small.has_unfinished_requests()
+
+
+def test_never_fitting_request_is_refused_at_once(model_dir):
+    """A pool of 8 blocks of 16 (128 slots) under max_model_len 192: a request that needs more than the whole
+    pool is a ValueError naming it before anything is queued, not a request that waits forever; one that
+    needs exactly the pool (prompt + max_tokens - 1 = 128) runs to its end, alone, without a preemption."""
+    llm = make_llm(model_dir, num_gpu_blocks_override=9)
+    eng = llm.llm_engine
+    prompt = RNG.integers(100, 40000, 100).tolist()
+    with pytest.raises(ValueError, match=r"needs up to 129 tokens of KV cache \(100 in the prompt, max_tokens=30\), "
+                       r"more than the whole KV cache holds: 128 tokens \(8 blocks of 16\)"):
+        llm.generate([PROMPTS[0], prompt], SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert not eng.has_unfinished_requests() and eng.kv_manager.pool.num_free_blocks == 8
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=29, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 29 and eng.scheduler.num_preemptions == 0
+
+
+def test_counters_mean_what_vllms_mean(llm):
+    """vLLM V1's counters (server/metrics.py exports them), exact, for an 18-token prompt with block size 16:
+    prompt_tokens counts the whole prompt of every request (cached tokens too) and prefix_cache_queries /
+    hits count tokens; an n = 2 request is two requests; an abort before the first step counts no prompt."""
+    eng = llm.llm_engine
+    prompt = np.random.default_rng(18).integers(100, 40000, 18).tolist()     # in no other test's cache
+
+    def counters():
+        c, r = eng.core.core_stats(), eng.request_stats
+        return np.array([c.prompt_tokens, c.prefix_cache_queries, c.prefix_cache_hits, c.num_preemptions,
+                         r.generation_tokens, r.finished_by_reason["length"], r.finished_by_reason["abort"]])
+
+    def moved(run):
+        before = counters()
+        run()
+        return (counters() - before).tolist()
+
+    def generate(**kw):
+        return lambda: llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, **kw), use_tqdm=False)
+
+    #                              prompt  queried  hit  preempt  generated  length  abort
+    assert moved(generate()) ==             [18, 18, 0, 0, 4, 1, 0]
+    assert moved(generate()) ==             [18, 18, 16, 0, 4, 1, 0]       # the first block's 16 from the cache
+    assert moved(generate(n=2, seed=1)) ==  [36, 36, 32, 0, 8, 2, 0]
+    assert moved(lambda: (eng.add_request("gone", prompt, SamplingParams(max_tokens=4)),
+                          eng.abort_request("gone"))) == [0, 0, 0, 0, 0, 0, 1]
 
 
 def test_abort_frees_blocks_immediately(llm):

@@ -11,7 +11,7 @@ from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.messages import CoreInfo
 from jaxpaged.engine.request import Request, RequestStatus
-from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig, max_kv_slots
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -37,16 +37,19 @@ def fake_token(r):
 
 
 def step(s):
-    """schedule() then what the engine does with the sampled ids (one token per finished chunk)."""
+    """schedule() then what the engine does with the sampled ids: one token per finished chunk and decode
+    step, the tokens after a stop dropped."""
     out = s.schedule()
     for r in [s.requests[rid] for rid in out.req_ids]:
         if r.request_id not in out.sampling_ids:
             continue
         s.settle(r, out.num_steps)
-        r.append_output_token(fake_token(r))
-        status = s.check_stop(r)
-        if status is not None:
-            s.finish_request(r, status)
+        for _ in range(out.num_steps):
+            r.append_output_token(fake_token(r))
+            status = s.check_stop(r)
+            if status is not None:
+                s.finish_request(r, status)
+                break
     return out
 
 
@@ -165,6 +168,32 @@ def test_preemption_when_blocks_run_out(mode, caplog):
     assert s.kv.pool.num_free_blocks == 4 and sorted(s.kv.free_cpu_blocks) == list(range(8 if mode == "swap" else 0))
 
 
+def test_prefix_cache_counters_are_tokens_once_per_request():
+    """vLLM's prefix_cache_queries / hits, in tokens: each request's tokens once, at its first admission. Not
+    the lookups repeated while it waits for blocks, nor the one on its way back from a preemption (vLLM
+    counts those apart, as preempted queries)."""
+    s = make(num_blocks=5, max_num_batched_tokens=64)        # 4 blocks of 4
+    a, b, c = req("a", 7, max_tokens=6), req("b", 7, max_tokens=6), req("c", 5, max_tokens=1)
+    for r in (a, b, c):
+        s.add_request(r)
+    run_all(s)
+    # c waited for blocks over several steps; b was preempted and came back with 4 tokens from the cache
+    assert b.num_preemptions == 1 and s.num_preemptions == 1
+    assert (s.kv.prefix_cache_queries, s.kv.prefix_cache_hits) == (7 + 7 + 5, 0)
+    s = make(num_blocks=64)
+    x = req("x", 10, max_tokens=2)
+    s.add_request(x)
+    step(s)
+    s.add_request(req("y", x.prompt_token_ids, max_tokens=2))        # x's two full blocks: 8 tokens
+    s.add_request(req("z", x.prompt_token_ids[:8], max_tokens=2))    # a full hit leaves its last token: 7
+    run_all(s)
+    assert (s.kv.prefix_cache_queries, s.kv.prefix_cache_hits) == (10 + 10 + 8, 8 + 7)
+    off = make(num_blocks=64, caching=False)                          # no lookups, no counts
+    off.add_request(req("x", 10, max_tokens=2))
+    run_all(off)
+    assert (off.kv.prefix_cache_queries, off.kv.prefix_cache_hits) == (0, 0)
+
+
 def test_preempted_requests_produce_the_same_tokens():
     def tokens(num_blocks, mode):
         s = make(num_blocks=num_blocks, num_cpu_blocks=64, preemption_mode=mode, max_num_batched_tokens=32)
@@ -188,11 +217,19 @@ def validate(num_blocks=9, block_size=4, max_model_len=64):
     return InputProcessor(types.SimpleNamespace(eos_token_id=None), info).validate_prompt
 
 
+NEVER_FITS = "more than the whole KV cache holds: 32 tokens \\(8 blocks of 4\\), so it could never run"
+
+
 def test_request_that_can_never_fit_is_refused_on_arrival():
-    check = validate()
-    check(list(range(30)), SamplingParams(max_tokens=2))          # 8 blocks for 31 tokens: fits
-    with pytest.raises(ValueError, match="more KV cache blocks than the pool holds"):
+    check = validate()                                            # 8 blocks of 4: 32 slots
+    check(list(range(30)), SamplingParams(max_tokens=3))          # 32 slots: its 3rd token is never computed
+    with pytest.raises(ValueError, match="needs up to 33 tokens of KV cache \\(30 in the prompt, max_tokens=4\\), "
+                       + NEVER_FITS):
+        check(list(range(30)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=NEVER_FITS):
         check(list(range(40)), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="needs up to 63 tokens .*no max_tokens: up to max_model_len=64"):
+        check(list(range(10)), SamplingParams(max_tokens=None))
     with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
         check(list(range(64)), SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="maximum context length"):
@@ -201,6 +238,42 @@ def test_request_that_can_never_fit_is_refused_on_arrival():
         check([], SamplingParams())
     with pytest.raises(ValueError, match="out of vocabulary"):
         check([5, 1000], SamplingParams())
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_max_kv_slots_is_what_a_request_needs_alone(steps):
+    """A request alone on a pool of exactly max_kv_slots runs to its end, holding all of it at its peak; one
+    block fewer and it never ends: what the API process refuses on arrival. With 4 decode steps per program
+    a decode near the end wants slots past max_tokens and preempts the request, whose recompute (one step)
+    samples a token: slower, but it ends."""
+    for prompt, max_tokens in [(5, 1), (9, 2), (9, 6), (16, 10), (13, 14)]:
+        slots = max_kv_slots(prompt, max_tokens, 256)
+        assert slots == prompt + max_tokens - 1
+        usable = -(-slots // 4)
+        s = make(num_blocks=usable + 1, num_scheduler_steps=steps, max_model_len=256, max_num_batched_tokens=64)
+        r = req("a", prompt, max_tokens=max_tokens)
+        s.add_request(r)
+        peak = 0
+
+        def schedule(real=s.schedule):       # the blocks held once each step is scheduled
+            nonlocal peak
+            out = real()
+            peak = max(peak, len(s.kv.get_block_ids("a")))
+            return out
+
+        s.schedule = schedule
+        run_all(s)
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == max_tokens
+        assert peak == usable, (prompt, max_tokens)
+        if steps == 1:
+            assert s.num_preemptions == 0
+        s = make(num_blocks=usable, num_scheduler_steps=steps, max_model_len=256, max_num_batched_tokens=64)
+        r = req("a", prompt, max_tokens=max_tokens)
+        s.add_request(r)
+        for _ in range(50):
+            step(s)
+        assert s.has_unfinished() and r.num_output_tokens < max_tokens, (prompt, max_tokens)
+    assert max_kv_slots(10, None, 64) == 63                      # no max_tokens: up to max_model_len
 
 
 def sharegpt_like(n=1000, seed=0):
@@ -255,5 +328,5 @@ def test_n4_samples_share_the_prompt_blocks():
 def test_request_whose_output_can_never_fit_is_refused_on_arrival():
     r = req("a", list(range(5)), max_tokens=10)                 # needs 14 slots
     check = validate(num_blocks=3)                              # 2 blocks of 4 = 8 token slots
-    with pytest.raises(ValueError, match="KV cache blocks"):
+    with pytest.raises(ValueError, match="needs up to 14 tokens of KV cache"):
         check(r.prompt_token_ids, r.sampling_params)

@@ -105,7 +105,7 @@ class _StubLLM:
         self.core_stats, self.request_stats = CoreStats(num_free_blocks=9), RequestStats()
         self.input_processor = _Namespace(
             tokenize_prompt=lambda p: (p, _Tok().encode(p)) if isinstance(p, str) else (None, p),
-            validate_prompt=lambda ids, params: None)
+            validate_prompt=lambda ids, params: None, max_new_tokens=lambda n: self.max_model_len - n)
         self.healthy, self.errored, self.dead_error = True, False, None
         self.aborted = []
         self.failure: Exception = EngineDeadError("the engine core failed: RuntimeError: boom")
