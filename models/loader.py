@@ -1,11 +1,17 @@
 """Load an HF checkpoint folder (config.json + safetensors) into the Flax decoder's parameter tree.
 
 HF parameter names map to Flax params in `_LAYER_TABLE` / `_TOP_TABLE` (one table for every family the
-decoder supports); per-layer weights are stacked on a leading [L] axis for `nn.scan`.
+decoder supports). The layers' weights come in one of two layouts, whichever the step's layer dispatch
+runs on: stacked on a leading [L] axis (the layer scan, `nn.scan`), or one tree per layer (per-layer and
+unrolled dispatch), loaded that way rather than split from a stacked tree afterwards: splitting on the
+device holds the weights twice and leaves the allocator fragmented for the KV pool, and splitting through
+host memory took most of a large model's warm start-up.
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import pathlib
 from typing import Any, NamedTuple
@@ -47,7 +53,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 class LoadedModel(NamedTuple):
     config: DecoderConfig
     hf_config: dict
-    params: Any          # Flax params tree, stacked layers
+    params: Any          # Flax params tree; its "layers" stacked, or a list of one tree per layer (per_layer)
     dtype: Any
 
 
@@ -74,8 +80,9 @@ def resolve_dtype(dtype: str, cfg: DecoderConfig, platform: str = "cpu"):
     return jnp.bfloat16 if ckpt == jnp.float32 else ckpt
 
 
+@functools.lru_cache(maxsize=4)
 def param_shapes(cfg: DecoderConfig, dtype) -> Any:
-    """The parameter tree's ShapeDtypeStructs, without running or allocating anything."""
+    """The parameter tree's ShapeDtypeStructs (layers stacked), without running or allocating anything."""
     model = DecoderModel(cfg, dtype)
     num_blocks, block_size = 2, 4
     kv = jax.ShapeDtypeStruct((cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim), dtype)
@@ -85,22 +92,41 @@ def param_shapes(cfg: DecoderConfig, dtype) -> Any:
     return shapes["params"]
 
 
-def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0) -> Any:
-    """Random weights of the right shapes (vLLM's --load-format dummy): uniform(-1e-3, 1e-3), norms 1."""
+def layer_bytes(cfg: DecoderConfig, dtype) -> int:
+    """Bytes of one decoder layer's weights (what the layer dispatch is chosen by), from the shapes alone."""
+    return sum(math.prod(x.shape[1:]) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(param_shapes(cfg, dtype)["layers"]))
+
+
+def unstack_layers(params, num_layers: int) -> dict:
+    """A params tree whose "layers" leaves are lists of per-layer arrays -> "layers" a list of trees."""
+    lists = params["layers"]
+    per_layer = [jax.tree.map(lambda xs, i=i: xs[i], lists, is_leaf=lambda x: isinstance(x, list))
+                 for i in range(num_layers)]
+    return {**params, "layers": per_layer}
+
+
+def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0, per_layer: bool = False) -> Any:
+    """Random weights of the right shapes (vLLM's --load-format dummy): uniform(-1e-3, 1e-3), norms 1. The
+    same seed gives the same weights in either layout (per_layer: each layer's slice of the stacked draw)."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    specs = [(sds.shape, sds.dtype, getattr(path[-1], "key", None) == "scale") for path, sds in leaves]
+    specs = [(sds.shape, sds.dtype, getattr(path[-1], "key", None) == "scale",
+              per_layer and getattr(path[0], "key", None) == "layers") for path, sds in leaves]
 
     # One program for every leaf (one compile, kept by the persistent cache), not one per leaf: on a GPU
     # each small compile costs ~1 s and a model has ~17 leaves.
     @jax.jit
     def init(keys):
-        return [jnp.ones(shape, dt) if is_norm else
-                jax.random.uniform(keys[i], shape, jnp.float32, -1e-3, 1e-3).astype(dt)
-                for i, (shape, dt, is_norm) in enumerate(specs)]
+        out: list = []
+        for i, (shape, dt, is_norm, split) in enumerate(specs):
+            x = (jnp.ones(shape, dt) if is_norm else
+                 jax.random.uniform(keys[i], shape, jnp.float32, -1e-3, 1e-3).astype(dt))
+            out.append([x[j] for j in range(shape[0])] if split else x)
+        return out
 
-    out = init(jax.random.split(jax.random.PRNGKey(seed), len(leaves)))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    params = jax.tree_util.tree_unflatten(treedef, init(jax.random.split(jax.random.PRNGKey(seed), len(leaves))))
+    return unstack_layers(params, cfg.num_layers) if per_layer else params
 
 
 def _safetensor_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -124,10 +150,10 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) -> Any:
+def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False) -> Any:
     from safetensors import safe_open
     shapes = param_shapes(cfg, dtype)
-    per_layer: dict[tuple, list] = {}
+    layer_parts: dict[tuple, list] = {}
     params: dict = {}
     for file in _safetensor_files(model_dir):
         # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
@@ -141,7 +167,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) 
                     path, transpose, part = _LAYER_TABLE[sub]
                     t = f.get_tensor(name).astype(dtype)
                     part_idx, num_parts = part or (0, 1)
-                    slots = per_layer.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
+                    slots = layer_parts.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
                     slots[int(idx)][part_idx] = t.T if transpose else t
                 elif name in _TOP_TABLE:
                     path, transpose = _TOP_TABLE[name]
@@ -149,33 +175,41 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype) 
                         continue
                     t = f.get_tensor(name).astype(dtype)
                     _set(params, path, t.T if transpose else t)
-    for path, layers in per_layer.items():
+    for path, layers in layer_parts.items():
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:
             raise ValueError(f"checkpoint lacks part of {'.'.join(path)} for layers {missing}")
-        _set(params, ("layers",) + path, jnp.stack([jnp.concatenate(parts, axis=-1) for parts in layers]))
+        arrays = [jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0] for parts in layers]
+        _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
         layers.clear()
-    # Every parameter the model needs must have arrived, with the right shape.
+    # Every parameter the model needs must have arrived, with the right shape (per layer: its slice's).
     flat_need = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
-    flat_have = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    if per_layer:
+        flat_need = {p: (jax.ShapeDtypeStruct(sds.shape[1:], sds.dtype) if getattr(p[0], "key", None) == "layers"
+                         else sds) for p, sds in flat_need.items()}
+    flat_have = dict(jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, list) and per_layer)[0])
     for path, sds in flat_need.items():
         name = jax.tree_util.keystr(path)
         if path not in flat_have:
             raise ValueError(f"checkpoint in {str(model_dir)!r} lacks parameter {name}")
-        if tuple(flat_have[path].shape) != tuple(sds.shape):
-            raise ValueError(f"parameter {name}: checkpoint shape {flat_have[path].shape} != {sds.shape}")
-    return params
+        have = flat_have[path]
+        for x in (have if isinstance(have, list) else [have]):
+            if tuple(x.shape) != tuple(sds.shape):
+                raise ValueError(f"parameter {name}: checkpoint shape {x.shape} != {sds.shape}")
+    return unstack_layers(params, cfg.num_layers) if per_layer else params
 
 
 def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
-               platform: str = "cpu") -> LoadedModel:
+               platform: str = "cpu", per_layer: bool = False) -> LoadedModel:
+    """per_layer: params["layers"] is a list of one tree per layer (per-layer and unrolled dispatch)."""
     hf_config = read_hf_config(model_dir)
     cfg = decoder_config_from_hf(hf_config)
     jdtype = resolve_dtype(dtype, cfg, platform)
     if load_format == "dummy":
-        params = dummy_params(cfg, jdtype, seed)
+        params = dummy_params(cfg, jdtype, seed, per_layer)
     elif load_format in ("auto", "safetensors"):
-        params = load_safetensors_params(pathlib.Path(model_dir), cfg, jdtype)
+        params = load_safetensors_params(pathlib.Path(model_dir), cfg, jdtype, per_layer)
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; choose auto, safetensors or dummy")
     return LoadedModel(cfg, hf_config, params, jdtype)

@@ -19,33 +19,11 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase, split_layer_params
+from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase
 from jaxpaged.runner.multi_step import decode_steps
 from jaxpaged.runner.sampler import SamplerFlags, prompt_head, sample_and_keep
 from jaxpaged.runner.step_inputs import fill_input_tokens, unpack
-
-def layer_bytes(params) -> int:
-    """Bytes of one layer's weights in DecoderModel's stacked params."""
-    leaves = jax.tree.leaves(params["layers"])
-    return sum(x.size * x.dtype.itemsize for x in leaves) // max(1, leaves[0].shape[0])
-
-
-def split_params(params) -> tuple[dict, list[dict]]:
-    """Stacked params -> (the rest, one tree per layer). The stacked layer arrays are DELETED.
-
-    They go through host memory: copied out, freed on the device, then each layer's slice copied back.
-    Splitting on the device would hold the weights twice, and the freed stacked region would leave the
-    allocator too fragmented for the one large KV pool allocated next (llama3-8b: 16 GB of layers
-    beside a 49 GB pool on an 80 GB GPU)."""
-    stacked = params["layers"]
-    host = jax.tree.map(lambda x: np.array(x), stacked)            # a copy, not a view of the buffer
-    for x in jax.tree.leaves(stacked):
-        x.delete()
-    rest, layers = split_layer_params({**params, "layers": host})
-    return rest, [jax.tree.map(jnp.asarray, lp) for lp in layers]
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype"))

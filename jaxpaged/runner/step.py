@@ -38,9 +38,13 @@ class StepPrograms:
         self.cfg, self.dtype, self.run = cfg, dtype, run
         self.layer_groups: list[tuple] | None
         if run.layer_dispatch in ("per_layer", "unrolled"):
-            # Each layer's weights as their own arrays (layerwise.py), before the KV pool is allocated:
-            # params["layers"] is deleted on the way. Unrolled: all layers in one group, one program.
-            self.params, layer_params = layerwise.split_params(params)
+            # Each layer's weights are their own arrays (load_model(per_layer=True)): layerwise.py.
+            # Unrolled: all layers in one group, one program.
+            layer_params = params["layers"]
+            if not isinstance(layer_params, list):
+                raise ValueError(f"{run.layer_dispatch} dispatch runs on per-layer weights: "
+                                 "load the model with load_model(..., per_layer=True)")
+            self.params = {k: v for k, v in params.items() if k != "layers"}
             layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(layer_params))]
             self.layer_groups = layerwise.group_layers(layer_params, layer_ids,
                                                        run.layers_per_dispatch or len(layer_params))

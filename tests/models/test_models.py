@@ -163,3 +163,17 @@ def test_dummy_weights(tmp_path):
         else:
             assert np.abs(x32).max() <= 1e-3 and np.unique(x32).size > 10
         np.testing.assert_array_equal(x32, np.asarray(fb[name], np.float32))
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_per_layer_loading_equals_the_stacked_layers(load_format, tmp_path):
+    """load_model(per_layer=True) loads each layer's weights as their own arrays, never stacked: equal to
+    the stacked load's slices (the dummy draw too, for the same seed)."""
+    from jaxpaged.models import decoder
+
+    make_hf_model("qwen2", tmp_path)
+    stacked = load_model(tmp_path, dtype="float32", load_format=load_format, seed=5)
+    per_layer = load_model(tmp_path, dtype="float32", load_format=load_format, seed=5, per_layer=True)
+    rest, layers = decoder.split_layer_params(stacked.params)
+    assert isinstance(per_layer.params["layers"], list) and len(per_layer.params["layers"]) == len(layers)
+    jax.tree.map(np.testing.assert_array_equal, {**rest, "layers": layers}, per_layer.params)
