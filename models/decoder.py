@@ -183,7 +183,8 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
         return prompt_head(jnp.dot(hc, w.astype(hc.dtype)).astype(jnp.float32), tc)
 
     out = jax.lax.map(one, (h, targets))
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:t], out)
+    # the sizes spelled out, not -1: an output may be empty (top 0 logprobs: [chunks, C, 0])
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[:t], out)
 
 
 # ---- the same model in three phases, for per-layer dispatch -------------------------------------------
