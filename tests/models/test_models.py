@@ -151,7 +151,7 @@ def test_float32_checkpoint_loads_as_bfloat16(tmp_path):
     got = load_model(tmp_path, dtype="bfloat16").params
     leaves = jax.tree_util.tree_leaves(got)
     assert live() - before == sum(x.nbytes for x in leaves)
-    assert {x.dtype for x in leaves} == {jnp.bfloat16}
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
     for w, g in zip(jax.tree_util.tree_leaves(want), leaves):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(ml_dtypes.bfloat16))
     torch_bf16 = hf.model.embed_tokens.weight.detach().to(torch.bfloat16).float().numpy()

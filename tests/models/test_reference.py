@@ -11,9 +11,9 @@ file itself). Each case's engine has limits that force the mechanism under test,
 
 float32: the prompt logprobs (teacher-forced) and the sampled tokens' logprobs are within 1e-4 of HF's
 log-softmax of the raw logits, and the greedy tokens (64 unless EOS ends a request) are HF's greedy
-continuation. bfloat16: the same workloads against HF in bfloat16; at least 99% of all greedy tokens are
-HF's argmax after the same tokens (judged on jaxpaged's tokens, so that a flip at a near-tie counts as one
-disagreement, not as every token after it).
+continuation. bfloat16: the same workloads against HF in bfloat16, judged token by token on jaxpaged's
+tokens (so that a flip at a near-tie counts as one disagreement, not as every token after it): jaxpaged
+agrees with HF bf16 at least as often as HF bf16 agrees with HF float32, and only at near-ties.
 """
 import copy
 import dataclasses
@@ -33,7 +33,7 @@ BLOCK_SIZE = 8
 CHUNK = 16                                          # the step's token budget: every prompt is longer
 NUM_BLOCKS = 1 + MAX_MODEL_LEN // BLOCK_SIZE        # the null block + one full-length request
 LOGPROB_ATOL = 1e-4
-BF16_MIN_AGREEMENT = 0.99
+NEAR_TIE = 0.25         # nats: a few bf16 rounding steps of logits of magnitude 10-20
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SCORED = GREEDY.clone(logprobs=0, prompt_logprobs=0)      # also the logprobs of its own tokens
@@ -52,13 +52,14 @@ def tiny_case(tmp_path_factory, name: str) -> Case:
 
     from jaxpaged.engine.llm_engine import resolve_model_path
     path = tmp_path_factory.mktemp(name)
-    hf = save_tiny_model(name, path, initializer_range=0.2)   # peaked logits: few near-ties
+    # weights 10x HF's default scale: logits spread wide, so few greedy choices are near-ties
+    hf = save_tiny_model(name, path, initializer_range=0.2)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(resolve_model_path(None), f), path)
-    rng = np.random.default_rng(len(name))
+    rng = np.random.default_rng(0)
     vocab = hf.config.vocab_size
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (29, 24, 0, 17, 21, 26)]
-    prompts[2] = prompts[1][:2 * BLOCK_SIZE + 3] + rng.integers(0, vocab, 5).tolist()
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (29, 24, 17, 21, 26)]
+    prompts.insert(2, prompts[1][:2 * BLOCK_SIZE + 3] + rng.integers(0, vocab, 5).tolist())
     return Case(str(path), hf, prompts)
 
 
@@ -161,6 +162,7 @@ def test_float32_equals_hf(cases, name, setup):
         stopped = not sp.ignore_eos and gen.token_ids[-1] in eos
         assert len(gen.token_ids) == MAX_TOKENS or stopped
         assert sp.ignore_eos or not eos & set(gen.token_ids[:-1])
+        assert gen.finish_reason == ("stop" if stopped else "length")
         if sp.prompt_logprobs is not None:
             assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
             got = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
@@ -172,20 +174,32 @@ def test_float32_equals_hf(cases, name, setup):
 
 
 def test_bfloat16_agrees_with_hf(cases):
-    """HF in bfloat16: its float32 model's weights rounded, as from_pretrained(..., dtype=torch.bfloat16)."""
-    agree = total = 0
+    """bfloat16 keeps 8 bits of each logit, so two correct implementations pick different tokens
+    wherever the top logits lie within a few rounding steps of each other, as HF bf16 and HF float32 do.
+    The bar is bf16's own: over all cases, jaxpaged's greedy tokens equal HF bf16's argmax (after the same
+    tokens) at least as often as HF bf16's argmax equals HF float32's, and each disagreement is a
+    near-tie in HF bf16's logprobs. HF's bf16 model is its float32 model rounded, as
+    from_pretrained(..., dtype=torch.bfloat16) loads it."""
+    agree = hf_self_agree = total = 0
+    gaps = []
     for name in CASES:
         case, llm = cases(name, "bfloat16")
-        hf = copy.deepcopy(case.hf).to(torch.bfloat16)
+        hf16 = copy.deepcopy(case.hf).to(torch.bfloat16)
         for setup in SETUPS:
             for out, _ in run_setup(llm, case, setup):
-                _, greedy = hf_choices(hf, out)
-                agree += sum(a == b for a, b in zip(out.outputs[0].token_ids, greedy))
-                total += len(greedy)
-    assert agree >= BF16_MIN_AGREEMENT * total, f"{agree} of {total} greedy tokens equal HF bf16's"
+                tokens = out.outputs[0].token_ids
+                lps, greedy = hf_choices(hf16, out)
+                _, greedy32 = hf_choices(case.hf, out)
+                agree += sum(a == b for a, b in zip(tokens, greedy))
+                hf_self_agree += sum(a == b for a, b in zip(greedy32, greedy))
+                total += len(tokens)
+                rows = lps[len(out.prompt_token_ids) - 1:]
+                gaps += [rows[i].max() - rows[i, t] for i, t in enumerate(tokens) if t != greedy[i]]
+    summary = f"jaxpaged = HF bf16 on {agree} of {total} tokens, HF bf16 = HF f32 on {hf_self_agree}"
+    assert agree >= hf_self_agree, summary
+    assert max(gaps, default=0) <= NEAR_TIE, (summary, sorted(gaps))
 
 
 def test_every_architecture_has_a_case():
     """A new architecture in jaxpaged's table needs its case here (and its tiny model in conftest)."""
     assert {a.removesuffix("ForCausalLM").lower() for a in SUPPORTED_ARCHITECTURES} <= set(CASES)
-    assert set(TINY_MODELS) <= set(CASES)
