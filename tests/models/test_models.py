@@ -5,36 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
+from conftest import save_tiny_model
 from jaxpaged.models import AttentionMetadata, DecoderModel, kv_cache_shape, load_model
-
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}, rope_theta=500000.0),
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": lambda: transformers.Qwen3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False),
-}
-MODEL_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM}
-
-
-def make_hf_model(family, path):
-    torch.manual_seed(0)
-    model = MODEL_CLASSES[family](CONFIGS[family]()).eval()
-    with torch.no_grad():   # random, non-trivial norms and biases so every weight matters
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return model
 
 
 class PagedRunner:
@@ -73,7 +46,7 @@ class PagedRunner:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_logits_match_hf(family, tmp_path):
-    hf = make_hf_model(family, tmp_path)
+    hf = save_tiny_model(family, tmp_path)
     loaded = load_model(tmp_path, dtype="float32")
     assert loaded.config.family == family
     runner = PagedRunner(loaded)
@@ -98,7 +71,7 @@ def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
     and its outputs equal the head applied to the whole [T, V] logits at once."""
     from jaxpaged.models import decoder
 
-    make_hf_model(family, tmp_path)
+    save_tiny_model(family, tmp_path)
     loaded = load_model(tmp_path, dtype="float32")
     runner = PagedRunner(loaded)
     n = 21
@@ -122,7 +95,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     """embed -> layer x L (each on its own weights) -> head gives the scanned model's logits and cache."""
     from jaxpaged.models import decoder
 
-    make_hf_model(family, tmp_path)
+    save_tiny_model(family, tmp_path)
     loaded = load_model(tmp_path, dtype="float32")
     cfg = loaded.config
     runner = PagedRunner(loaded)
@@ -147,7 +120,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
 def test_dummy_weights(tmp_path):
     """load_format="dummy": every weight of the checkpoint's shapes, norms 1, the rest small and random,
     the same for the same seed."""
-    make_hf_model("qwen2", tmp_path)
+    save_tiny_model("qwen2", tmp_path)
     real = load_model(tmp_path, dtype="float32")
     a = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
     b = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
@@ -165,13 +138,61 @@ def test_dummy_weights(tmp_path):
         np.testing.assert_array_equal(x32, np.asarray(fb[name], np.float32))
 
 
+def test_float32_checkpoint_loads_as_bfloat16(tmp_path):
+    """A float32 checkpoint (as transformers saves the tiny models, and as the default model's GGUF is
+    converted) loaded with dtype bfloat16: every parameter bf16, rounded to nearest as torch rounds, and
+    nothing but the bf16 parameters stays in memory (no float32 copy of the weights)."""
+    import ml_dtypes
+
+    hf = save_tiny_model("qwen3", tmp_path)
+    want = load_model(tmp_path, dtype="float32").params
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())
+    before = live()
+    got = load_model(tmp_path, dtype="bfloat16").params
+    leaves = jax.tree_util.tree_leaves(got)
+    assert live() - before == sum(x.nbytes for x in leaves)
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+    for w, g in zip(jax.tree_util.tree_leaves(want), leaves):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(ml_dtypes.bfloat16))
+    torch_bf16 = hf.model.embed_tokens.weight.detach().to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(np.asarray(got["embed_tokens"]["embedding"], np.float32), torch_bf16)
+
+
+def test_sliding_window_as_hf_applies_it():
+    """Mistral's window on every layer; Qwen's only with use_sliding_window and only from layer
+    max_window_layers on (all layers: the window; none: full attention; a mix: refused); Llama has none."""
+    import transformers
+
+    from jaxpaged.models.config import UnsupportedArchitectureError, decoder_config_from_hf
+
+    def window(config_class, legacy=False, **kw):
+        cfg = getattr(transformers, config_class)(num_hidden_layers=4, **kw).to_dict()
+        cfg["architectures"] = [config_class.replace("Config", "ForCausalLM")]
+        if legacy:      # as transformers 4 wrote config.json: no layer_types, the window kept as given
+            del cfg["layer_types"]
+            cfg["sliding_window"] = kw["sliding_window"]
+        return decoder_config_from_hf(cfg).sliding_window
+
+    assert window("MistralConfig", sliding_window=40) == 40
+    assert window("MistralConfig", sliding_window=None) is None
+    assert window("LlamaConfig") is None
+    for qwen in ("Qwen2Config", "Qwen3Config"):
+        for legacy in (False, True):
+            kw = dict(legacy=legacy, sliding_window=64)
+            assert window(qwen, **kw) is None
+            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=0) == 64
+            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=4) is None
+            with pytest.raises(UnsupportedArchitectureError, match="sliding-window and full attention"):
+                window(qwen, **kw, use_sliding_window=True, max_window_layers=2)
+
+
 @pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
 def test_per_layer_loading_equals_the_stacked_layers(load_format, tmp_path):
     """load_model(per_layer=True) loads each layer's weights as their own arrays, never stacked: equal to
     the stacked load's slices (the dummy draw too, for the same seed)."""
     from jaxpaged.models import decoder
 
-    make_hf_model("qwen2", tmp_path)
+    save_tiny_model("qwen2", tmp_path)
     stacked = load_model(tmp_path, dtype="float32", load_format=load_format, seed=5)
     per_layer = load_model(tmp_path, dtype="float32", load_format=load_format, seed=5, per_layer=True)
     rest, layers = decoder.split_layer_params(stacked.params)
