@@ -93,21 +93,21 @@ def _children(pid: int) -> list[int]:
 def server_rss(pid: int) -> dict[str, int]:
     """Host RSS of the server's process tree: the API process (pid), the engine core (a spawned child,
     `spawn_main` in its command line) and all of it (multiprocessing's resource tracker included)."""
-    out = {"api_rss_bytes": _vm_rss(pid), "core_rss_bytes": 0, "rss_bytes": 0}
-    out["rss_bytes"] = out["api_rss_bytes"]
+    api = _vm_rss(pid)
+    core = children = 0
     todo = _children(pid)
     while todo:
         child = todo.pop()
         try:
             rss = _vm_rss(child)
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out["core_rss_bytes"] += rss
+                is_core = b"spawn_main" in f.read()
             todo += _children(child)
-        except (FileNotFoundError, ProcessLookupError):    # it exited meanwhile
+        except FileNotFoundError:        # it exited meanwhile
             continue
-        out["rss_bytes"] += rss
-    return out
+        children += rss
+        core += rss if is_core else 0
+    return {"api_rss_bytes": api, "core_rss_bytes": core, "rss_bytes": api + children}
 
 
 async def scrape(session, base_url: str) -> dict[str, float]:
@@ -125,12 +125,14 @@ async def scrape(session, base_url: str) -> dict[str, float]:
 
 class Sampler:
     """A sample every period_s: time, RSS of the server's processes, /metrics' gauges, and the client's
-    requests sent and finished so far."""
+    requests sent and finished so far. A sample that fails (the server gone, /metrics timing out) is
+    counted in `errors` and the series goes on."""
 
     def __init__(self, session, base_url: str, pid: int | None, period_s: float, t0: float, counts: Counter):
         self.session, self.base_url, self.pid, self.period_s, self.t0 = session, base_url, pid, period_s, t0
         self.counts = counts
         self.samples: list[dict[str, float]] = []
+        self.errors: list[str] = []
 
     async def sample(self) -> dict[str, float]:
         s: dict[str, float] = {"t_s": time.perf_counter() - self.t0, "sent": self.counts["sent"],
@@ -142,8 +144,12 @@ class Sampler:
         return s
 
     async def run(self) -> None:
+        import aiohttp
         while True:
-            await self.sample()
+            try:
+                await asyncio.wait_for(self.sample(), self.period_s * 5)
+            except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.errors.append(f"{time.perf_counter() - self.t0:.1f} s: {type(e).__name__}: {e}"[:300])
             await asyncio.sleep(self.period_s)
 
 
@@ -188,9 +194,8 @@ async def soak(args: argparse.Namespace, target: Target, pid: int | None,
     import aiohttp
     from tqdm.asyncio import tqdm
 
-    from bench.serve import AIOHTTP_TIMEOUT_S
     counts: Counter = Counter()
-    timeout = aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)    # a request past it fails: TimeoutError
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
         sampler = Sampler(session, target.base_url, pid, args.sample_period_s, t0, counts)
@@ -210,8 +215,8 @@ async def soak(args: argparse.Namespace, target: Target, pid: int | None,
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    return {"outcomes": outcomes, "samples": sampler.samples, "phase_start_s": phase_start,
-            "load_end_s": load_end, "idle": idle}
+    return {"outcomes": outcomes, "samples": sampler.samples, "sampler_errors": sampler.errors,
+            "phase_start_s": phase_start, "load_end_s": load_end, "idle": idle}
 
 
 # ---- analysis ------------------------------------------------------------------------------------
@@ -235,7 +240,9 @@ def phase_report(phase: str, outcomes: list[Outcome], requests: list[SampleReque
     normal = [(requests[o.index], o.timing) for o in mine if o.kind == "normal" and o.timing is not None]
     dur = max((o.done_s for o in mine), default=0.0) - min((o.sent_s for o in mine), default=0.0)
     m = calculate_metrics([r for r, _ in normal], [t for _, t in normal], dur or 1.0, percentiles)
+    sent = sorted(o.sent_s for o in mine)
     return {"requests": len(mine), "duration_s": dur,
+            "sent_rate": (len(sent) - 1) / (sent[-1] - sent[0]) if len(sent) > 1 and sent[-1] > sent[0] else None,
             "outcomes": dict(sorted(Counter(f"{o.kind}:{o.outcome}" for o in mine).items())),
             "statuses": dict(sorted(Counter(str(o.status) for o in mine).items())),
             "unexpected": sum(not o.expected for o in mine), **m}
@@ -310,11 +317,13 @@ def plot(path: Path, samples: list[dict[str, float]], result: dict[str, Any], t_
 
 
 def markdown(name: str, meta: dict[str, Any], metrics: dict[str, Any]) -> str:
+    """The provenance and settings, the verdicts, per-phase figures and outcomes, the memory windows, the
+    end state, and every 5xx, server log error and (the first 50) unexpected outcomes."""
     from bench.common import markdown_table
     lines = [f"# soak: {name}", ""] + [f"- {k}: `{v}`" for k, v in {**meta, **metrics["settings"]}.items()]
     lines += ["", "## Verdicts", "", markdown_table([{"check": k, "verdict": v}
                                                     for k, v in metrics["verdicts"].items()])]
-    cols = ["requests", "duration_s", "unexpected", "completed", "failed", "request_throughput",
+    cols = ["requests", "duration_s", "sent_rate", "unexpected", "completed", "failed", "request_throughput",
             "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"]
     lines += ["## Phases", "", markdown_table([{"phase": p, **{c: m[c] for c in cols}}
                                                for p, m in metrics["phases"].items()])]
@@ -323,6 +332,8 @@ def markdown(name: str, meta: dict[str, Any], metrics: dict[str, Any]) -> str:
                                                  for k, n in m["outcomes"].items()])]
     lines += ["## Memory after warm-up (bytes; median of the first and the last window)", "",
               markdown_table([{"series": k, **v} for k, v in metrics["memory"].items()])]
+    lines += [f"Most requests waiting in a sample: {metrics['max_num_requests_waiting']}; samples that failed: "
+              f"{len(metrics['sampler_errors'])}.", ""]
     lines += ["## At the end", "", markdown_table([metrics["idle"]])]
     if metrics["five_xx"]:
         lines += ["## 5xx", "", markdown_table(metrics["five_xx"])]
@@ -333,15 +344,16 @@ def markdown(name: str, meta: dict[str, Any], metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_report(name: str, meta: dict[str, Any], metrics: dict[str, Any], samples: list[dict[str, float]],
-                 result: dict[str, Any], t_warm: float, period_s: float) -> Path:
+def write_report(name: str, meta: dict[str, Any], metrics: dict[str, Any], result: dict[str, Any], t_warm: float,
+                 period_s: float) -> Path:
+    """<name>.json ({"meta", "metrics"}), .md and .png in the results folder; returns the JSON's path."""
     from bench import common
     results_dir = Path(common.RESULTS_DIR)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"
     path.write_text(json.dumps({"meta": meta, "metrics": metrics}, indent=2, default=str) + "\n")
     (results_dir / f"{name}.md").write_text(markdown(name, meta, metrics))
-    plot(results_dir / f"{name}.png", samples, result, t_warm, period_s, f"soak {name}: {meta['device']}, "
+    plot(results_dir / f"{name}.png", result["samples"], result, t_warm, period_s, f"soak {name}: {meta['device']}, "
          f"rev {meta['git_revision']}, {metrics['settings']['request_rate']} req/s")
     return path
 
@@ -355,14 +367,18 @@ def analyse(args: argparse.Namespace, result: dict[str, Any], phases: dict[str, 
     samples = result["samples"]
     memory = {k: window_growth(samples, k, t_warm, result["load_end_s"], args.window_fraction)
               for k in (*RSS_KEYS, "device_memory_used_bytes")}
-    row = lambda o: {k: v for k, v in asdict(o).items() if k != "timing"}  # noqa: E731
+
+    def row(o: Outcome) -> dict[str, Any]:
+        return {k: v for k, v in asdict(o).items() if k != "timing"}
     metrics = {
         "phases": {p: phase_report(p, outcomes, phases[p][0], [50.0, 99.0]) for p in phases},
         "memory": memory, "idle": result["idle"], "warmup_end_s": t_warm, "load_end_s": result["load_end_s"],
         "five_xx": [row(o) for o in outcomes if o.status >= 500],
         "unexpected": [row(o) for o in outcomes if not o.expected],
         "faults": [row(o) for o in outcomes if o.kind != "normal"],
-        "server_exit_status": server_exit, "server_log_errors": log_errors(server_log), "samples": samples}
+        "max_num_requests_waiting": max((s.get("num_requests_waiting", 0) for s in samples), default=None),
+        "sampler_errors": result["sampler_errors"], "server_exit_status": server_exit,
+        "server_log_errors": log_errors(server_log), "samples": samples}
     metrics["verdicts"] = verdicts(result, memory, args.max_growth, server_exit, metrics["server_log_errors"])
     return metrics, t_warm
 
@@ -428,6 +444,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--warmup-fraction", type=float, default=0.1, help="of phase 1's requests: the warm-up")
     p.add_argument("--window-fraction", type=float, default=0.1, help="of the samples after warm-up: a window")
     p.add_argument("--max-growth", type=float, default=0.02, help="allowed growth of RSS and device memory")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a request not finished by then fails (a stuck stream is a finding, not a hang)")
     p.add_argument("--drain-timeout-s", type=float, default=120.0, help="wait for the idle server after the run")
     p.add_argument("--result-name", default=None, help="results file stem (default soak-<model>)")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -464,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                fault_fraction=args.fault_fraction, fault_kinds=list(FAULT_KINDS),
                                max_output_len=args.max_output_len, seed=args.seed,
                                workload=summarize(samples), server_args=" ".join(server_args) or None)
-    path = write_report(name, meta, metrics, result["samples"], result, t_warm, args.sample_period_s)
+    path = write_report(name, meta, metrics, result, t_warm, args.sample_period_s)
     print(markdown(name, meta, {**metrics, "unexpected": metrics["unexpected"][:10]}))
     print(f"results: {path} (+ .md, .png)")
     return metrics
