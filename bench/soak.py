@@ -15,12 +15,15 @@ Verdicts: no 5xx; every request got what its kind must get (a normal one its who
 device memory flat after warm-up: the median of the last window grew less than --max-growth over the
 median of the first window after warm-up (warm-up: until the first --warmup-fraction of phase 1's
 requests were sent; each window --window-fraction of the samples after it, the load's end its close);
-at the end 0 running, 0 waiting, every KV block free; with --serve, a clean exit on SIGTERM.
+at the end 0 running, 0 waiting, every KV block free; no ERROR or Traceback line in the server's log
+(--server-log, or --serve's); with --serve, a clean exit on SIGTERM. Exit status 1 if a verdict fails.
 Writes bench/results/<name>.json (every sample, the faults and anything unexpected), .md and .png.
 
   python bench/soak.py --base-url http://127.0.0.1:8000 --server-pid PID --model qwen2-0.5b --request-rate 40
-  python bench/soak.py --model tiny-llama --num-prompts 200 --request-rate 20 --max-output-len 32 \\
-      --serve -- --model ~/.cache/jaxpaged/bench_models/tiny-llama --load-format dummy --max-model-len 2048
+  python bench/soak.py --model tiny-llama --num-prompts 200 --fault-num-prompts 100 --request-rate 20 \\
+      --max-output-len 32 --serve -- --model ~/.cache/jaxpaged/bench_models/tiny-llama --load-format dummy \\
+      --max-model-len 2048 --num-gpu-blocks-override 1024
+  bash bench/serve_vs_offline.sh qwen2-0.5b --soak --soak-args "--request-rate 64"     # on the H100
 """
 from __future__ import annotations
 
