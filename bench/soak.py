@@ -226,13 +226,15 @@ async def soak(args: argparse.Namespace, target: Target, pid: int | None,
 def window_growth(samples: list[dict[str, float]], key: str, t_from: float, t_to: float,
                   window_fraction: float) -> dict[str, Any]:
     """Median of `key` over the last window against the first window of the samples in [t_from, t_to]."""
-    values = [s[key] for s in samples if t_from <= s["t_s"] <= t_to and key in s]
+    inside = [s for s in samples if t_from <= s["t_s"] <= t_to and key in s]
+    values, times = [s[key] for s in inside], [s["t_s"] for s in inside]
     w = max(MIN_WINDOW_SAMPLES, round(window_fraction * len(values)))
     if len(values) < 2 * w or not any(values):
         return {"samples": len(values), "growth": None}
     first, last = float(np.median(values[:w])), float(np.median(values[-w:]))
     return {"samples": len(values), "window": w, "first_median": first, "last_median": last,
-            "growth": last / first - 1 if first else None}
+            "growth": last / first - 1 if first else None,
+            "first_window_s": [times[0], times[w - 1]], "last_window_s": [times[-w], times[-1]]}
 
 
 def phase_report(phase: str, outcomes: list[Outcome], requests: list[SampleRequest],
@@ -281,9 +283,10 @@ def verdicts(result: dict[str, Any], memory: dict[str, dict], max_growth: float,
 
 
 # ---- the report ----------------------------------------------------------------------------------
-def plot(path: Path, samples: list[dict[str, float]], result: dict[str, Any], t_warm: float,
-         period_s: float, title: str) -> Path | None:
-    """RSS (API process, engine core, all), device memory, and requests sent / finished per second."""
+def plot(path: Path, samples: list[dict[str, float]], result: dict[str, Any], memory: dict[str, dict],
+         t_warm: float, period_s: float, title: str) -> Path | None:
+    """RSS (API process, engine core, all), device memory, and requests sent / finished per second; the
+    windows the growth compares shaded."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -296,8 +299,16 @@ def plot(path: Path, samples: list[dict[str, float]], result: dict[str, Any], t_
         if any(key in s for s in samples):
             axes[0].plot(t, [s.get(key, 0) / 2**20 for s in samples], label=label)
     axes[0].set_ylabel("host RSS (MiB)")
-    axes[1].plot(t, [s.get("device_memory_used_bytes", 0) / 2**30 for s in samples], color="C3")
+    device = [s.get("device_memory_used_bytes", 0) / 2**30 for s in samples]
+    axes[1].plot(t, device, color="C3")
     axes[1].set_ylabel("device memory in use (GiB)")
+    if not any(device):
+        axes[1].text(0.5, 0.7, "the server reports no device memory (the CPU keeps no count)",
+                     transform=axes[1].transAxes, ha="center", fontsize=9)
+    for ax, key in ((axes[0], "rss_bytes"), (axes[1], "device_memory_used_bytes")):
+        for window in ("first_window_s", "last_window_s"):
+            if window in memory[key]:
+                ax.axvspan(*memory[key][window], color="grey", alpha=0.15)
     outcomes = result["outcomes"]
     end = max([o.done_s for o in outcomes] + t + [period_s])
     bins = np.arange(0.0, end + period_s, period_s)
@@ -312,7 +323,8 @@ def plot(path: Path, samples: list[dict[str, float]], result: dict[str, Any], t_
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle(f"{title}\n(dotted: warm-up ends; dashed: the fault phase starts)", fontsize=9)
+    fig.suptitle(f"{title}\n(dotted: warm-up ends; dashed: the fault phase starts; shaded: the windows compared)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -356,8 +368,8 @@ def write_report(name: str, meta: dict[str, Any], metrics: dict[str, Any], resul
     path = results_dir / f"{name}.json"
     path.write_text(json.dumps({"meta": meta, "metrics": metrics}, indent=2, default=str) + "\n")
     (results_dir / f"{name}.md").write_text(markdown(name, meta, metrics))
-    plot(results_dir / f"{name}.png", result["samples"], result, t_warm, period_s, f"soak {name}: {meta['device']}, "
-         f"rev {meta['git_revision']}, {metrics['settings']['request_rate']} req/s")
+    plot(results_dir / f"{name}.png", result["samples"], result, metrics["memory"], t_warm, period_s,
+         f"{name}: {meta['device']}, rev {meta['git_revision']}, {metrics['settings']['request_rate']} req/s")
     return path
 
 
