@@ -35,9 +35,11 @@ for kind, (pkg, rel) in TIKTOKEN_SOURCES.items():
     print("tokenizer source:", dst)
 PY
 # The ShareGPT samples, tokenized with each model's tokenizer (the cache key the GPU run looks up).
-# 1000 prompts for the throughput runs, 64 for the profiled run (its trace stays small), 200 spare.
+# 1000 prompts for the throughput runs, 64 for the profiled run (its trace stays small), 200 spare; 12000
+# for qwen2-0.5b's soak (bench/soak.py's default phases, 10000 + 2000).
 for m in qwen2-0.5b llama3-8b; do
-  for n in 1000 200 64; do
+  sizes="1000 200 64"; [ $m = qwen2-0.5b ] && sizes="$sizes 12000"
+  for n in $sizes; do
     JAXPAGED_BENCH_DATA=.cache/gpu/bench_data $PY -m bench.datasets --dataset sharegpt --model $m --num-prompts $n \
       | tr -d '\n' | cut -c1-160; echo
   done

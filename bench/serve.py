@@ -61,23 +61,35 @@ class RequestFuncOutput:
     itl: list[float] = field(default_factory=list)   # s, gaps between content chunks
     prompt_len: int = 0
     error: str = ""
+    status: int = 0                 # HTTP status, or the code of an error event inside a 200 stream
+
+
+def completion_payload(inp: RequestFuncInput) -> dict[str, Any]:
+    """The streamed /v1/completions body of one request: greedy, exactly its output length."""
+    return {"model": inp.model, "prompt": inp.prompt, "temperature": 0.0, "max_tokens": inp.output_len,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": inp.ignore_eos,
+            **inp.extra_body}
 
 
 async def async_request_openai_completions(inp: RequestFuncInput, session,
                                            pbar=None) -> RequestFuncOutput:
     """One streamed completion; never raises (a failure is recorded in the output)."""
-    payload = {"model": inp.model, "prompt": inp.prompt, "temperature": 0.0, "max_tokens": inp.output_len,
-               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": inp.ignore_eos,
-               **inp.extra_body}
+    payload = completion_payload(inp)
     out = RequestFuncOutput(prompt_len=inp.prompt_len)
     num_chunks = 0
     st = most_recent = time.perf_counter()
     try:
         async with session.post(inp.api_url, json=payload) as response:
+            out.status = response.status
             if response.status != 200:
                 out.error = f"HTTP {response.status}: {(await response.text())[:500]}"
                 return out
-            async for data in _sse_events(response.content):
+            async for data in sse_events(response.content):
+                if "error" in data:      # the server failed the request after its 200 header
+                    code = data["error"].get("code")
+                    out.status = code if isinstance(code, int) else 0
+                    out.error = f"error event {out.status}: {str(data['error'].get('message'))[:500]}"
+                    return out
                 now = time.perf_counter()
                 if data.get("choices"):
                     if num_chunks == 0:
@@ -103,7 +115,7 @@ async def async_request_openai_completions(inp: RequestFuncInput, session,
     return out
 
 
-async def _sse_events(stream) -> AsyncIterator[dict[str, Any]]:
+async def sse_events(stream) -> AsyncIterator[dict[str, Any]]:
     """JSON payloads of a server-sent-event stream ("data: {...}\\n\\n", ending with "data: [DONE]")."""
     buffer = b""
     async for chunk in stream.iter_any():

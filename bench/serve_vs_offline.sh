@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server against the engine (issue "the server at the engine's speed"), one model per device call:
 #   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--sweep-prompts N] [--cold-server]
-#        [--server-only] [--py-spy]
+#        [--server-only] [--py-spy] [--soak [--soak-args "FLAGS"]]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
 #   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
@@ -13,16 +13,19 @@
 # --server-only skips step 1. --py-spy samples the server's processes (API and engine core, idle time
 # included) with py-spy (its wheel in .whl/) through steps 3-5, into $OUT/pyspy-server.json.gz and its summary
 # (bench/pyspy_summary.py) $OUT/pyspy-summary.txt.
+# --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
+# checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
-             --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; esac
+             --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
+             --soak-args) SOAK_ARGS=$2; shift ;; esac
   shift
 done
 export PYTHONUNBUFFERED=1
@@ -73,6 +76,17 @@ echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo w
 grep -E "Run config|Compiled|engine core ready" /tmp/server.log | sed 's/^/   /'
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
   | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate" | sed 's/^/   /'; }
+if [ $SOAK = 1 ]; then
+  echo "== soak: bench/soak.py $SOAK_ARGS"
+  # shellcheck disable=SC2086  # SOAK_ARGS is a list of flags
+  $PY "$BENCH/soak.py" --base-url "http://127.0.0.1:$PORT" --server-pid $SRV --server-log /tmp/server.log \
+    --model "$MODEL" --disable-tqdm $SOAK_ARGS 2>&1 | sed 's/^/   /'
+  kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+  if [ -n "${OUT:-}" ]; then
+    cp "$REPO"/bench/results/soak-"$MODEL".{json,md,png} "$OUT/" 2>/dev/null; cp /tmp/server.log "$OUT/server-$MODEL.log"
+  fi
+  exit 0
+fi
 echo "== 3. ShareGPT 1000 over HTTP, request rate inf"
 client --dataset sharegpt --result-name "serve-$MODEL-sharegpt-rinf"
 echo "== 4. openqa, concurrency 1"

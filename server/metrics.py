@@ -67,6 +67,9 @@ class _EngineCollector:
                     self.llm.info.num_blocks - 1)
         yield gauge("kv_cache_waste_perc", "Allocated but unused token slots over allocated slots, over the "
                     "running requests (waste sits only in each sequence's last block).", core.kv_cache_waste)
+        yield gauge("device_memory_used_bytes", "Device memory the engine core's allocator holds (weights, KV "
+                    "cache, temporaries; 0 where the backend keeps no count). jaxpaged's own: vLLM has none.",
+                    core.device_memory_bytes)
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens "
                       "(each request's tokens, once, when it is first scheduled).", core.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",

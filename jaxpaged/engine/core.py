@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("jaxpaged.engine")
 
+# How often core_stats() asks the device for its memory in use: a runtime call, kept off most steps' host time.
+DEVICE_MEMORY_PERIOD_S = 1.0
+
 _FINISH = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
 
@@ -86,6 +89,7 @@ class EngineCore:
         self._build_cache_and_scheduler(loaded, run)
         self.stats = EngineStats()
         self._inflight: InFlight | None = None    # the launched step whose results are not processed yet
+        self._device_memory = (0, -DEVICE_MEMORY_PERIOD_S)   # (bytes in use, time.monotonic() of the reading)
         logger.info("Model %s (%s, %s) loaded: %.2f GiB of weights", self.model_path, cfg.architecture,
                     self.dtype, weights_gib)
         if run.compile_buckets:
@@ -166,11 +170,16 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     def core_stats(self) -> CoreStats:
-        """The gauges now (read live: an abort moves them between steps) and the counters."""
+        """The gauges now (read live: an abort moves them between steps; device memory at most once per
+        DEVICE_MEMORY_PERIOD_S) and the counters."""
         s, kv, sched = self.stats, self.kv_manager, self.scheduler
+        now = time.monotonic()
+        if now - self._device_memory[1] >= DEVICE_MEMORY_PERIOD_S:
+            self._device_memory = (self.runner.device_memory_in_use(), now)
         return CoreStats(sched.num_running, sched.num_waiting, kv.pool.usage, s.kv_cache_waste,
                          kv.pool.num_free_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
-                         sched.num_preemptions, s.prompt_tokens, s.generation_tokens, s.num_steps)
+                         sched.num_preemptions, s.prompt_tokens, s.generation_tokens, s.num_steps,
+                         self._device_memory[0])
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

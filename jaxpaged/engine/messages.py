@@ -81,6 +81,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     prompt_tokens: int = 0                  # whole prompts, counted at each request's first token
     generation_tokens: int = 0              # tokens sampled (the API process may drop some after a stop string)
     num_steps: int = 0
+    device_memory_bytes: int = 0            # the device allocator's bytes in use (0 where it keeps no count)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, gc=False):

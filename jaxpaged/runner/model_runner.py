@@ -129,6 +129,12 @@ class ModelRunner:
         return ModelRunnerOutput(prepared.req_ids, sampled, logprobs,
                                  _prompt_chunks(prompt, prepared.inputs.prompt_rows), prepared.sampled_rows)
 
+    def device_memory_in_use(self) -> int:
+        """Bytes the device's allocator holds now (XLA's `bytes_in_use`: the pool, the weights, the live
+        temporaries); 0 where the backend keeps no count (the CPU)."""
+        stats = self._device.memory_stats()
+        return int(stats.get("bytes_in_use", 0)) if stats else 0
+
     def release_finished(self, req_ids) -> None:
         """Drop the state of finished requests now (the engine calls this when it goes idle; otherwise the
         next step's finished_req_ids do it)."""

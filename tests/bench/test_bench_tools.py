@@ -176,7 +176,7 @@ def test_scripts_have_help():
     import subprocess
     import sys
     from bench.common import REPO_ROOT
-    for script in ("throughput", "latency", "serve", "hf_baseline", "summarize", "run_gpu_suite"):
+    for script in ("throughput", "latency", "serve", "soak", "hf_baseline", "summarize", "run_gpu_suite"):
         r = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / f"{script}.py"), "-h"], capture_output=True,
                            text=True, timeout=120, cwd="/")
         assert r.returncode == 0 and "usage" in r.stdout, (script, r.stderr[-500:])

@@ -295,3 +295,21 @@ def test_waste_average_is_exported(model_dir):
     stats = llm.llm_engine.stats
     assert stats.waste_slots_allocated > 0
     assert 0.0 < stats.kv_cache_waste_avg < 0.06
+
+
+def test_core_stats_carry_device_memory_in_use(model_dir, monkeypatch):
+    """CoreStats.device_memory_bytes (/metrics' jaxpaged:device_memory_used_bytes): the device allocator's
+    bytes_in_use, 0 on the CPU (it keeps no count), read at most once per DEVICE_MEMORY_PERIOD_S."""
+    import time
+    from types import SimpleNamespace
+
+    from jaxpaged.engine import core as core_mod
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_gpu_blocks_override=32)
+    core = llm.llm_engine.core
+    assert core.core_stats().device_memory_bytes == 0
+    now = [time.monotonic() + core_mod.DEVICE_MEMORY_PERIOD_S]
+    monkeypatch.setattr(core_mod.time, "monotonic", lambda: now[0])
+    for in_use, elapsed, seen in ((123, 0.0, 123), (456, 0.5, 123), (456, 1.0, 456)):
+        monkeypatch.setattr(core.runner, "_device", SimpleNamespace(memory_stats=lambda b=in_use: {"bytes_in_use": b}))
+        now[0] += elapsed * core_mod.DEVICE_MEMORY_PERIOD_S
+        assert core.core_stats().device_memory_bytes == seen
