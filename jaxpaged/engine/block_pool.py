@@ -8,19 +8,18 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 
-class BlockHash(NamedTuple):
-    """Identity of a full block's contents: the chain of hashes of every block before it, and its tokens."""
-    value: bytes
-    token_ids: tuple[int, ...]
+# Identity of a full block's contents: SHA-256 over the parent block's hash and this block's tokens, so equal
+# only when the whole prefix up to this block is equal (a collision is as unlikely as SHA-256's). The digest
+# alone is kept, as vLLM keeps it: a cached block outlives its request, and a copy of its tokens beside the
+# hash would hold about five times the host memory per cached block, growing with the pool's cached blocks.
+BlockHash = bytes
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra: object = None) -> BlockHash:
     """hash(parent_hash, block_token_ids): equal only when the whole prefix up to this block is equal."""
-    payload = pickle.dumps((parent.value if parent else b"", tuple(token_ids), extra), protocol=5)
-    return BlockHash(hashlib.sha256(payload).digest(), tuple(token_ids))
+    return hashlib.sha256(pickle.dumps((parent or b"", tuple(token_ids), extra), protocol=5)).digest()
 
 
 class KVCacheBlock:
@@ -103,10 +102,7 @@ class BlockPool:
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        block = self.cached.get(block_hash.value)
-        if block is not None and block.block_hash.token_ids != block_hash.token_ids:
-            return None    # a hash collision would be a wrong answer: compare the tokens too
-        return block
+        return self.cached.get(block_hash)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (removing free ones from the queue)."""
@@ -128,18 +124,18 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash.value) is block:
-                del self.cached[block.block_hash.value]
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
             block.block_hash = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (a no-op when an equal block is already cached)."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash.value in self.cached:
+        if block_hash in self.cached:
             return
         block.block_hash = block_hash
-        self.cached[block_hash.value] = block
+        self.cached[block_hash] = block
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching zero go to the free queue's tail (most recently used).

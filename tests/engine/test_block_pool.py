@@ -68,8 +68,8 @@ def test_block_hash_chains_on_parent():
     a = hash_block_tokens(None, [1, 2, 3, 4])
     b1 = hash_block_tokens(a, [5, 6, 7, 8])
     b2 = hash_block_tokens(hash_block_tokens(None, [9, 2, 3, 4]), [5, 6, 7, 8])
-    assert b1.value != b2.value and b1.token_ids == b2.token_ids
-    assert hash_block_tokens(None, [1, 2, 3, 4]) == a
+    assert b1 != b2                                   # same tokens, different prefixes
+    assert hash_block_tokens(None, [1, 2, 3, 4]) == a and hash_block_tokens(a, [5, 6, 7, 8]) == b1
 
 
 def test_request_hashes_full_blocks_only():
@@ -78,7 +78,10 @@ def test_request_hashes_full_blocks_only():
     r.append_output_token(10)
     r.append_output_token(11)
     assert len(r.block_hashes) == 3
-    assert r.block_hashes[2].token_ids == (8, 9, 10, 11)
+    h = None
+    for block in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]):
+        h = hash_block_tokens(h, block)
+    assert r.block_hashes[2] == h                    # the chain over the three full blocks
 
 
 def test_allocate_prefix_hit_from_middle_of_free_queue_and_free():
@@ -87,7 +90,7 @@ def test_allocate_prefix_hit_from_middle_of_free_queue_and_free():
     schedule(kv, a, 10)
     assert kv.get_block_ids("a") == [1, 2, 3]
     assert refs(kv, [1, 2, 3]) == [1, 1, 1]
-    assert set(kv.pool.cached) == {h.value for h in a.block_hashes}   # the two full blocks
+    assert set(kv.pool.cached) == set(a.block_hashes)   # the two full blocks
     kv.free(a)
     # tail first: 3 (uncached, forgotten), then 2 and 1, which stay cached
     assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7, 8, 9, 3, 2, 1]
@@ -143,7 +146,7 @@ def test_lru_eviction_order():
     assert kv.pool.free_queue.block_ids() == [1]
     hit = kv.get_computed_blocks(req("a2", range(9)))
     assert [b.block_id for b in hit.blocks] == [1]
-    assert a.block_hashes[1].value not in kv.pool.cached
+    assert a.block_hashes[1] not in kv.pool.cached
     # a request that needs more than is free is refused and changes nothing
     d = req("d", range(200, 209))
     assert kv.allocate_slots(d, 9) is None
