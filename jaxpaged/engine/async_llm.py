@@ -43,11 +43,12 @@ OFFLOAD_CHARS = 2048
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs, core_target=run_core_process):
-        from transformers import AutoTokenizer
         self.args = args
-        # the core loads and compiles while the tokenizer loads here
+        # The core starts first: it loads and compiles while this process imports transformers (seconds:
+        # it brings torch) and loads the tokenizer.
         self.client = CoreProcClient(args, core_target)
         try:
+            from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
             prepare_detokenizer(self.tokenizer)
             self.info = self.client.wait_ready()
