@@ -36,6 +36,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.jaxpaged-co
   $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.jaxpaged-compiled || echo "WARNING: wheel install failed"
 fi
+# The image's own site-packages miss part of their bytecode too (transformers' import took ~10 s of each
+# API-process start): compile it once per machine, as any pip-installed environment has it.
+if [ ! -f /tmp/site/.image-bytecode ]; then
+  $PY -m compileall -q -j 0 "$($PY -c 'import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))')" \
+    >/dev/null 2>&1; mkdir -p /tmp/site && touch /tmp/site/.image-bytecode
+fi
 rm -rf /tmp/jp "$REPO/build"
 $PY -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/jp "$REPO" \
   || { echo "ERROR: installing jaxpaged into /tmp/jp failed"; exit 1; }
