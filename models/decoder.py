@@ -194,14 +194,6 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
 # step at batch 256 on the H100). Per-layer dispatch keeps each layer's weights as their own arrays and runs
 # one compiled layer program L times, so nothing is sliced: embed -> layer x L -> head.
 
-def split_layer_params(params) -> tuple[dict, list[dict]]:
-    """(params without "layers", one params tree per layer) from DecoderModel's stacked params."""
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    stacked = params["layers"]
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    return rest, [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
-
-
 def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, positions):
     """-> (h [T, H], cos, sin f32[T, D/2])."""
     h = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype).apply(

@@ -10,6 +10,13 @@ from conftest import save_tiny_model
 from jaxpaged.models import AttentionMetadata, DecoderModel, kv_cache_shape, load_model
 
 
+def split_layer_params(params) -> tuple[dict, list[dict]]:
+    """(params without "layers", one params tree per layer) from DecoderModel's stacked params."""
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    stacked = params["layers"]
+    return rest, [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(jax.tree.leaves(stacked)[0].shape[0])]
+
+
 class PagedRunner:
     """Drives the decoder one request at a time through a paged cache with shuffled physical blocks."""
 
@@ -106,7 +113,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     idx = jnp.asarray([3, n - 1], jnp.int32)
     want, want_kv, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, idx)
 
-    rest, layers = decoder.split_layer_params(runner.params)
+    rest, layers = split_layer_params(runner.params)
     assert len(layers) == cfg.num_layers
     h, cos, sin = decoder.embed_phase(cfg, jnp.float32, rest, token_ids, meta.positions)
     kv = runner.kv
@@ -190,11 +197,10 @@ def test_sliding_window_as_hf_applies_it():
 def test_per_layer_loading_equals_the_stacked_layers(load_format, tmp_path):
     """load_model(per_layer=True) loads each layer's weights as their own arrays, never stacked: equal to
     the stacked load's slices (the dummy draw too, for the same seed)."""
-    from jaxpaged.models import decoder
 
     save_tiny_model("qwen2", tmp_path)
     stacked = load_model(tmp_path, dtype="float32", load_format=load_format, seed=5)
     per_layer = load_model(tmp_path, dtype="float32", load_format=load_format, seed=5, per_layer=True)
-    rest, layers = decoder.split_layer_params(stacked.params)
+    rest, layers = split_layer_params(stacked.params)
     assert isinstance(per_layer.params["layers"], list) and len(per_layer.params["layers"]) == len(layers)
     jax.tree.map(np.testing.assert_array_equal, {**rest, "layers": layers}, per_layer.params)
