@@ -7,7 +7,7 @@ figure is the API side's ceiling, whatever the GPU: if it is not well above the 
 the server cannot reach the engine's speed. Runs on the CPU. It also prints the server process's CPU time
 for the run, which, unlike the throughput, hardly depends on what else the machine is running.
 
-  python bench/api_capacity.py --num-prompts 1000 --tokens-per-step 16 [--profile api.prof]
+  python bench/api_capacity.py --num-prompts 1000 --tokens-per-step 16 [--api-server-count 2] [--profile api.prof]
 """
 from __future__ import annotations
 
@@ -27,25 +27,24 @@ if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to
 VOCAB = 1 << 18        # token ids the checks accept (qwen2-0.5b's workload; SmolLM2's table detokenizes)
 
 
-def run_stand_in_core(args, input_addr: str, output_addr: str, parent_pid: int, tokens_per_step: int = 16,
-                      step_s: float = 0.0) -> None:
+def run_stand_in_core(args, channels, parent_pid: int, tokens_per_step: int = 16, step_s: float = 0.0) -> None:
     """An engine core without a model: CoreInfo, then per step every running request's next tokens."""
     import random
     import signal
 
-    import msgspec
     import zmq
 
-    from jaxpaged.engine.messages import (Command, CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs,
-                                          FinishReason, abort_decoder, add_decoder)
+    from jaxpaged.engine.core_client import CoreOutputs
+    from jaxpaged.engine.messages import (Command, CoreInfo, CoreStats, EngineCoreOutput, FinishReason,
+                                          abort_decoder, add_decoder)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inp.connect(input_addr)
-    out.connect(output_addr)
-    encode = msgspec.msgpack.Encoder().encode
-    out.send(encode(CoreInfo("stand-in", "none", "bfloat16", VOCAB, (2,), 1 << 20, 1 << 16, 20, 16, 1 << 20, 1,
-                             "stand-in core", 0.0)))
+    inp = ctx.socket(zmq.PULL)
+    for ch in channels:
+        inp.connect(ch.input_addr)
+    out = CoreOutputs(ctx, channels)
+    out.broadcast(CoreInfo("stand-in", "none", "bfloat16", VOCAB, (2,), 1 << 20, 1 << 16, 20, 16, 1 << 20, 1,
+                           "stand-in core", 0.0))
     running: dict[str, int] = {}        # request id -> tokens left
     rng = random.Random(0)
     decode_add, decode_abort = add_decoder().decode, abort_decoder().decode
@@ -57,10 +56,14 @@ def run_stand_in_core(args, input_addr: str, output_addr: str, parent_pid: int, 
             if cmd[0] == Command.SHUTDOWN:
                 return
             if cmd[0] == Command.ADD:
-                for r in decode_add(payload):
+                requests = decode_add(payload)
+                out.add(requests)
+                for r in requests:
                     running[r.request_id] = r.sampling_params.max_tokens or 16
             else:
-                for rid in decode_abort(payload):
+                request_ids = decode_abort(payload)
+                out.forget(request_ids)
+                for rid in request_ids:
                     running.pop(rid, None)
         if not running:
             continue
@@ -76,38 +79,40 @@ def run_stand_in_core(args, input_addr: str, output_addr: str, parent_pid: int, 
             else:
                 running[rid] = left - k
             outputs.append(o)
-        out.send(encode(EngineCoreOutputs(outputs, CoreStats(num_requests_running=len(running)))))
+        out.send(outputs, CoreStats(num_requests_running=len(running)))
 
 
-def serve(port: int, tokens_per_step: int, step_ms: float, profile: str | None) -> None:
-    """The server process: the real app over the stand-in core."""
+def serve(port: int, tokens_per_step: int, step_ms: float, api_server_count: int, profile: str | None) -> None:
+    """The server process: the real server (run_server, so also its extra API processes) over the stand-in
+    core."""
     import functools
 
-    import uvicorn
-
-    from jaxpaged.config import EngineArgs
-    from jaxpaged.engine.async_llm import AsyncLLM
-    from jaxpaged.server.api_server import build_app
-    from jaxpaged.server.serving import ServerState
+    from jaxpaged.server.api_workers import multiprocess_metrics_dir
+    from jaxpaged.server.cli import make_parser
+    args = make_parser().parse_args(["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "stand-in",
+                                     "--disable-log-requests", "--uvicorn-log-level", "warning",
+                                     "--api-server-count", str(api_server_count)])
     target = functools.partial(run_stand_in_core, tokens_per_step=tokens_per_step, step_s=step_ms / 1000)
-    llm = AsyncLLM(EngineArgs(usage_context="openai_api_server"), core_target=target)
-    app = build_app(ServerState(llm, ["stand-in"], log_requests=False, owns_engine=True))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    if not profile:
-        server.run()
-        return
-    import cProfile
-    import signal
-    # uvicorn re-raises the SIGTERM it caught once it has shut down: exit through Python, so the
-    # profile is written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    prof = cProfile.Profile()
-    prof.enable()
-    try:
-        server.run()
-    finally:
-        prof.disable()
-        prof.dump_stats(profile)
+    with multiprocess_metrics_dir(api_server_count):
+        from jaxpaged.server.api_server import run_server
+        if not profile:
+            run_server(args, core_target=target)
+            return
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            run_server(args, core_target=target)
+        finally:
+            prof.disable()
+            prof.dump_stats(profile)
+
+
+def api_process_pids(server_pid: int) -> list[int]:
+    """The server's API processes: it, and its children but the first started (the stand-in core)."""
+    children = [int(p) for p in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()]
+    children.sort(key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
+    return [server_pid, *children[1:]]
 
 
 def process_cpu_s(pid: int) -> float:
@@ -123,16 +128,17 @@ def main() -> None:
     p.add_argument("--tokens-per-step", type=int, default=16)
     p.add_argument("--step-ms", type=float, default=0.0, help="pretend device time per step")
     p.add_argument("--port", type=int, default=8019)
-    p.add_argument("--profile", default=None, help="write the server process's cProfile here")
+    p.add_argument("--api-server-count", type=int, default=1, help="the server's API processes")
+    p.add_argument("--profile", default=None, help="write the (first) API process's cProfile here")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)    # (the server process)
     args = p.parse_args()
     if args.serve:
-        serve(args.port, args.tokens_per_step, args.step_ms, args.profile)
+        serve(args.port, args.tokens_per_step, args.step_ms, args.api_server_count, args.profile)
         return
     import httpx
     cmd = [sys.executable, __file__, "--serve", "--port", str(args.port), "--tokens-per-step",
-           str(args.tokens_per_step), "--step-ms", str(args.step_ms)] + (["--profile", args.profile]
-                                                                         if args.profile else [])
+           str(args.tokens_per_step), "--step-ms", str(args.step_ms), "--api-server-count",
+           str(args.api_server_count)] + (["--profile", args.profile] if args.profile else [])
     srv = subprocess.Popen(cmd)
     try:
         deadline = time.time() + 300
@@ -145,7 +151,8 @@ def main() -> None:
             if srv.poll() is not None or time.time() > deadline:
                 sys.exit("the server did not start")
             time.sleep(0.2)
-        cpu0 = process_cpu_s(srv.pid)
+        api_pids = api_process_pids(srv.pid)
+        cpu0 = sum(map(process_cpu_s, api_pids))
         client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run([sys.executable, str(Path(__file__).parent / "serve.py"), "--base-url",
                         f"http://127.0.0.1:{args.port}", "--model", "qwen2-0.5b", "--dataset", "random",
@@ -154,8 +161,9 @@ def main() -> None:
                         "--result-name", f"api-capacity-{args.num_prompts}x{args.output_len}"
                         f"-k{args.tokens_per_step}"], check=True)
         # CPU time barely depends on what else the machine runs, unlike the wall-clock figures above
-        cpu = process_cpu_s(srv.pid) - cpu0
-        print(f"API process CPU time: {cpu:.2f} s, {cpu / args.num_prompts * 1e3:.3f} ms per request")
+        cpu = sum(map(process_cpu_s, api_pids)) - cpu0
+        print(f"API process{'es' if len(api_pids) > 1 else ''} CPU time: {cpu:.2f} s, "
+              f"{cpu / args.num_prompts * 1e3:.3f} ms per request")
         client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         client = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
         print(f"client (bench/serve.py) CPU time: {client:.2f} s, {client / args.num_prompts * 1e3:.3f} ms per request")

@@ -14,7 +14,7 @@ import json
 # Leaf frames where a thread waits rather than works (the event loop's poll, ZeroMQ's, locks, sleeps).
 IDLE_LEAVES = ("Runner.run (asyncio/runners.py", "select (selectors.py", "_PollLikeSelector.select",
                "Poller.poll", "poll (zmq", "wait (threading.py", "Condition.wait", "Event.wait", "sleep",
-               "_worker (concurrent/futures/thread.py", "Queue.get", "epoll", "wait_for_exit", "recv",
+               "_worker (concurrent/futures/thread.py", "Queue.get", "epoll", "wait_lost", "recv",
                "_wait_for_tstate_lock")
 
 

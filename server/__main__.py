@@ -17,8 +17,10 @@ def main(argv: list[str] | None = None) -> None:
         load_chat_template(args.chat_template)
     except (OSError, ValueError) as e:
         parser.error(str(e))
-    from jaxpaged.server.api_server import run_server
-    code = run_server(args)
+    from jaxpaged.server.api_workers import multiprocess_metrics_dir
+    with multiprocess_metrics_dir(args.api_server_count):       # (before prometheus_client is imported)
+        from jaxpaged.server.api_server import run_server
+        code = run_server(args)
     # Everything that needed stopping has stopped (streams, sockets, the engine core): skip the interpreter's
     # teardown of torch, JAX and transformers, seconds on a busy machine that a supervisor would wait for.
     logging.shutdown()

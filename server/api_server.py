@@ -211,32 +211,65 @@ DEAD_EXIT_DELAY_S = 5.0
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT (-> 0) or the engine core's death (-> 1); the exit status."""
+def run_server(args: argparse.Namespace, core_target=None) -> int:
+    """Serve until SIGTERM or SIGINT (-> 0) or the engine core's death (-> 1); the exit status. With
+    --api-server-count N, this is the first of N API processes (api_workers.py). core_target: the engine
+    core process's entry point (bench/api_capacity.py swaps in a core without a model)."""
     from jaxpaged.engine.async_llm import AsyncLLM
+    from jaxpaged.engine.core_client import CoreProcClient, run_core_process
+    from jaxpaged.server.api_workers import APIServerProcesses, listen_socket
     from jaxpaged.server.cli import engine_args_from
-    from jaxpaged.server.serving import load_chat_template
+    from jaxpaged.server.metrics import multiprocess_mode
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    chat_template = load_chat_template(args.chat_template)
+    count = args.api_server_count
+    if count > 1 and not multiprocess_mode():
+        raise RuntimeError("several API processes need PROMETHEUS_MULTIPROC_DIR set before prometheus_client is "
+                           "imported (api_workers.multiprocess_metrics_dir)")
     engine_args = engine_args_from(args)
-    llm = AsyncLLM.from_engine_args(engine_args)
+    sock = listen_socket(args.host or "0.0.0.0", args.port) if count > 1 else None
+    client = CoreProcClient(engine_args, core_target or run_core_process, num_clients=count)
+    workers = None
+    try:
+        if sock is not None:
+            workers = APIServerProcesses(args, sock, client.channels)
+        llm = AsyncLLM(engine_args, client=client)
+        if workers is not None:
+            workers.wait_ready()
+    except BaseException:
+        if workers is not None:
+            workers.stop()
+        client.shutdown()
+        raise
+    return serve(args, llm, sock, workers)
+
+
+def serve(args: argparse.Namespace, llm, sock=None, workers=None) -> int:
+    """Run the app over this engine until a signal or the core's death; the exit status. sock: the shared
+    listening socket (several API processes), else uvicorn binds --host and --port. workers: the other API
+    processes, when this is the first of several."""
+    from jaxpaged.server.serving import load_chat_template
+
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
-    state = ServerState(llm, names, chat_template, args.trust_request_chat_template,
+    state = ServerState(llm, names, load_chat_template(args.chat_template), args.trust_request_chat_template,
                         log_requests=not args.disable_log_requests, owns_engine=True)
     app = build_app(state, args)
-    logger.info("Serving %s on http://%s:%d (engine core ready in %.1f s: %s)", names[0], args.host or "0.0.0.0",
-                args.port, llm.info.startup_seconds, llm.info.run_summary)
+    if llm.client.client_index == 0:
+        logger.info("Serving %s on http://%s:%d (engine core ready in %.1f s: %s%s)", names[0],
+                    args.host or "0.0.0.0", args.port, llm.info.startup_seconds, llm.info.run_summary,
+                    f"; {args.api_server_count} API server processes" if workers is not None else "")
     config = uvicorn.Config(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
                             root_path=args.root_path or "", timeout_keep_alive=5,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = _Server(config, llm)
+    server = _Server(config, llm, workers)
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
+        if workers is not None:
+            workers.stop()              # they drain first: the core they stream from stops after them
         llm.shutdown()
-    if llm.errored:
-        logger.error("exiting: %s", llm.dead_error)
+    if llm.errored or server.lost_worker is not None:
+        logger.error("exiting: %s", llm.dead_error if llm.errored else server.lost_worker)
         return 1
     return 0
 
@@ -246,10 +279,13 @@ class _Server(uvicorn.Server):
     shutdown never waits on a long generation and no client sees a cut connection, and the process then
     exits 0; the core's death stops the server after DEAD_EXIT_DELAY_S."""
 
-    def __init__(self, config, llm):
+    def __init__(self, config, llm, workers=None):
         super().__init__(config)
-        self.llm = llm
+        self.llm, self.workers = llm, workers
+        self.lost_worker: str | None = None       # why another API process exited on its own
         llm.on_dead = self._engine_died
+        if workers is not None:
+            workers.watch(self._worker_lost)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -264,6 +300,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
+        if self.workers is not None:
+            self.workers.drain()                # each ends its own streams, as this one does
         loop = self.llm.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.llm.abort_all)   # (a signal handler: hand it to the loop)
@@ -274,3 +312,13 @@ class _Server(uvicorn.Server):
             loop.call_soon_threadsafe(loop.call_later, DEAD_EXIT_DELAY_S, setattr, self, "should_exit", True)
         else:
             self.should_exit = True
+
+    def _worker_lost(self, why: str) -> None:
+        """Another API process died (its clients' connections with it): the server is broken, so it stops,
+        ending this process's streams as a shutdown does, and exits 1 for a supervisor to restart it."""
+        logger.error("%s: the server stops", why)
+        self.lost_worker = why
+        loop = self.llm.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.llm.abort_all)
+        self.should_exit = True

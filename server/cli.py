@@ -92,6 +92,10 @@ def _cache_and_scheduler_flags(c) -> None:
 def _server_flags(s) -> None:
     s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
+    s.add_argument("--api-server-count", type=_positive_int, default=1,
+                   help="API server processes sharing the port over the one engine core. Each parses, tokenizes, "
+                        "detokenizes and streams the requests it accepts, so more of them admit bursts of "
+                        "requests faster, for a few hundred MB of host memory each; /metrics sums them all.")
     s.add_argument("--api-key", nargs="+", default=None,
                    help="If set, requests must send `Authorization: Bearer <key>` with one of these keys, on "
                         "every route but /health, /ping, /version, /metrics and the API docs. Default: the "

@@ -1,9 +1,13 @@
 """GET /metrics: vLLM V1's Prometheus metrics under the `jaxpaged:` prefix, each meaning what vLLM's does.
 
-Gauges and counters are read at scrape time (a custom collector, so there is one source of truth): the
-scheduler's and the KV cache's from the engine core's latest snapshot (it comes with every step's outputs),
-tokens and finish reasons from what this process received (RequestStats). Latency samples are drained
-into histograms on each scrape and every few seconds in the background, so the lists never grow.
+The engine core's gauges and counters (scheduler, KV cache, prompt tokens) are read at scrape time from its
+latest snapshot, which comes with every step's outputs to every API process (a custom collector, so there is
+one source of truth). What this API process received (RequestStats: generated tokens, finish reasons,
+latency samples) moves prometheus_client's counters and histograms on each scrape and every few seconds in
+the background, so nothing grows. With several API processes (--api-server-count) those go through
+prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set before prometheus_client is imported),
+as vLLM's do: any process's /metrics sums every process's, each as of its last update (at most
+MULTIPROCESS_PERIOD_S old).
 
 What moves each counter, as in vLLM V1 (a request with n samples is n requests, as vLLM's child requests):
 
@@ -22,9 +26,11 @@ What moves each counter, as in vLLM V1 (a request with n samples is n requests, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import os
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "jaxpaged:"
@@ -36,6 +42,15 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+# How often each API process updates its share of the metrics when there are several.
+MULTIPROCESS_PERIOD_S = 1.0
+SINGLE_PROCESS_PERIOD_S = 5.0
+
+
+def multiprocess_mode() -> bool:
+    """Whether prometheus_client keeps its values in PROMETHEUS_MULTIPROC_DIR (read as it was imported)."""
+    from prometheus_client import values
+    return values.ValueClass is not values.MutexValue
 
 
 class _EngineCollector:
@@ -55,7 +70,7 @@ class _EngineCollector:
             c.add_metric(labels, value)
             return c
 
-        core, stats = self.llm.core_stats, self.llm.request_stats
+        core = self.llm.core_stats
         yield gauge("num_requests_running", "Number of requests in model execution batches.",
                     core.num_requests_running)
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed (preempted ones included).",
@@ -77,14 +92,6 @@ class _EngineCollector:
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", core.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed: each request's whole prompt, "
                       "prefix-cache hits included, once, at its first token.", core.prompt_tokens)
-        yield counter("generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
-        success = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests, by "
-                                      "finish reason (one per sample; abort: the client left or the server shut "
-                                      "down).", labels=["model_name", "finished_reason"])
-        finished = dict(stats.finished_by_reason)
-        for reason in sorted(set(FINISH_REASONS) | set(finished)):
-            success.add_metric([self.model_name, reason], finished.get(reason, 0))
-        yield success
 
 
 class ServerMetrics:
@@ -92,29 +99,53 @@ class ServerMetrics:
         self.llm = llm
         llm.request_stats.record_latencies = True       # drained into the histograms below
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess_mode()
+        if self.multiprocess:
+            multiprocess.MultiProcessCollector(self.registry, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        own = None if self.multiprocess else self.registry      # (multiprocess: in the shared files)
         self.registry.register(_EngineCollector(llm, model_name))
+        self.period_s = MULTIPROCESS_PERIOD_S if self.multiprocess else SINGLE_PROCESS_PERIOD_S
 
         def hist(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
-                             buckets=buckets).labels(model_name)
+            return Histogram(PREFIX + name, doc, ["model_name"], registry=own, buckets=buckets).labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.",
+                                         ["model_name"], registry=own).labels(model_name)
+        success = Counter(PREFIX + "request_success", "Count of successfully processed requests, by finish "
+                          "reason (one per sample; abort: the client left or the server shut down).",
+                          ["model_name", "finished_reason"], registry=own)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._success_family, self._model_name = success, model_name
+        self._moved_tokens = 0                                  # what the counters hold of RequestStats
+        self._moved_finished: collections.Counter = collections.Counter()
 
     def drain(self) -> None:
-        ttft, itl, e2e = self.llm.request_stats.drain_latencies()
+        """Move what this process received since the last drain into the counters and histograms."""
+        stats = self.llm.request_stats
+        ttft, itl, e2e = stats.drain_latencies()
         for hist, samples in ((self.ttft, ttft), (self.itl, itl), (self.e2e, e2e)):
             for s in samples:
                 hist.observe(s)
+        if stats.generation_tokens != self._moved_tokens:
+            self.generation_tokens.inc(stats.generation_tokens - self._moved_tokens)
+            self._moved_tokens = stats.generation_tokens
+        for reason, count in list(stats.finished_by_reason.items()):
+            if count != self._moved_finished[reason]:
+                if reason not in self.success:
+                    self.success[reason] = self._success_family.labels(self._model_name, reason)
+                self.success[reason].inc(count - self._moved_finished[reason])
+                self._moved_finished[reason] = count
 
     def render(self) -> bytes:
         self.drain()
         return generate_latest(self.registry)
 
-    async def drain_forever(self, period_s: float = 5.0) -> None:
+    async def drain_forever(self) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             while True:
-                await asyncio.sleep(period_s)
+                await asyncio.sleep(self.period_s)
                 self.drain()

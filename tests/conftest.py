@@ -118,8 +118,9 @@ def child_pids(pid: int) -> list[int]:
         return []
 
 
-def is_engine_core(pid: int) -> bool:
-    """Whether pid is a spawned multiprocessing child (the engine core), not its resource tracker."""
+def is_spawned(pid: int) -> bool:
+    """Whether pid is a spawned multiprocessing child (the engine core, or another API process), not its
+    resource tracker."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return b"spawn_main" in f.read()
@@ -171,9 +172,16 @@ class ServerProcess:
         with open(self.log.name) as f:
             return f.read()
 
+    def spawned_pids(self) -> list[int]:
+        """Its spawned children in the order they started: the engine core first, then the other API
+        processes (--api-server-count), as run_server starts them."""
+        def started(pid: int) -> int:
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[19])
+        return sorted((p for p in child_pids(self.proc.pid) if is_spawned(p)), key=started)
+
     def core_pid(self) -> int:
-        (pid,) = [p for p in child_pids(self.proc.pid) if is_engine_core(p)]
-        return pid
+        return self.spawned_pids()[0]
 
     def __exit__(self, *exc) -> None:
         import subprocess

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.core import resolve_model_path
-from jaxpaged.engine.core_client import CoreProcClient, EngineDeadError, run_core_process
+from jaxpaged.engine.core_client import CoreChannel, CoreProcClient, EngineDeadError, run_core_process
 from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer
 from jaxpaged.engine.input_processor import InputProcessor, PromptType
 from jaxpaged.engine.messages import CoreFailure, CoreStats, EngineCoreOutputs
@@ -42,11 +42,13 @@ OFFLOAD_CHARS = 2048
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, core_target=run_core_process):
+    def __init__(self, args: EngineArgs, core_target=run_core_process, client: CoreChannel | None = None):
+        """client: this process's end of the core connection; by default a CoreProcClient, which starts the
+        core (running core_target). An extra API process (--api-server-count) passes its CoreChannel."""
         self.args = args
         # The core starts first: it loads and compiles while this process imports transformers (seconds:
         # it brings torch) and loads the tokenizer.
-        self.client = CoreProcClient(args, core_target)
+        self.client = CoreProcClient(args, core_target) if client is None else client
         try:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
@@ -55,7 +57,7 @@ class AsyncLLM:
         except BaseException:
             self.client.shutdown()
             raise
-        self.input_processor = InputProcessor(self.tokenizer, self.info, args.seed)
+        self.input_processor = InputProcessor(self.tokenizer, self.info, args.seed, self.client.client_index)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = self.output_processor.stats
         self.core_stats = CoreStats(num_free_blocks=self.info.num_blocks - 1)   # until the first step's
@@ -103,9 +105,9 @@ class AsyncLLM:
         return not self._streams or time.time() - self.last_progress < stall_seconds
 
     def _watch_core(self) -> None:
-        code = self.client.wait_for_exit()
+        why = self.client.wait_lost()
         if not self.client.shutting_down:
-            err = EngineDeadError(f"the engine core process exited (exit code {code})")
+            err = EngineDeadError(why)
             loop = self._loop
             if loop is not None and not loop.is_closed():
                 try:

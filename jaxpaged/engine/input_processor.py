@@ -16,12 +16,15 @@ PromptType = str | list[int] | dict
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, info: CoreInfo, seed: int = 0):
+    def __init__(self, tokenizer, info: CoreInfo, seed: int = 0, client_index: int = 0):
+        """client_index: this API process's number among --api-server-count (0 for LLM and a single one)."""
         self.tokenizer = tokenizer
         self.info = info
+        self.client_index = client_index
         tok_eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.eos_token_ids = tuple(sorted(set(info.eos_token_ids) | tok_eos))
-        self._rng = np.random.default_rng(seed)     # per-sample seeds of requests that give none
+        # per-sample seeds of requests that give none (a sequence of its own in each API process)
+        self._rng = np.random.default_rng(seed if client_index == 0 else [seed, client_index])
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -96,5 +99,6 @@ class InputProcessor:
             sample_params = params if params.n == 1 else params.clone(n=1, best_of=None, seed=seed)
             sample_seed = seed if seed is not None else int(self._rng.integers(0, 2**31))
             out.append(EngineCoreRequest(request_id if params.n == 1 else f"{i}_{request_id}", token_ids,
-                                         sample_params, self.eos_token_ids, arrival, sample_seed, priority))
+                                         sample_params, self.eos_token_ids, arrival, sample_seed, priority,
+                                         self.client_index))
         return out

@@ -28,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float                     # time.time() at arrival (API process)
     sample_seed: int                        # the request's PRNG seed (params.seed + index, or drawn)
     priority: int = 0
+    client_index: int = 0                   # the API process it came from (--api-server-count)
 
 
 class SampleLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -108,7 +109,8 @@ class CoreInfo(msgspec.Struct, array_like=True, tag=True, gc=False):
 
 
 class CoreFailure(msgspec.Struct, array_like=True, tag=True, gc=False):
-    """The core's last message before it exits on an error. Its traceback stays in the core's log: this
+    """The core's last message before it exits on an error (to every API process; the first API process
+    sends it to the others when the core died without a word). Its traceback stays in the core's log: this
     message reaches clients (/health, error bodies)."""
     error: str                              # "ExceptionType: message"
 

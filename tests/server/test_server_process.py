@@ -147,3 +147,110 @@ def test_multi_step_stop_strings_equal_llm_generate(model_dir):
                 full = http.post("/v1/completions", json={**body, "stream": False}).json()
                 assert full["choices"][0]["text"] == ref.text and full["choices"][0]["finish_reason"] == "stop"
                 assert full["usage"]["completion_tokens"] == len(ref.token_ids)
+
+
+# ---- several API processes (--api-server-count) --------------------------------------------------
+# Which process serves a connection is the kernel's choice; a test that needs one freezes the other with
+# SIGSTOP, so that only it can accept the connection.
+TWO_API = ["--api-server-count", "2"]
+
+
+def _metric(text: str, name: str, labels: str = "") -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f"jaxpaged:{name}{{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _stream_text(base: str, body: dict) -> tuple[str, str]:
+    """One streamed completion on a new connection: its text and finish reason."""
+    with httpx.Client(timeout=120) as http, http.stream("POST", base + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = _data(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    choices = [c for e in events[:-1] for c in json.loads(e)["choices"]]
+    return "".join(c["text"] for c in choices), choices[-1]["finish_reason"]
+
+
+def test_two_api_processes_serve_alike_sum_metrics_and_drain_on_sigterm(model_dir):
+    body = {**BODY, "max_tokens": 24}
+    with ServerProcess(["--model", model_dir, *FLAGS, *TWO_API]) as srv:
+        first = srv.proc.pid
+        core, other = srv.spawned_pids()
+        assert "API server process 1 of 2 ready" in srv.read_log()
+        served = {}
+        for frozen, name in ((first, "the other"), (other, "the first")):
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                served[name] = [_stream_text(srv.base, body) for _ in range(3)]
+            finally:
+                os.kill(frozen, signal.SIGCONT)
+        texts = {t for outs in served.values() for t, _ in outs}
+        assert len(texts) == 1 and texts != {""}, served          # greedy: the same text whoever streams it
+        assert {f for outs in served.values() for _, f in outs} == {"length"}
+
+        def summed():          # every process's share, as each has moved it (at most a second late)
+            text = httpx.get(srv.base + "/metrics", timeout=10).text
+            got = (_metric(text, "generation_tokens_total"),
+                   _metric(text, "request_success_total", 'finished_reason="length"'))
+            return got if got == (6 * 24, 6) else None
+        _poll(summed, 60, "/metrics summing both API processes' counters")
+
+        os.kill(core, signal.SIGSTOP)                  # a stream open in each process, nothing generated yet
+        with httpx.Client(timeout=120) as http_other, httpx.Client(timeout=120) as http_first:
+            opened = []
+            for frozen, http in ((first, http_other), (other, http_first)):
+                os.kill(frozen, signal.SIGSTOP)
+                try:
+                    s = http.stream("POST", srv.base + "/v1/completions", json={**BODY, "max_tokens": 200})
+                    r = s.__enter__()
+                    assert r.status_code == 200
+                    opened.append((s, r))
+                finally:
+                    os.kill(frozen, signal.SIGCONT)
+            signalled = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            os.kill(core, signal.SIGCONT)
+            for s, r in opened:
+                events = _data(r.iter_lines())
+                s.__exit__(None, None, None)
+                assert events[-1] == "[DONE]"
+                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        code = srv.proc.wait(timeout=120)
+        took = time.monotonic() - signalled
+        assert code == 0, srv.read_log()[-3000:]
+        assert took < 10, f"exited {took:.1f} s after SIGTERM"
+        assert "Traceback" not in srv.read_log()
+        for pid in (core, other):
+            assert _poll(lambda: _gone(pid), 60, f"process {pid} exiting")
+
+
+def test_core_death_reaches_the_other_api_process(model_dir):
+    with ServerProcess(["--model", model_dir, *FLAGS, *TWO_API]) as srv:
+        first = srv.proc.pid
+        core, other = srv.spawned_pids()
+        os.kill(core, signal.SIGSTOP)
+        os.kill(first, signal.SIGSTOP)                 # the stream opens in the other API process
+        try:
+            s = httpx.stream("POST", srv.base + "/v1/completions", json=BODY, timeout=120)
+            r = s.__enter__()
+            assert r.status_code == 200
+        finally:
+            os.kill(first, signal.SIGCONT)
+        os.kill(core, signal.SIGKILL)                  # killed outright: the first process tells the other
+        events = _data(r.iter_lines())
+        s.__exit__(None, None, None)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "engine core" in error["message"]
+        assert srv.proc.wait(timeout=120) != 0, srv.read_log()[-3000:]
+        assert _poll(lambda: _gone(other), 60, "the other API process exiting")
+
+
+def test_an_api_process_dying_stops_the_server(model_dir):
+    with ServerProcess(["--model", model_dir, *FLAGS, *TWO_API]) as srv:
+        core, other = srv.spawned_pids()
+        os.kill(other, signal.SIGKILL)
+        assert srv.proc.wait(timeout=120) == 1, srv.read_log()[-3000:]
+        assert "API server process jaxpaged-api-server-1 exited (exit code -9)" in srv.read_log()
+        assert _poll(lambda: _gone(core), 60, "the engine core exiting")
