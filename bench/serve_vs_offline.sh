@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server against the engine (issue "the server at the engine's speed"), one model per device call:
 #   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--sweep-prompts N] [--cold-server]
-#        [--server-only] [--py-spy] [--soak [--soak-args "FLAGS"]]
+#        [--server-only] [--py-spy] [--soak [--soak-args "FLAGS"]] [--api-server-counts 1,2,4]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
 #   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
@@ -15,17 +15,19 @@
 # (bench/pyspy_summary.py) $OUT/pyspy-summary.txt.
 # --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
 # checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
+# --api-server-counts N,M,...: steps 2-5 once per --api-server-count (default 1), a fresh server each; the
+# results of counts above 1 are named ...-apiN.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
-             --soak-args) SOAK_ARGS=$2; shift ;; esac
+             --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;; esac
   shift
 done
 export PYTHONUNBUFFERED=1
@@ -65,9 +67,13 @@ if [ $OFFLINE = 1 ]; then
   echo "   ($(secs $t0) s)"
 fi
 
-echo "== 2. server start-up"
 [ $COLD = 1 ] && export JAXPAGED_CACHE_ROOT=/tmp/jaxpaged-cold-cache
 PORT=8011
+client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
+  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate" | sed 's/^/   /'; }
+for N in ${COUNTS//,/ }; do
+SUFFIX=$([ "$N" = 1 ] || echo "-api$N")
+echo "== 2. server start-up (--api-server-count $N)"
 t0=$(ms)
 SPY=()
 if [ $PYSPY = 1 ]; then
@@ -75,7 +81,7 @@ if [ $PYSPY = 1 ]; then
   SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o /tmp/pyspy-server.json --)
 fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
-  --uvicorn-log-level warning > /tmp/server.log 2>&1 &
+  --uvicorn-log-level warning --api-server-count "$N" > /tmp/server.log 2>&1 &
 SRV=$!
 until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
   if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server.log; exit 1; fi
@@ -83,8 +89,6 @@ until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$P
 done
 echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo warm))"
 grep -E "Run config|Compiled|engine core ready" /tmp/server.log | sed 's/^/   /'
-client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
-  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate" | sed 's/^/   /'; }
 if [ $SOAK = 1 ]; then
   echo "== soak: bench/soak.py $SOAK_ARGS"
   # shellcheck disable=SC2086  # SOAK_ARGS is a list of flags
@@ -97,40 +101,43 @@ if [ $SOAK = 1 ]; then
   exit 0
 fi
 echo "== 3. ShareGPT 1000 over HTTP, request rate inf"
-client --dataset sharegpt --result-name "serve-$MODEL-sharegpt-rinf"
+client --dataset sharegpt --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX"
 echo "== 4. openqa, concurrency 1"
-client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1"
+client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1$SUFFIX"
 if [ $SWEEP = 1 ]; then
   echo "== 5. ShareGPT $SWEEP_PROMPTS, Poisson rates 4, 16, 64"
   client --dataset sharegpt --num-prompts "$SWEEP_PROMPTS" --request-rates 4,16,64 \
-    --result-name "serve-$MODEL-sharegpt$SWEEP_PROMPTS-sweep"
+    --result-name "serve-$MODEL-sharegpt$SWEEP_PROMPTS-sweep$SUFFIX"
 fi
 if [ $PYSPY = 1 ]; then    # py-spy writes its file on SIGINT; the server goes on, so stop it after
   kill -INT $SRV; wait $SRV; pkill -TERM -f "jaxpaged.server --port $PORT"; sleep 5
-  $PY "$BENCH/pyspy_summary.py" /tmp/pyspy-server.json --window-s 0.1 > /tmp/pyspy-summary.txt
-  [ -n "${OUT:-}" ] && cp /tmp/pyspy-summary.txt "$OUT/" && gzip -c /tmp/pyspy-server.json > "$OUT/pyspy-server.json.gz"
+  $PY "$BENCH/pyspy_summary.py" /tmp/pyspy-server.json --window-s 0.1 > /tmp/pyspy-summary$SUFFIX.txt
+  [ -n "${OUT:-}" ] && cp /tmp/pyspy-summary$SUFFIX.txt "$OUT/" && gzip -c /tmp/pyspy-server.json > "$OUT/pyspy-server$SUFFIX.json.gz"
 else
   kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
 fi
 tail -5 /tmp/server.log | sed 's/^/   log: /'
+[ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL$SUFFIX.log"
+done
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
-$PY - "$REPO/bench/results" "$MODEL" <<'PYEOF'
+$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" <<'PYEOF'
 import json, sys
 from pathlib import Path
-res, model = Path(sys.argv[1]), sys.argv[2]
+res, model, counts = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 def load(name):
     p = res / f"{name}.json"
     return json.loads(p.read_text()).get("metrics", {}) if p.exists() else {}
-off = load(f"throughput-{model}-sharegpt")
-inf, c1 = load(f"serve-{model}-sharegpt-rinf"), load(f"serve-{model}-openqa-c1")
-o = off.get("output_tokens_per_second")
-s = inf.get("output_throughput")
-print(f"   offline output tok/s {o}; server rate inf {s}" + (f" ({s / o:.1%} of offline)" if o and s else ""))
-print(f"   server rate inf median TTFT {inf.get('median_ttft_ms')} ms, median TPOT {inf.get('median_tpot_ms')} ms")
-print(f"   openqa c1 median TPOT {c1.get('median_tpot_ms')} ms, output tok/s {c1.get('output_throughput')}")
+o = load(f"throughput-{model}-sharegpt").get("output_tokens_per_second")
+print(f"   offline output tok/s {o}")
+for n in counts:
+    suffix = "" if n == "1" else f"-api{n}"
+    inf, c1 = load(f"serve-{model}-sharegpt-rinf{suffix}"), load(f"serve-{model}-openqa-c1{suffix}")
+    s = inf.get("output_throughput")
+    print(f"   --api-server-count {n}: server rate inf {s}" + (f" ({s / o:.1%} of offline)" if o and s else "")
+          + f", median TTFT {inf.get('median_ttft_ms')} ms, median TPOT {inf.get('median_tpot_ms')} ms;"
+          f" openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
 PYEOF
 if [ -n "${OUT:-}" ]; then     # one archive: the device returns a limited number of files
   (cd "$REPO/bench/results" && find . -maxdepth 1 -type f \( -name "throughput-$MODEL-sharegpt*" -o -name "serve-$MODEL*" \) \
-     -mmin -15 -print0 | tar -czf "$OUT/serve_vs_offline-$MODEL.tgz" --null -T -)
-  cp /tmp/server.log "$OUT/server-$MODEL.log"
+     -mmin -30 -print0 | tar -czf "$OUT/serve_vs_offline-$MODEL.tgz" --null -T -)
 fi

@@ -96,7 +96,8 @@ class APIServerProcesses:
         """on_lost(why), from a thread of its own, when one of them exits before stop() was called."""
         def wait() -> None:
             by_sentinel = {p.sentinel: p for p in self.procs}
-            gone = [by_sentinel[s] for s in multiprocessing.connection.wait(list(by_sentinel))]
+            ready = multiprocessing.connection.wait(list(by_sentinel))
+            gone = [by_sentinel[s] for s in ready if isinstance(s, int)]
             if not self.stopping:
                 for p in gone:
                     p.join(1.0)                 # (its sentinel closes a moment before its exit status is known)
