@@ -62,6 +62,8 @@ class RequestFuncOutput:
     prompt_len: int = 0
     error: str = ""
     status: int = 0                 # HTTP status, or the code of an error event inside a 200 stream
+    sent_at: float = 0.0            # perf_counter() when the request was sent, and when its response's
+    admitted_at: float = 0.0        # headers came back (the server has taken the request)
 
 
 def completion_payload(inp: RequestFuncInput) -> dict[str, Any]:
@@ -77,9 +79,10 @@ async def async_request_openai_completions(inp: RequestFuncInput, session,
     payload = completion_payload(inp)
     out = RequestFuncOutput(prompt_len=inp.prompt_len)
     num_chunks = 0
-    st = most_recent = time.perf_counter()
+    st = most_recent = out.sent_at = time.perf_counter()
     try:
         async with session.post(inp.api_url, json=payload) as response:
+            out.admitted_at = time.perf_counter()
             out.status = response.status
             if response.status != 200:
                 out.error = f"HTTP {response.status}: {(await response.text())[:500]}"
@@ -210,6 +213,9 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
     row("Request goodput (req/s):", f"{m['request_goodput']:.2f}")
     row("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}")
     row("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")
+    if "last_admitted_s" in m:          # jaxpaged's own lines (admission_metrics)
+        row("Last request sent at (s):", f"{m['last_sent_s']:.3f}")
+        row("Requests admitted, median / last (s):", f"{m['median_admitted_s']:.3f} / {m['last_admitted_s']:.3f}")
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for key, title in titles.items():
@@ -219,6 +225,18 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
             row(f"{label} {key.upper()} (ms):", f"{m[stat]:.2f}")
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def admission_metrics(outputs: list[RequestFuncOutput], start: float) -> dict[str, float]:
+    """jaxpaged's own, not vLLM's: how long after the benchmark's start the client sent the requests and the
+    server took them (response headers back), which tells a client-bound run from a server-bound one
+    when every request is sent at once."""
+    sent = [o.sent_at - start for o in outputs if o.sent_at]
+    admitted = [o.admitted_at - start for o in outputs if o.admitted_at]
+    if not sent or not admitted:
+        return {}
+    return {"last_sent_s": max(sent), "median_admitted_s": float(np.median(admitted)),
+            "last_admitted_s": max(admitted)}
 
 
 RequestFunc = Callable[..., Awaitable[RequestFuncOutput]]
@@ -278,9 +296,12 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
     num_skipped = len(results) - len(ran)
     metrics = calculate_metrics(requests, outputs, dur_s, percentiles, slo_ttft_ms, slo_tpot_ms)
     metrics["skipped"] = num_skipped
+    metrics.update(admission_metrics(outputs, start))
     errors = sorted({o.error for o in outputs if o.error})[:5]
     return {"metrics": metrics, "errors": errors,
             "per_request": {"ttfts": [o.ttft for o in outputs], "latencies": [o.latency for o in outputs],
+                            "sent_s": [o.sent_at - start for o in outputs],
+                            "admitted_s": [o.admitted_at - start if o.admitted_at else None for o in outputs],
                             "output_tokens": [o.output_tokens for o in outputs],
                             "prompt_lens": [o.prompt_len for o in outputs]},
             "itls": [x for o in outputs for x in o.itl]}

@@ -70,7 +70,7 @@ fi
 [ $COLD = 1 ] && export JAXPAGED_CACHE_ROOT=/tmp/jaxpaged-cold-cache
 PORT=8011
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
-  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate" | sed 's/^/   /'; }
+  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at" | sed 's/^/   /'; }
 for N in ${COUNTS//,/ }; do
 SUFFIX=$([ "$N" = 1 ] || echo "-api$N")
 echo "== 2. server start-up (--api-server-count $N)"
@@ -101,7 +101,7 @@ if [ $SOAK = 1 ]; then
   exit 0
 fi
 echo "== 3. ShareGPT 1000 over HTTP, request rate inf"
-client --dataset sharegpt --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX"
+client --dataset sharegpt --save-per-request --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX"
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1$SUFFIX"
 if [ $SWEEP = 1 ]; then

@@ -75,22 +75,29 @@ class APIServerProcesses:
 
     def __init__(self, args, sock: socket.socket, channels: list):
         spawn = multiprocessing.get_context("spawn")
-        self.ready = [spawn.Event() for _ in channels[1:]]
+        pipes = [spawn.Pipe(duplex=False) for _ in channels[1:]]     # (receiving end, sending end)
+        self.ready = [r for r, _ in pipes]
         self.procs = [spawn.Process(target=run_api_server_process, name=f"jaxpaged-api-server-{i}", daemon=True,
-                                    args=(args, i, sock, channels[i], self.ready[i - 1]))
+                                    args=(args, i, sock, channels[i], pipes[i - 1][1]))
                       for i in range(1, len(channels))]
         for p in self.procs:
             p.start()
+        for _, w in pipes:
+            w.close()               # (the children hold their own copies)
         self.stopping = False
 
     def wait_ready(self) -> None:
         """Block until each has its engine connection and app (so /health's first 200 means every process
         serves); raises RuntimeError if one exits first."""
         for p, ready in zip(self.procs, self.ready):
-            while not ready.wait(0.2):
-                if not p.is_alive():
-                    raise RuntimeError(f"API server process {p.name} exited during start-up (exit code "
-                                       f"{p.exitcode}); its log above says why")
+            try:
+                ready.recv_bytes()          # (EOFError: it exited without a word)
+            except EOFError:
+                p.join(1.0)
+                raise RuntimeError(f"API server process {p.name} exited during start-up (exit code "
+                                   f"{p.exitcode}); its log above says why") from None
+            finally:
+                ready.close()
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """on_lost(why), from a thread of its own, when one of them exits before stop() was called."""
@@ -143,7 +150,8 @@ def run_api_server_process(args, index: int, sock: socket.socket, channel, ready
         logger.error("API server process %d: %s", index, e)
         os._exit(1)
     logger.info("API server process %d of %d ready", index, args.api_server_count)
-    ready.set()
+    ready.send_bytes(b"ready")
+    ready.close()
     code = serve(args, llm, sock)
     logging.shutdown()
     os._exit(code)          # (as the first process: nothing left that needs the interpreter's teardown)
