@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=0.0, help="pretend device time per step")
     p.add_argument("--port", type=int, default=8019)
     p.add_argument("--api-server-count", type=int, default=1, help="the server's API processes")
+    p.add_argument("--client-flags", default="", help="more flags for bench/serve.py, e.g. '--event-loop uvloop'")
     p.add_argument("--profile", default=None, help="write the (first) API process's cProfile here")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)    # (the server process)
     args = p.parse_args()
@@ -159,7 +160,7 @@ def main() -> None:
                         "--num-prompts", str(args.num_prompts), "--input-len", "32", "--output-len",
                         str(args.output_len), "--no-warmup", "--served-model-name", "stand-in",
                         "--result-name", f"api-capacity-{args.num_prompts}x{args.output_len}"
-                        f"-k{args.tokens_per_step}"], check=True)
+                        f"-k{args.tokens_per_step}", *args.client_flags.split()], check=True)
         # CPU time barely depends on what else the machine runs, unlike the wall-clock figures above
         cpu = sum(map(process_cpu_s, api_pids)) - cpu0
         print(f"API process{'es' if len(api_pids) > 1 else ''} CPU time: {cpu:.2f} s, "

@@ -213,9 +213,11 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
     row("Request goodput (req/s):", f"{m['request_goodput']:.2f}")
     row("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}")
     row("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")
-    if "last_admitted_s" in m:          # jaxpaged's own lines (admission_metrics)
+    if "last_admitted_s" in m:          # jaxpaged's own lines (admission_metrics, server_latency_metrics)
         row("Last request sent at (s):", f"{m['last_sent_s']:.3f}")
         row("Requests admitted, median / last (s):", f"{m['median_admitted_s']:.3f} / {m['last_admitted_s']:.3f}")
+    if "server_mean_ttft_ms" in m:
+        row("Server-side mean TTFT / E2EL (ms):", f"{m['server_mean_ttft_ms']:.2f} / {m.get('server_mean_e2el_ms', 0):.2f}")
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for key, title in titles.items():
@@ -239,6 +241,38 @@ def admission_metrics(outputs: list[RequestFuncOutput], start: float) -> dict[st
             "last_admitted_s": max(admitted)}
 
 
+SERVER_HISTOGRAMS = {"server_mean_ttft_ms": "jaxpaged:time_to_first_token_seconds",
+                     "server_mean_e2el_ms": "jaxpaged:e2e_request_latency_seconds"}
+
+
+async def server_latency_sums(base_url: str) -> dict[str, float]:
+    """The sums and counts of jaxpaged's latency histograms (its /metrics; empty for another server)."""
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession() as s, s.get(base_url.rstrip("/") + "/metrics") as r:
+            text = await r.text() if r.status == 200 else ""
+    except aiohttp.ClientError:
+        return {}
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in SERVER_HISTOGRAMS.values():
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def server_latency_metrics(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """jaxpaged's own: mean TTFT and e2e latency over the run as the server measured them (from a request's
+    arrival in its API process), against the client's own (from sending): the difference is the time the
+    requests and their first tokens spend in the client and on the way."""
+    out = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        if count > 0:
+            out[key] = (after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / count * 1e3
+    return out
+
+
 RequestFunc = Callable[..., Awaitable[RequestFuncOutput]]
 
 
@@ -247,11 +281,13 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
                     percentiles: list[float] = (99,), slo_ttft_ms: float = 1000.0, slo_tpot_ms: float = 50.0,
                     warmup: bool = True, disable_tqdm: bool = False, send_text: bool = False,
                     time_limit_s: float | None = None,
-                    request_func: RequestFunc = async_request_openai_completions) -> dict[str, Any]:
+                    request_func: RequestFunc = async_request_openai_completions,
+                    base_url: str | None = None) -> dict[str, Any]:
     """Runs the whole benchmark against `api_url` (…/v1/completions); returns metrics + per-request data.
 
     time_limit_s: requests not yet started when it has passed are skipped (counted as "skipped", not
-    failed, and left out of every metric); the duration ends with the last request that ran."""
+    failed, and left out of every metric); the duration ends with the last request that ran.
+    base_url: the server's root, whose jaxpaged /metrics give the server-side latencies of the run."""
     import aiohttp
     from tqdm.asyncio import tqdm
 
@@ -269,6 +305,7 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
         # leave=None: the bar stays when it is the only one, and is cleared under a sweep's bar over rates
         pbar = None if disable_tqdm else tqdm(total=len(requests), desc="requests", leave=None)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        before = await server_latency_sums(base_url) if base_url else {}
 
         start = time.perf_counter()
         last_end = [start]
@@ -289,6 +326,7 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
         tasks = [asyncio.create_task(limited(r)) async for r in get_request(requests, request_rate, burstiness, seed)]
         results = await asyncio.gather(*tasks)
         dur_s = (last_end[0] if time_limit_s is not None else time.perf_counter()) - start
+        after = await server_latency_sums(base_url) if base_url else {}
         if pbar is not None:
             pbar.close()
     ran = [(r, o) for r, o in zip(requests, results) if o is not None]
@@ -297,6 +335,7 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
     metrics = calculate_metrics(requests, outputs, dur_s, percentiles, slo_ttft_ms, slo_tpot_ms)
     metrics["skipped"] = num_skipped
     metrics.update(admission_metrics(outputs, start))
+    metrics.update(server_latency_metrics(before, after))
     errors = sorted({o.error for o in outputs if o.error})[:5]
     return {"metrics": metrics, "errors": errors,
             "per_request": {"ttfts": [o.ttft for o in outputs], "latencies": [o.latency for o in outputs],
@@ -403,6 +442,18 @@ def write_sweep(name: str, rates: list[float], rows: list[dict[str, Any]], setti
     return path
 
 
+def event_loop_runner(name: str) -> Callable[[Awaitable], Any]:
+    """asyncio.run on the named event loop."""
+    if name == "uvloop":
+        import uvloop
+
+        def run(coro: Awaitable) -> Any:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(coro)
+        return run
+    return asyncio.run
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/completions is used)")
@@ -431,6 +482,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result-name", default=None,
                    help="results file stem (default serve-<dataset>-c<conc>; a sweep adds -r<rate> and -sweep)")
     p.add_argument("--save-per-request", action="store_true", help="keep per-request timings in the JSON")
+    p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="the client's event loop (vLLM's client: asyncio). With every request sent at once, the "
+                        "client's own time per request delays their admission and their first tokens")
     return p.parse_args(argv)
 
 
@@ -456,12 +510,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = dict(dataset=args.dataset, workload=summarize(requests), model=args.model, served_model_name=model,
                     max_concurrency=args.max_concurrency)
     rows, names, metrics = [], [], {}
+    run = event_loop_runner(args.event_loop)
     for i, rate in enumerate(tqdm(rates, desc="request rates", disable=args.disable_tqdm or not sweeping)):
-        result = asyncio.run(benchmark(
+        result = run(benchmark(
             api_url, model, requests, rate, args.max_concurrency, args.burstiness, args.seed, percentiles,
             args.goodput_ttft_ms, args.goodput_tpot_ms, warmup=not args.no_warmup and i == 0,
-            disable_tqdm=args.disable_tqdm, send_text=args.send_text, time_limit_s=args.time_limit_s))
+            disable_tqdm=args.disable_tqdm, send_text=args.send_text, time_limit_s=args.time_limit_s,
+            base_url=args.base_url))
         m = result["metrics"]
+        m["client_event_loop"] = args.event_loop
         tqdm.write(format_metrics(m, args.max_concurrency, rate))
         if result["errors"]:
             tqdm.write("\n  ".join(["errors:", *result["errors"]]))

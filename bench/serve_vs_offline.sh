@@ -16,18 +16,20 @@
 # --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
 # checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
 # --api-server-counts N,M,...: steps 2-5 once per --api-server-count (default 1), a fresh server each; the
-# results of counts above 1 are named ...-apiN.
+# results of counts above 1 are named ...-apiN. --client-loops asyncio,uvloop: step 3 once per client event
+# loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1; LOOPS=asyncio
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
-             --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;; esac
+             --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
+             --client-loops) LOOPS=$2; shift ;; esac
   shift
 done
 export PYTHONUNBUFFERED=1
@@ -70,7 +72,7 @@ fi
 [ $COLD = 1 ] && export JAXPAGED_CACHE_ROOT=/tmp/jaxpaged-cold-cache
 PORT=8011
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
-  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at" | sed 's/^/   /'; }
+  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side" | sed 's/^/   /'; }
 for N in ${COUNTS//,/ }; do
 SUFFIX=$([ "$N" = 1 ] || echo "-api$N")
 echo "== 2. server start-up (--api-server-count $N)"
@@ -100,8 +102,11 @@ if [ $SOAK = 1 ]; then
   fi
   exit 0
 fi
-echo "== 3. ShareGPT 1000 over HTTP, request rate inf"
-client --dataset sharegpt --save-per-request --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX"
+for LOOP in ${LOOPS//,/ }; do
+  LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")
+  echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client on $LOOP)"
+  client --dataset sharegpt --save-per-request --event-loop "$LOOP" --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
+done
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1$SUFFIX"
 if [ $SWEEP = 1 ]; then
@@ -120,10 +125,10 @@ tail -5 /tmp/server.log | sed 's/^/   log: /'
 [ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL$SUFFIX.log"
 done
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
-$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" <<'PYEOF'
+$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" <<'PYEOF'
 import json, sys
 from pathlib import Path
-res, model, counts = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+res, model, counts, loops = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
 def load(name):
     p = res / f"{name}.json"
     return json.loads(p.read_text()).get("metrics", {}) if p.exists() else {}
@@ -131,11 +136,15 @@ o = load(f"throughput-{model}-sharegpt").get("output_tokens_per_second")
 print(f"   offline output tok/s {o}")
 for n in counts:
     suffix = "" if n == "1" else f"-api{n}"
-    inf, c1 = load(f"serve-{model}-sharegpt-rinf{suffix}"), load(f"serve-{model}-openqa-c1{suffix}")
-    s = inf.get("output_throughput")
-    print(f"   --api-server-count {n}: server rate inf {s}" + (f" ({s / o:.1%} of offline)" if o and s else "")
-          + f", median TTFT {inf.get('median_ttft_ms')} ms, median TPOT {inf.get('median_tpot_ms')} ms;"
-          f" openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
+    for loop in loops:
+        inf = load(f"serve-{model}-sharegpt-rinf{suffix}" + ("" if loop == "asyncio" else f"-{loop}"))
+        s = inf.get("output_throughput")
+        print(f"   --api-server-count {n}, client {loop}: server rate inf {s}"
+              + (f" ({s / o:.1%} of offline)" if o and s else "")
+              + f", median TTFT {inf.get('median_ttft_ms')} ms (server-side mean {inf.get('server_mean_ttft_ms')}"
+              f" ms), median TPOT {inf.get('median_tpot_ms')} ms")
+    c1 = load(f"serve-{model}-openqa-c1{suffix}")
+    print(f"   --api-server-count {n}: openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
 PYEOF
 if [ -n "${OUT:-}" ]; then     # one archive: the device returns a limited number of files
   (cd "$REPO/bench/results" && find . -maxdepth 1 -type f \( -name "throughput-$MODEL-sharegpt*" -o -name "serve-$MODEL*" \) \
