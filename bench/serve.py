@@ -217,7 +217,8 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
         row("Last request sent at (s):", f"{m['last_sent_s']:.3f}")
         row("Requests admitted, median / last (s):", f"{m['median_admitted_s']:.3f} / {m['last_admitted_s']:.3f}")
     if "server_mean_ttft_ms" in m:
-        row("Server-side mean TTFT / E2EL (ms):", f"{m['server_mean_ttft_ms']:.2f} / {m.get('server_mean_e2el_ms', 0):.2f}")
+        row("Server-side mean TTFT / E2EL (ms):",
+            f"{m['server_mean_ttft_ms']:.2f} / {m.get('server_mean_e2el_ms', 0):.2f}")
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for key, title in titles.items():
