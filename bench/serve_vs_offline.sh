@@ -17,7 +17,8 @@
 # checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
 # --api-server-counts N,M,...: steps 2-5 once per --api-server-count (default 1), a fresh server each; the
 # results of counts above 1 are named ...-apiN. --client-loops asyncio,uvloop: step 3 once per client event
-# loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop.
+# loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop;
+# each (count, loop) gets a fresh server.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -73,8 +74,12 @@ fi
 PORT=8011
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
   | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side" | sed 's/^/   /'; }
+# A fresh server for each (count, client loop): a second run on one server would find its prompts in the
+# prefix cache.
 for N in ${COUNTS//,/ }; do
+for LOOP in ${LOOPS//,/ }; do
 SUFFIX=$([ "$N" = 1 ] || echo "-api$N")
+LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")
 echo "== 2. server start-up (--api-server-count $N)"
 t0=$(ms)
 SPY=()
@@ -102,27 +107,27 @@ if [ $SOAK = 1 ]; then
   fi
   exit 0
 fi
-for LOOP in ${LOOPS//,/ }; do
-  LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")
-  echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client on $LOOP)"
-  client --dataset sharegpt --save-per-request --event-loop "$LOOP" --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
-done
+echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client on $LOOP)"
+client --dataset sharegpt --save-per-request --event-loop "$LOOP" --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
 echo "== 4. openqa, concurrency 1"
-client --dataset openqa --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1$SUFFIX"
+client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
+  --result-name "serve-$MODEL-openqa-c1$SUFFIX$LSUFFIX"
 if [ $SWEEP = 1 ]; then
   echo "== 5. ShareGPT $SWEEP_PROMPTS, Poisson rates 4, 16, 64"
   client --dataset sharegpt --num-prompts "$SWEEP_PROMPTS" --request-rates 4,16,64 \
-    --result-name "serve-$MODEL-sharegpt$SWEEP_PROMPTS-sweep$SUFFIX"
+    --event-loop "$LOOP" --result-name "serve-$MODEL-sharegpt$SWEEP_PROMPTS-sweep$SUFFIX$LSUFFIX"
 fi
 if [ $PYSPY = 1 ]; then    # py-spy writes its file on SIGINT; the server goes on, so stop it after
   kill -INT $SRV; wait $SRV; pkill -TERM -f "jaxpaged.server --port $PORT"; sleep 5
-  $PY "$BENCH/pyspy_summary.py" /tmp/pyspy-server.json --window-s 0.1 > /tmp/pyspy-summary$SUFFIX.txt
-  [ -n "${OUT:-}" ] && cp /tmp/pyspy-summary$SUFFIX.txt "$OUT/" && gzip -c /tmp/pyspy-server.json > "$OUT/pyspy-server$SUFFIX.json.gz"
+  $PY "$BENCH/pyspy_summary.py" /tmp/pyspy-server.json --window-s 0.1 > /tmp/pyspy-summary$SUFFIX$LSUFFIX.txt
+  [ -n "${OUT:-}" ] && cp /tmp/pyspy-summary$SUFFIX$LSUFFIX.txt "$OUT/" \
+    && gzip -c /tmp/pyspy-server.json > "$OUT/pyspy-server$SUFFIX$LSUFFIX.json.gz"
 else
   kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
 fi
 tail -5 /tmp/server.log | sed 's/^/   log: /'
-[ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL$SUFFIX.log"
+[ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL$SUFFIX$LSUFFIX.log"
+done
 done
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
 $PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" <<'PYEOF'
@@ -137,14 +142,14 @@ print(f"   offline output tok/s {o}")
 for n in counts:
     suffix = "" if n == "1" else f"-api{n}"
     for loop in loops:
-        inf = load(f"serve-{model}-sharegpt-rinf{suffix}" + ("" if loop == "asyncio" else f"-{loop}"))
+        lsuffix = "" if loop == "asyncio" else f"-{loop}"
+        inf = load(f"serve-{model}-sharegpt-rinf{suffix}{lsuffix}")
+        c1 = load(f"serve-{model}-openqa-c1{suffix}{lsuffix}")
         s = inf.get("output_throughput")
         print(f"   --api-server-count {n}, client {loop}: server rate inf {s}"
               + (f" ({s / o:.1%} of offline)" if o and s else "")
               + f", median TTFT {inf.get('median_ttft_ms')} ms (server-side mean {inf.get('server_mean_ttft_ms')}"
-              f" ms), median TPOT {inf.get('median_tpot_ms')} ms")
-    c1 = load(f"serve-{model}-openqa-c1{suffix}")
-    print(f"   --api-server-count {n}: openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
+              f" ms), median TPOT {inf.get('median_tpot_ms')} ms; openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
 PYEOF
 if [ -n "${OUT:-}" ]; then     # one archive: the device returns a limited number of files
   (cd "$REPO/bench/results" && find . -maxdepth 1 -type f \( -name "throughput-$MODEL-sharegpt*" -o -name "serve-$MODEL*" \) \
