@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
-MAX_LOGPROBS = 20          # as vLLM's default max_logprobs
 
 
 def random_id(prefix: str) -> str:
@@ -96,9 +95,8 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (-> 400) for values out of range, with SamplingParams' messages."""
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}.")
+        """Raises ValueError (-> 400) for values out of range, with SamplingParams' messages. (logprobs past
+        --max-logprobs: the engine's check, InputProcessor.validate_prompt.)"""
         try:
             bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         except ValueError:

@@ -43,9 +43,11 @@ def _byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":   # normalizers act on encode only
         return None
     inv = bytes_to_unicode()
-    special = set(tokenizer.all_special_ids)
-    added = ({t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
-             if hasattr(tokenizer, "added_tokens_decoder") else {})
+    added_tokens = getattr(tokenizer, "added_tokens_decoder", {})
+    added = {t.content: i for i, t in added_tokens.items()}
+    # what decode(skip_special_tokens=True) skips: the named special tokens, and every added token marked
+    # special (SmolLM2's <repo_name>, <file_sep>, ... are in no special-token attribute)
+    special = set(tokenizer.all_special_ids) | {i for i, t in added_tokens.items() if t.special}
     table: list[bytes] = []
     for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if tok is None or (skip_special_tokens and i in special):

@@ -76,3 +76,13 @@ def test_skip_special_tokens(tok, make):
     d = make(skip_special_tokens=False)
     feed(d, ids)
     assert d.output_text == "ab<|endoftext|>c"
+
+
+def test_skips_what_hf_decode_skips(tok, make):
+    """Every special token HF's decode drops: the named ones and the added tokens marked special that no
+    attribute names (SmolLM2's <repo_name>, <file_sep>, ...: ids 3-16)."""
+    ids = [*tok.encode("ab"), *range(20), *tok.encode(" cd")]
+    for skip in (True, False):
+        d = make(skip_special_tokens=skip)
+        feed(d, ids)
+        assert d.output_text == tok.decode(ids, skip_special_tokens=skip)

@@ -20,6 +20,7 @@ MODEL = "smol"
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 32
 MAX_BODY_MIB = 1
+MAX_LOGPROBS = 24           # --max-logprobs: past OpenAI's 20 (vLLM's default), which the flag may raise
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
            "The three primary colors are"]
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -30,7 +31,7 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 def server():
     with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--served-model-name", MODEL, "--api-key", API_KEY,
-                        "--max-request-body-mib", str(MAX_BODY_MIB)]) as srv:
+                        "--max-request-body-mib", str(MAX_BODY_MIB), "--max-logprobs", str(MAX_LOGPROBS)]) as srv:
         yield srv.base
 
 
@@ -365,12 +366,17 @@ def _hand_fuzzed_edges(http):
         assert "maximum context length is 1024 tokens" in err["message"]
     # best_of, logprobs and top_logprobs past their limits; values of the wrong JSON type are not coerced
     for body, field in (({**ok, "best_of": 1000}, "best_of"), ({**ok, "best_of": 0}, "best_of"),
-                        ({**ok, "logprobs": 21}, "logprobs"), ({**ok, "logprobs": -1}, "logprobs"),
+                        ({**ok, "logprobs": MAX_LOGPROBS + 1}, "logprobs"), ({**ok, "logprobs": -1}, "logprobs"),
                         ({**ok, "max_tokens": "2"}, "max_tokens"), ({**ok, "prompt": [True]}, "prompt"),
-                        ({**ok, "seed": 2**64}, "seed"), ({**chat, "logprobs": True, "top_logprobs": 21}, "logprobs")):
+                        ({**ok, "seed": 2**64}, "seed"),
+                        ({**chat, "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "logprobs")):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         assert field in _assert_error(http.post(path, json=body), 400)["message"]
     _assert_error(http.post("/detokenize", json={"tokens": [True]}), 400)
+    # --max-logprobs sets the limit (above OpenAI's 20, as vLLM allows)
+    r = http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": MAX_LOGPROBS})
+    assert r.status_code == 200, r.text
+    assert {len(e["top_logprobs"]) for e in r.json()["choices"][0]["logprobs"]["content"]} == {MAX_LOGPROBS}
     # logit_bias: keys that are no token id or out of the vocabulary, values past OpenAI's [-100, 100]
     for bias in ({"abc": 1}, {"1.5": 1}, {"-5": 1}, {str(10**30): 1}, {"5": 101}, {"5": -1e308}):
         assert "logit_bias" in _assert_error(http.post("/v1/completions", json={**ok, "logit_bias": bias}),
