@@ -62,8 +62,9 @@ class RequestFuncOutput:
     prompt_len: int = 0
     error: str = ""
     status: int = 0                 # HTTP status, or the code of an error event inside a 200 stream
-    sent_at: float = 0.0            # perf_counter() when the request was sent, and when its response's
-    admitted_at: float = 0.0        # headers came back (the server has taken the request)
+    sent_at: float = 0.0            # perf_counter() when the request was sent, when its response's
+    admitted_at: float = 0.0        # headers came back (the server has taken the request), and when it
+    ended_at: float = 0.0           # ended (one clock for every process of the machine: CLOCK_MONOTONIC)
 
 
 def completion_payload(inp: RequestFuncInput) -> dict[str, Any]:
@@ -113,6 +114,7 @@ async def async_request_openai_completions(inp: RequestFuncInput, session,
     except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
         out.error = f"{type(e).__name__}: {e}"
     finally:
+        out.ended_at = time.perf_counter()
         if pbar is not None:
             pbar.update(1)
     return out
@@ -230,6 +232,42 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
     return "\n".join(lines)
 
 
+async def _in_processes(inputs: list[RequestFuncInput], k: int, event_loop: str,
+                        ) -> tuple[list[RequestFuncOutput], float]:
+    """Every request at once from k processes (request i from process i % k); the outputs in input order,
+    and the perf_counter() at which the processes were released."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")          # (never fork a process with a running event loop)
+    ready, results = ctx.Barrier(k + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(i, inputs[i::k], event_loop, ready, results), daemon=True)
+             for i in range(k)]
+    for proc in procs:
+        proc.start()
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, ready.wait)      # each has its session open: go
+    start = time.perf_counter()
+    outputs: list[RequestFuncOutput] = [RequestFuncOutput()] * len(inputs)
+    for _ in range(k):
+        i, shard = await loop.run_in_executor(None, results.get)
+        outputs[i::k] = shard
+    for proc in procs:
+        proc.join()
+    return outputs, start
+
+
+def _client_process(index: int, inputs: list[RequestFuncInput], event_loop: str, ready, results) -> None:
+    """One of _in_processes' processes: its share of the requests, all at once once every process is ready."""
+    import aiohttp
+
+    async def send_all() -> list[RequestFuncOutput]:
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S),
+                                         connector=connector, trust_env=True) as session:
+            ready.wait()
+            return await asyncio.gather(*(async_request_openai_completions(inp, session) for inp in inputs))
+    results.put((index, event_loop_runner(event_loop)(send_all())))
+
+
 def admission_metrics(outputs: list[RequestFuncOutput], start: float) -> dict[str, float]:
     """jaxpaged's own, not vLLM's: how long after the benchmark's start the client sent the requests and the
     server took them (response headers back), which tells a client-bound run from a server-bound one
@@ -283,12 +321,18 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
                     warmup: bool = True, disable_tqdm: bool = False, send_text: bool = False,
                     time_limit_s: float | None = None,
                     request_func: RequestFunc = async_request_openai_completions,
-                    base_url: str | None = None) -> dict[str, Any]:
+                    base_url: str | None = None, client_processes: int = 1,
+                    event_loop: str = "asyncio") -> dict[str, Any]:
     """Runs the whole benchmark against `api_url` (…/v1/completions); returns metrics + per-request data.
 
     time_limit_s: requests not yet started when it has passed are skipped (counted as "skipped", not
     failed, and left out of every metric); the duration ends with the last request that ran.
-    base_url: the server's root, whose jaxpaged /metrics give the server-side latencies of the run."""
+    base_url: the server's root, whose jaxpaged /metrics give the server-side latencies of the run.
+    client_processes > 1 (rate inf only): the requests are sent from that many processes (every k-th request
+    from each, all released at once, each on `event_loop`), so that the client's own time per request does not
+    set when the server sees them; the duration runs from the release to the last request's end."""
+    if client_processes > 1 and (request_rate != float("inf") or max_concurrency or time_limit_s is not None):
+        raise ValueError("client_processes > 1 needs request rate inf, no max_concurrency and no time limit")
     import aiohttp
     from tqdm.asyncio import tqdm
 
@@ -324,9 +368,14 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
             async with sem:
                 return await timed(r)
 
-        tasks = [asyncio.create_task(limited(r)) async for r in get_request(requests, request_rate, burstiness, seed)]
-        results = await asyncio.gather(*tasks)
-        dur_s = (last_end[0] if time_limit_s is not None else time.perf_counter()) - start
+        if client_processes > 1:
+            results, start = await _in_processes([make_input(r) for r in requests], client_processes, event_loop)
+            dur_s = max(o.ended_at for o in results) - start
+        else:
+            tasks = [asyncio.create_task(limited(r))
+                     async for r in get_request(requests, request_rate, burstiness, seed)]
+            results = await asyncio.gather(*tasks)
+            dur_s = (last_end[0] if time_limit_s is not None else time.perf_counter()) - start
         after = await server_latency_sums(base_url) if base_url else {}
         if pbar is not None:
             pbar.close()
@@ -483,6 +532,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result-name", default=None,
                    help="results file stem (default serve-<dataset>-c<conc>; a sweep adds -r<rate> and -sweep)")
     p.add_argument("--save-per-request", action="store_true", help="keep per-request timings in the JSON")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="send the requests from this many processes (rate inf only): vLLM's client is one, "
+                        "whose own time per request then delays when the server sees the last ones")
     p.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio",
                    help="the client's event loop (vLLM's client: asyncio). With every request sent at once, the "
                         "client's own time per request delays their admission and their first tokens")
@@ -517,9 +569,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             api_url, model, requests, rate, args.max_concurrency, args.burstiness, args.seed, percentiles,
             args.goodput_ttft_ms, args.goodput_tpot_ms, warmup=not args.no_warmup and i == 0,
             disable_tqdm=args.disable_tqdm, send_text=args.send_text, time_limit_s=args.time_limit_s,
-            base_url=args.base_url))
+            base_url=args.base_url, client_processes=args.client_processes, event_loop=args.event_loop))
         m = result["metrics"]
-        m["client_event_loop"] = args.event_loop
+        m["client_event_loop"], m["client_processes"] = args.event_loop, args.client_processes
         tqdm.write(format_metrics(m, args.max_concurrency, rate))
         if result["errors"]:
             tqdm.write("\n  ".join(["errors:", *result["errors"]]))

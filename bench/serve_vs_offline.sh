@@ -18,19 +18,20 @@
 # --api-server-counts N,M,...: steps 2-5 once per --api-server-count (default 1), a fresh server each; the
 # results of counts above 1 are named ...-apiN. --client-loops asyncio,uvloop: step 3 once per client event
 # loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop;
-# each (count, loop) gets a fresh server.
+# each (count, loop) gets a fresh server. --client-processes K: step 3 sends from K processes (bench/serve.py
+# --client-processes), its results named ...-cpK.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1; LOOPS=asyncio
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1; LOOPS=asyncio; CPROCS=1
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
-             --client-loops) LOOPS=$2; shift ;; esac
+             --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;; esac
   shift
 done
 export PYTHONUNBUFFERED=1
@@ -79,7 +80,7 @@ client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$M
 for N in ${COUNTS//,/ }; do
 for LOOP in ${LOOPS//,/ }; do
 SUFFIX=$([ "$N" = 1 ] || echo "-api$N")
-LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")
+LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")$([ "$CPROCS" = 1 ] || echo "-cp$CPROCS")
 echo "== 2. server start-up (--api-server-count $N)"
 t0=$(ms)
 SPY=()
@@ -107,8 +108,9 @@ if [ $SOAK = 1 ]; then
   fi
   exit 0
 fi
-echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client on $LOOP)"
-client --dataset sharegpt --save-per-request --event-loop "$LOOP" --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
+echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client: $CPROCS process(es) on $LOOP)"
+client --dataset sharegpt --save-per-request --event-loop "$LOOP" --client-processes "$CPROCS" \
+  --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
   --result-name "serve-$MODEL-openqa-c1$SUFFIX$LSUFFIX"
@@ -130,10 +132,11 @@ tail -5 /tmp/server.log | sed 's/^/   log: /'
 done
 done
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
-$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" <<'PYEOF'
+$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" "$CPROCS" <<'PYEOF'
 import json, sys
 from pathlib import Path
 res, model, counts, loops = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
+cprocs = "" if sys.argv[5] == "1" else f"-cp{sys.argv[5]}"
 def load(name):
     p = res / f"{name}.json"
     return json.loads(p.read_text()).get("metrics", {}) if p.exists() else {}
@@ -142,11 +145,11 @@ print(f"   offline output tok/s {o}")
 for n in counts:
     suffix = "" if n == "1" else f"-api{n}"
     for loop in loops:
-        lsuffix = "" if loop == "asyncio" else f"-{loop}"
+        lsuffix = ("" if loop == "asyncio" else f"-{loop}") + cprocs
         inf = load(f"serve-{model}-sharegpt-rinf{suffix}{lsuffix}")
         c1 = load(f"serve-{model}-openqa-c1{suffix}{lsuffix}")
         s = inf.get("output_throughput")
-        print(f"   --api-server-count {n}, client {loop}: server rate inf {s}"
+        print(f"   --api-server-count {n}, client {loop}{cprocs}: server rate inf {s}"
               + (f" ({s / o:.1%} of offline)" if o and s else "")
               + f", median TTFT {inf.get('median_ttft_ms')} ms (server-side mean {inf.get('server_mean_ttft_ms')}"
               f" ms), median TPOT {inf.get('median_tpot_ms')} ms; openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")

@@ -162,6 +162,27 @@ def test_client_against_stub():
     assert per["output_tokens"] == [5, 6, 4, 5]
 
 
+def test_client_processes_send_every_request_once_and_keep_its_order():
+    """Three client processes: each request is sent once, its output lands at its own index, and the
+    duration covers every request (sent after the release, ended before the duration's end)."""
+    seen = []
+    reqs = [_req(3 + i, 2 + i % 3) for i in range(7)]
+    res = asyncio.run(_bench_against(_stub_app(0.005, seen), reqs, warmup=False, client_processes=3))
+    m, per = res["metrics"], res["per_request"]
+    assert m["completed"] == 7 and m["failed"] == 0
+    assert sorted(len(b["prompt"]) for b in seen) == [3 + i for i in range(7)]
+    assert per["output_tokens"] == [2 + i % 3 for i in range(7)]
+    assert per["prompt_lens"] == [3 + i for i in range(7)]
+    assert min(per["sent_s"]) >= 0
+    assert max(sent + latency for sent, latency in zip(per["sent_s"], per["latencies"])) <= m["duration"]
+
+
+def test_client_processes_need_rate_inf():
+    with pytest.raises(ValueError, match="rate inf"):
+        asyncio.run(benchmark("http://127.0.0.1:9/v1/completions", "stub", [_req(3, 2)], request_rate=4.0,
+                              client_processes=2, warmup=False, disable_tqdm=True))
+
+
 def test_client_records_http_errors():
     from aiohttp import web
 
