@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from pallas_kernels.paged_decode_attention import choose_splits, num_sms  # noqa: E402
+from pallas_kernels.paged_decode_attention import choose_splits, device_num_sms  # noqa: E402
 
 HBM_TBPS = 2.53
 LAYOUTS = {"qwen2-0.5b": (14, 2, 64), "llama3-8b": (32, 8, 128)}
@@ -145,7 +145,7 @@ def decode_bench(args, results):
                 best = None
                 for keys, warps, per_sm, stages in DECODE_CONFIGS[:2] if SMOKE else args.decode_configs:
                     bpi = keys // BLOCK
-                    ns = -per_sm if per_sm < 0 else choose_splits(r, k, m, bpi, per_sm, sms=num_sms())
+                    ns = -per_sm if per_sm < 0 else choose_splits(r, k, m, bpi, per_sm, sms=device_num_sms())
 
                     def ours(i, q, pool, tables, lens, bpi=bpi, warps=warps, ns=ns, stages=stages):
                         return pk.paged_decode_attention(q, pool, jnp.int32(0), tables[i], lens,

@@ -31,6 +31,11 @@ LAYERS_PER_DISPATCH = 4
 # Unrolled layers hand the Mosaic GPU kernels slices of the packed step inputs, and the Mosaic custom call
 # needs each input on the 256-byte grid: 64 elements of 4 bytes. Elsewhere the pieces stay back to back.
 MOSAIC_INPUT_ALIGN = 64
+# Processes that lower a cold start-up's programs beside the engine (runner/lowering_workers.py): lowering
+# is Python and holds the GIL, one program at a time, so it was most of a cold start-up (llama3-8b on the
+# H100: 46 s of 35 buckets' lowering on the main thread, the compiles trailing it). At most this many, and
+# no more than half the host's cores (the engine's compile threads use the rest).
+MAX_LOWERING_PROCESSES = 8
 
 
 @dataclasses.dataclass
@@ -97,15 +102,21 @@ class Platform(NamedTuple):
     device_kind: str          # e.g. "NVIDIA H100 80GB HBM3"
     memory_bytes: int         # the allocator's limit (0 on the CPU, which reports none)
     hopper: bool              # compute capability 9.x: the Mosaic GPU kernels run
+    num_sms: int = 0          # the GPU's streaming multiprocessors (0 on the CPU)
+    num_cpus: int = 1         # the host's CPU cores
 
 
 def detect_platform() -> Platform:
+    import os
+
     import jax
 
     from jaxpaged.pallas_kernels import is_hopper
     device = jax.devices()[0]
-    memory = (device.memory_stats() or {}).get("bytes_limit", 0) if device.platform != "cpu" else 0
-    return Platform(device.platform, device.device_kind, memory, is_hopper(device))
+    on_gpu = device.platform != "cpu"
+    memory = (device.memory_stats() or {}).get("bytes_limit", 0) if on_gpu else 0
+    sms = int(getattr(device, "core_count", 0) or 0) if on_gpu else 0
+    return Platform(device.platform, device.device_kind, memory, is_hopper(device), sms, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +134,15 @@ class RunConfig:
     compile_buckets: bool          # compile every shape bucket at start-up
     executable_cache: bool         # keep compiled steps on disk and load them at start-up (runner/exec_cache.py)
     input_align: int               # elements each packed step input starts at a multiple of (runner/step_inputs.py)
+    num_sms: int | None = None     # the GPU's SM count the kernels size their grids by (None on the CPU)
+    # Worker processes that lower the programs a cold start-up compiles (runner/lowering_workers.py);
+    # 0: the engine lowers them itself, one at a time.
+    lowering_processes: int = 0
+
+    @property
+    def interpret(self) -> bool:
+        """Whether the Pallas kernels run in interpret mode (the CPU)."""
+        return self.platform == "cpu"
 
     @property
     def single_program(self) -> bool:
@@ -137,7 +157,7 @@ class RunConfig:
                 + f" steps_per_program={self.num_scheduler_steps} max_num_batched_tokens={self.max_num_batched_tokens}"
                 f" max_num_seqs={self.max_num_seqs} max_model_len={self.max_model_len}"
                 f" compile_buckets={self.compile_buckets} executable_cache={self.executable_cache}"
-                f" input_align={self.input_align}")
+                f" input_align={self.input_align} lowering_processes={self.lowering_processes}")
 
 
 def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_position_embeddings: int,
@@ -163,18 +183,33 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
                          "but layer_dispatch='per_layer' runs the layers in groups: use layer_dispatch "
                          "'unrolled' or 'scan', or num_scheduler_steps=1")
     backend = args.attention_backend or ("xla" if not on_gpu else "mosaic" if platform.hopper else "pallas")
+    compile_buckets = args.compile_buckets if args.compile_buckets is not None else on_gpu
+    # Every dispatch: per_layer's embedding, layer-group and head programs are each cached. Not on the
+    # CPU: XLA:CPU cannot run some deserialized bf16 programs, and CPU compiles are quick anyway.
+    executable_cache = on_gpu and compile_cache
     return RunConfig(
         platform=platform.name, usage_context=args.usage_context, max_model_len=max_model_len,
         max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs, attention_backend=backend,
         layer_dispatch=dispatch,
         layers_per_dispatch=LAYERS_PER_DISPATCH if dispatch == "per_layer" else 0,
         num_scheduler_steps=steps,
-        compile_buckets=args.compile_buckets if args.compile_buckets is not None else on_gpu,
-        # Every dispatch: per_layer's embedding, layer-group and head programs are each cached. Not on the
-        # CPU: XLA:CPU cannot run some deserialized bf16 programs, and CPU compiles are quick anyway.
-        executable_cache=on_gpu and compile_cache,
+        compile_buckets=compile_buckets,
+        executable_cache=executable_cache,
         input_align=MOSAIC_INPUT_ALIGN if dispatch == "unrolled" else 1,
+        num_sms=platform.num_sms or None if on_gpu else None,
+        lowering_processes=_lowering_processes(platform, compile_buckets and executable_cache),
     )
+
+
+def _lowering_processes(platform: Platform, compile_buckets: bool) -> int:
+    """Lowering workers for a cold start-up: on Hopper GPUs that compile their buckets at start-up (into
+    the executable cache, runner/step.py's warm-up). The workers run
+    JAX on the CPU and lower for CUDA without a device, and JAX then lowers its GPU kernels for compute
+    capability 9.0 (its fallback): Hopper's, so only there is their program the one the engine would
+    lower itself. Elsewhere (and on the CPU, whose compiles are quick) the engine lowers alone."""
+    if platform.name != "gpu" or not platform.hopper or not compile_buckets:
+        return 0
+    return min(MAX_LOWERING_PROCESSES, platform.num_cpus // 2)
 
 
 def _layer_dispatch(layer_bytes: int, on_gpu: bool, steps: int | None) -> str:

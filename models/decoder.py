@@ -39,6 +39,12 @@ class RuntimeOptions:
     # The layers run inside a loop XLA executes as a while loop (the layer scan, or the multi-step loop):
     # attention there keeps to kernels XLA's CUDA graphs capture (pallas_kernels.attention's in_loop).
     in_loop: bool = True
+    # The device the program is for, named rather than asked of JAX: a program may be lowered in a
+    # process without that device (runner/lowering_workers.py). interpret: the Pallas kernels run in
+    # interpret mode (a CPU platform); num_sms: the GPU's SM count the kernels size their grids by.
+    # None: JAX's default backend and device decide (tests, benchmarks).
+    interpret: bool | None = None
+    num_sms: int | None = None
 
 
 class RMSNorm(nn.Module):
@@ -81,11 +87,14 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         backend = self.options.attn_backend
-        kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend)
+        opts = self.options
+        kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
+                                           interpret=opts.interpret)
         o = pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale=c.head_dim ** -0.5,
-                                     decode_only=self.options.decode_only, in_loop=self.options.in_loop,
-                                     sliding_window=c.sliding_window, backend=backend)
+                                     decode_only=opts.decode_only, in_loop=opts.in_loop,
+                                     sliding_window=c.sliding_window, backend=backend,
+                                     interpret=opts.interpret, num_sms=opts.num_sms)
         o = o.reshape(-1, c.num_heads * c.head_dim)
         return dense(c.hidden_size, False, "o_proj")(o), kv_cache
 

@@ -44,7 +44,8 @@ __all__ = ["BACKENDS", "attention", "is_hopper", "paged_decode_attention", "page
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
               decode_only: bool = False, in_loop: bool = False, sliding_window: int | None = None,
-              soft_cap: float | None = None, backend: str = "xla"):
+              soft_cap: float | None = None, backend: str = "xla", interpret: bool | None = None,
+              num_sms: int | None = None):
     """Attention of a flat ragged batch over the paged cache; see ragged_paged_attention.py for shapes.
 
     decode_only: static promise that every request has exactly one query token (T == R), which lets the
@@ -55,6 +56,9 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     would launch on its own: a multi-step decode program then spends about twice as long being launched
     by the host as with the Triton kernel. The Mosaic prefill kernel stays: a prefill step's kernels are
     long enough that the uncaptured launches don't show.
+    interpret: run the Pallas kernels in interpret mode (None: when JAX's default backend is the CPU);
+    num_sms: the GPU's SM count the kernels size their grids by (None: the device's own). Callers that
+    lower for a GPU from a process without one (the engine's lowering workers) name both.
     """
     if backend == "reference":
         return ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens,
@@ -67,32 +71,38 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         # On the CPU "mosaic" runs the Triton kernels (interpreted) like "pallas": the Mosaic GPU
         # interpreter runs the kernel on its own (tests/kernels/test_mosaic_gpu.py), but inside the engine's
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
-        mosaic = backend == "mosaic" and jax.default_backend() == "gpu"
+        if interpret is None:
+            interpret = jax.default_backend() == "cpu"
+        mosaic = backend == "mosaic" and not interpret
         if decode_only:
             if mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS:
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
                 if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:
                     return paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
-                                                       scale=scale)
+                                                       scale=scale, num_ctas=num_sms, interpret=False)
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
-                                          sliding_window=sliding_window, soft_cap=soft_cap)
+                                          sliding_window=sliding_window, soft_cap=soft_cap,
+                                          interpret=interpret, num_sms=num_sms)
         if mosaic:
             # imported here: only this backend needs Mosaic GPU's Pallas module
             from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
             if mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,
                               soft_cap=soft_cap) is None:
                 return ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
-                                                   query_start_loc, scale=scale)
+                                                   query_start_loc, scale=scale, num_ctas=num_sms,
+                                                   interpret=False)
         return ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens,
                                              query_start_loc, scale=scale,
-                                             sliding_window=sliding_window, soft_cap=soft_cap)
+                                             sliding_window=sliding_window, soft_cap=soft_cap,
+                                             interpret=interpret)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 
-def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla"):
-    """Scatter new K/V (dtype[T, K, D]) into the pool at slot_mapping (i32[T]); returns the pool."""
+def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla", interpret: bool | None = None):
+    """Scatter new K/V (dtype[T, K, D]) into the pool at slot_mapping (i32[T]); returns the pool.
+    interpret: as attention's."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend in ("pallas", "mosaic"):
-        return write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping)
+        return write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping, interpret=interpret)
     return write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)

@@ -116,7 +116,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
 
 
-def num_sms() -> int:
+def device_num_sms() -> int:
     """The GPU's SM count (jax's core_count), NUM_SMS elsewhere."""
     device = jax.devices()[0]
     return int(getattr(device, "core_count", 0) or NUM_SMS) if device.platform == "gpu" else NUM_SMS
@@ -165,16 +165,18 @@ def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
-                                             "blocks_per_iter", "num_warps", "num_stages", "interpret"))
+                                             "blocks_per_iter", "num_warps", "num_stages", "interpret",
+                                             "num_sms"))
 def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            num_splits: int | None = None, blocks_per_iter: int | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
-                           interpret: bool | None = None):
+                           interpret: bool | None = None, num_sms: int | None = None):
     """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
 
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
     (context including this step's token, 0 for padding requests, whose output is zeros).
+    num_sms: the SM count the split count is fitted to (None: the device's, device_num_sms()).
     """
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
     if interpret is None:
@@ -189,7 +191,8 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         # 128 lost at >= 64 sequences
         blocks_per_iter = max(1, 64 // block_size)
     if num_splits is None:
-        num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter, sms=num_sms())
+        num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter,
+                                   sms=num_sms or device_num_sms())
     if num_warps is None:
         # On the H100, 2 warps beat 4 for D 64 at >= 4k tokens of context; for D 128, 4 warps were best
         # or within noise.

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import _mgpu_schedule as ms
 from . import _mgpu_ops as ops
 from ._checks import is_hopper, validate_q_and_cache
-from .paged_decode_attention import num_sms
+from .paged_decode_attention import device_num_sms
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30                  # finite: rows with no unmasked key stay NaN-free until the division
@@ -403,7 +403,7 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     interpret = ops.interpret_params(interpret)
     if num_ctas is None:
         # one CTA per SM (the H100 SXM's count when lowering for CUDA without a GPU)
-        num_ctas = _INTERPRET_CTAS if interpret is not None else num_sms()
+        num_ctas = _INTERPRET_CTAS if interpret is not None else device_num_sms()
     out = _launch(sched, meta, tables, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
                   scale=scale, group=num_heads // num_kv_heads, num_blocks=num_blocks,
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,

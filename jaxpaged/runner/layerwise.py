@@ -22,6 +22,7 @@ import jax
 
 from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase
 from jaxpaged.runner.multi_step import decode_steps
+from jaxpaged.runner.program_spec import ProgramSpec
 from jaxpaged.runner.sampler import SamplerFlags, prompt_head, sample_and_keep
 from jaxpaged.runner.step_inputs import fill_input_tokens, unpack
 
@@ -87,8 +88,8 @@ class GroupedStep:
     """One engine step as the programs per_layer dispatch runs in turn: the embedding, one per layer group
     (groups of one size run one program), the head. Called, it runs the step on jitted functions with
     their static arguments bound (jitted) or on the executables compiled or loaded at start-up
-    (runner/step.py). The same shape carries each program's cache key (program_keys) and the function that
-    lowers it (lowerings)."""
+    (runner/step.py). The same shape carries each program's cache key (program_keys) and its ProgramSpec
+    (program_specs)."""
     pre: Any           # (params, prev_sampled, ints, floats) -> (h, cos, sin, model_input, sampling)
     layers: tuple      # per group: (group_params, h, kv_cache, first_idx, meta, cos, sin) -> (h, kv_cache)
     post: Any          # (params, h, prev_sampled, model_input, sampling) -> (sampled_buf, result)
@@ -127,20 +128,20 @@ def jitted(layer_groups, *, layout, cfg, dtype, options: RuntimeOptions, flags: 
                        functools.partial(_post, cfg=cfg, dtype=dtype, flags=flags))
 
 
-def lowerings(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
-              options: RuntimeOptions, flags: SamplerFlags) -> GroupedStep:
-    """Functions that trace and lower each of the step's programs for these arguments, as they are called
-    (jax.stages.Lowered). The embedding is traced now: its output shapes stand for the activations it
-    hands to the layers and the head, so each program lowers on its own."""
+def program_specs(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
+                  options: RuntimeOptions, flags: SamplerFlags) -> GroupedStep:
+    """Each of the step's programs as a ProgramSpec (the jitted function and what it is called with), for
+    these arguments. The embedding is traced now: its output shapes stand for the activations it hands to
+    the layers and the head, so each program lowers on its own."""
     pre = _pre.trace(params, prev_sampled, ints, floats, layout=layout, cfg=cfg, dtype=dtype)
     h, cos, sin, model_input, sampling = pre.out_info
-
-    def lower_layers(group_params, first_idx):
-        return lambda: _layers_jit.trace(group_params, h, kv_cache, first_idx, model_input.meta, cos, sin,
-                                         cfg=cfg, dtype=dtype, options=options).lower()
-    return GroupedStep(pre.lower, tuple(lower_layers(*g) for g in layer_groups),
-                       lambda: _post.trace(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
-                                           flags=flags).lower())
+    layers_kw = dict(cfg=cfg, dtype=dtype, options=options)
+    return GroupedStep(
+        ProgramSpec(_pre, (params, prev_sampled, ints, floats), dict(layout=layout, cfg=cfg, dtype=dtype), ()),
+        tuple(ProgramSpec(_layers_jit, (group_params, h, kv_cache, first_idx, model_input.meta, cos, sin),
+                          layers_kw, (1, 2)) for group_params, first_idx in layer_groups),
+        ProgramSpec(_post, (params, h, prev_sampled, model_input, sampling), dict(cfg=cfg, dtype=dtype, flags=flags),
+                    (2,)))
 
 
 def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,

@@ -19,6 +19,8 @@ from jaxpaged.runner.buckets import Bucket
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
 from jaxpaged.runner.inputs import ModelInput
 from jaxpaged.runner.multi_step import decode_steps
+from jaxpaged.runner.lowering_workers import LoweringJob, LoweringWorkers, Result
+from jaxpaged.runner.program_spec import ProgramSpec, abstract
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_head, sample_and_keep
 from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, pack, unpack
 
@@ -51,7 +53,7 @@ class StepPrograms:
         else:
             self.params, self.layer_groups = params, None
         self.host_inputs = HostInputs()
-        self.max_blocks_per_req = max_blocks_per_req
+        self.kv_cache_shape, self.max_blocks_per_req, self.max_rows = kv_cache_shape, max_blocks_per_req, max_rows
         self._compiled: dict = {}       # (layout, options, flags) -> the step's compiled programs, at warm-up
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
@@ -64,7 +66,8 @@ class StepPrograms:
         """The static choices of a bucket's program. Its layers run inside a while loop under the layer
         scan, and under any dispatch when the program loops over several decode steps."""
         return RuntimeOptions(self.run.attention_backend, bucket.decode_only, num_steps=num_steps,
-                              in_loop=self.layer_groups is None or num_steps > 1)
+                              in_loop=self.layer_groups is None or num_steps > 1,
+                              interpret=self.run.interpret, num_sms=self.run.num_sms)
 
     def __call__(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
                  options: RuntimeOptions, flags: SamplerFlags):
@@ -119,16 +122,65 @@ class StepPrograms:
                     missing.append((variant, new))
             if missing:
                 pool = concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile")
-                for (bucket, steps), new in tqdm(missing, desc="Lowering buckets", disable=not progress):
-                    lowerings = self._lowerings(state, bucket, self.options(bucket, steps), flags)
-                    for key in new:
-                        compiling[key] = pool.submit(lowerings[key]().compile)
+                if self.run.lowering_processes and len(missing) > 1:
+                    self._lower_in_workers(state, missing, flags, pool, compiling, progress)
+                else:
+                    for (bucket, steps), new in tqdm(missing, desc="Lowering buckets", disable=not progress):
+                        specs = self.program_specs(state, bucket, self.options(bucket, steps), flags)
+                        for key in new:
+                            compiling[key] = pool.submit(specs[key].lower().compile)
         try:
             for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
                 self._warm_one(state, bucket, steps, flags, programs, compiling)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    def _lower_in_workers(self, state, missing: list, flags: SamplerFlags, pool, compiling: dict,
+                          progress: bool) -> None:
+        """The missing programs lowered by worker processes (runner/lowering_workers.py), a share of the
+        buckets each: every export that comes back is lowered here as a call of the exported program (no
+        model tracing) and compiled on the start-up threads; a program a worker could not export is
+        lowered here as usual."""
+        from tqdm.auto import tqdm
+        n = min(self.run.lowering_processes, len(missing))
+        order = [list(dict.fromkeys(self._program_keys(self._layout(*self.dummy_inputs(b)), self.options(b, steps),
+                                                       flags))) for (b, steps), _ in missing]
+        positions = [tuple(keys.index(k) for k in new) for keys, (_, new) in zip(order, missing)]
+        shares = [list(range(first, len(missing), n)) for first in range(n)]
+        layers = None if self.layer_groups is None else [lp for group, _ in self.layer_groups for lp in group]
+        params = abstract(self.params if layers is None else dict(self.params, layers=layers))
+        jobs = [LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,
+                            self.max_blocks_per_req, self.max_rows, params,
+                            [(*missing[i][0], positions[i]) for i in share]) for share in shares]
+        specs: dict = {}          # index into missing -> this process's ProgramSpecs of that bucket's step
+        left = [len(p) for p in positions]
+        bar = tqdm(total=len(missing), desc=f"Lowering buckets ({n} processes)", disable=not progress)
+        workers = LoweringWorkers(jobs)
+        try:
+            for job, result in workers.results():
+                i = shares[job][result.item]
+                (bucket, steps), _ = missing[i]
+                if i not in specs:
+                    specs[i] = self.program_specs(state, bucket, self.options(bucket, steps), flags)
+                key = order[i][result.position]
+                compiling[key] = pool.submit(self._lowered(specs[i][key], result).compile)
+                left[i] -= 1
+                bar.update(left[i] == 0)
+        finally:
+            workers.close()
+            bar.close()
+
+    @staticmethod
+    def _lowered(spec: ProgramSpec, result: Result):
+        """A worker's export of `spec` lowered here, else `spec` lowered here from the start."""
+        if result.blob is not None:
+            try:
+                return spec.lower_exported(result.blob, result.out_tree)
+            except Exception as e:  # noqa: BLE001 - the program still compiles, lowered here
+                result = result._replace(error=f"{type(e).__name__}: {e}")
+        logger.warning("A lowering worker's program was unusable (%s); lowering it here", result.error)
+        return spec.lower()
 
     def _warm_one(self, state, bucket: Bucket, steps: int, flags: SamplerFlags, programs: dict,
                   compiling: dict) -> None:
@@ -175,7 +227,7 @@ class StepPrograms:
         not run yet)."""
         layout = self._layout(*self.dummy_inputs(bucket))
         keys = self._program_keys(layout, options, flags)
-        from_disk, lowerings = [], None
+        from_disk, specs = [], None
         for key in dict.fromkeys(keys):
             if key in programs:
                 continue
@@ -187,8 +239,8 @@ class StepPrograms:
                 if future is not None:
                     compiled = future.result()
                 else:
-                    lowerings = lowerings or self._lowerings(state, bucket, options, flags)
-                    compiled = lowerings[key]().compile()
+                    specs = specs or self.program_specs(state, bucket, options, flags)
+                    compiled = specs[key].lower().compile()
                 cache.store(key, compiled)
             programs[key] = compiled
         self._compiled[layout, options, flags] = self._assemble([programs[k] for k in keys])
@@ -203,22 +255,24 @@ class StepPrograms:
             return functools.partial(executables[0], self.params)
         return functools.partial(executables[0], self.params, self.layer_groups[0][0])
 
-    def _lowerings(self, state, bucket: Bucket, options: RuntimeOptions, flags: SamplerFlags) -> dict:
-        """Program key -> a function that traces and lowers that program of the bucket's step, for inputs
-        as the steps are given them: packed, in pinned host memory."""
+    def program_specs(self, state, bucket: Bucket, options: RuntimeOptions, flags: SamplerFlags) -> dict:
+        """Program key -> the ProgramSpec of that program of the bucket's step, for inputs as the steps are
+        given them: packed, in pinned host memory. `state` holds the pool and the sampled-token buffer (the
+        runner; a lowering worker passes their shapes)."""
         host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
         ints, floats = self.host_inputs.write(host_ints, host_floats).arrays
         kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
         keys = self._program_keys(layout, options, flags)
         if self._grouped:
-            return dict(zip(keys, layerwise.lowerings(self.params, self.layer_groups, state.kv_cache,
-                                                      state.prev_sampled, ints, floats, **kw).flat()))
+            return dict(zip(keys, layerwise.program_specs(self.params, self.layer_groups, state.kv_cache,
+                                                          state.prev_sampled, ints, floats, **kw).flat()))
         if self.layer_groups is None:
-            traced = packed_step.trace(self.params, state.kv_cache, state.prev_sampled, ints, floats, **kw)
+            spec = ProgramSpec(packed_step, (self.params, state.kv_cache, state.prev_sampled, ints, floats), kw,
+                               (1, 2))
         else:
-            traced = layerwise.whole_step.trace(self.params, self.layer_groups[0][0], state.kv_cache,
-                                                state.prev_sampled, ints, floats, **kw)
-        return {keys[0]: traced.lower}
+            spec = ProgramSpec(layerwise.whole_step, (self.params, self.layer_groups[0][0], state.kv_cache,
+                                                      state.prev_sampled, ints, floats), kw, (2, 3))
+        return {keys[0]: spec}
 
     def dummy_inputs(self, bucket: Bucket) -> tuple[ModelInput, SamplingInputs]:
         """A bucket's inputs with no real request: every token is padding, writes go to the null block."""

@@ -1,0 +1,53 @@
+"""A lowering worker's process (`python -m jaxpaged.runner.lowering_worker`): it reads a LoweringJob from
+stdin and writes each program's export to stdout as it is done (lowering_workers.py says why and how)."""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.runner.lowering_workers import LENGTH, LoweringJob, Result, export_platform
+from jaxpaged.runner.sampler import SamplerFlags
+from jaxpaged.runner.step import StepPrograms
+
+
+def _serve(job: LoweringJob, out) -> None:
+    """Export each program of the job's work and send it."""
+    dtype = jnp.dtype(job.dtype)
+    programs = StepPrograms(job.params, job.cfg, dtype, job.run, job.pool_shape, job.max_blocks_per_req,
+                            job.max_rows, None)
+    state = types.SimpleNamespace(kv_cache=jax.ShapeDtypeStruct(job.pool_shape, dtype),
+                                  prev_sampled=jax.ShapeDtypeStruct((job.max_rows,), jnp.int32))
+    platform = export_platform(job.run)
+    for item, (bucket, steps, positions) in enumerate(job.work):
+        try:
+            specs = list(programs.program_specs(state, bucket, programs.options(bucket, steps),
+                                                SamplerFlags()).values())
+        except Exception as e:  # noqa: BLE001 - the engine lowers what a worker cannot
+            specs, error = [], f"{type(e).__name__}: {e}"
+        for pos in positions:
+            try:
+                result = Result(item, pos, *specs[pos].export(platform), None)
+            except Exception as e:  # noqa: BLE001
+                result = Result(item, pos, None, None, error if not specs else f"{type(e).__name__}: {e}")
+            blob = pickle.dumps(result)
+            out.write(LENGTH.pack(len(blob)) + blob)
+            out.flush()
+
+
+def main() -> None:
+    job = pickle.load(sys.stdin.buffer)
+    # The frames go to the original stdout; anything else printed (by C++ too) goes to stderr.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(job, out)
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
