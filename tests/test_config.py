@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from jaxpaged.config import (LAYERS_PER_DISPATCH, MOSAIC_INPUT_ALIGN, GPU_SCHEDULER_STEPS,
+from jaxpaged.config import (LAYERS_PER_DISPATCH, MAX_LOWERING_PROCESSES, MOSAIC_INPUT_ALIGN, GPU_SCHEDULER_STEPS,
                              PER_LAYER_MIN_BYTES, EngineArgs, Platform, resolve)
 
 H100 = Platform("gpu", "NVIDIA H100 80GB HBM3", 76 * 2**30, True)
@@ -105,3 +105,25 @@ def test_the_server_and_llm_resolve_the_same_program(platform, layer_bytes):
     a = run(platform, layer_bytes, usage_context="llm_class")
     b = run(platform, layer_bytes, usage_context=SERVER)
     assert dataclasses.replace(b, usage_context="llm_class") == a
+
+
+@pytest.mark.parametrize("platform, cpus, compile_cache, want", [
+    (H100._replace(num_cpus=16), 16, True, 8),      # half the cores, at most MAX_LOWERING_PROCESSES
+    (H100._replace(num_cpus=64), 64, True, MAX_LOWERING_PROCESSES),
+    (H100._replace(num_cpus=6), 6, True, 3),
+    (H100._replace(num_cpus=16), 16, False, 0),     # no executable cache: the engine lowers alone
+    (A100._replace(num_cpus=16), 16, True, 0),      # workers lower for compute capability 9.0 only
+    (CPU._replace(num_cpus=16), 16, True, 0),
+])
+def test_lowering_processes_on_hopper_gpus_that_compile_at_startup(platform, cpus, compile_cache, want):
+    r = resolve(EngineArgs(), platform, layer_bytes=SMALL, max_position_embeddings=4096, compile_cache=compile_cache)
+    assert r.lowering_processes == want
+    assert f"lowering_processes={want}" in r.summary()
+    assert r.interpret == (platform.name == "cpu")
+
+
+def test_the_device_facts_reach_the_runtime_options():
+    """The kernels take interpret mode and the SM count from the configuration, never from the process's
+    JAX (a lowering worker runs JAX on the CPU for a GPU program)."""
+    assert run(H100._replace(num_sms=132)).num_sms == 132
+    assert run(CPU).num_sms is None and run(CPU).interpret

@@ -23,6 +23,25 @@ def _serve(job: LoweringJob, out) -> None:
     state = types.SimpleNamespace(kv_cache=jax.ShapeDtypeStruct(job.pool_shape, dtype),
                                   prev_sampled=jax.ShapeDtypeStruct((job.max_rows,), jnp.int32))
     platform = export_platform(job.run)
+    with _target_device(job):
+        _export_all(job, programs, state, platform, out)
+
+
+def _target_device(job: LoweringJob):
+    """A context naming the engine's GPU to the kernels' lowering: Pallas asks JAX for the device (its kind
+    picks the Triton target), and in a process without that device JAX reads it from the abstract mesh's
+    abstract device. Nothing for the CPU."""
+    import contextlib
+    import dataclasses
+    if job.run.platform != "gpu":
+        return contextlib.nullcontext()
+    known = dict(device_kind=job.device_kind, num_cores=job.run.num_sms, platform="gpu", compute_capability="9.0")
+    names = {f.name for f in dataclasses.fields(jax.sharding.AbstractDevice)}
+    device = jax.sharding.AbstractDevice(**{k: v for k, v in known.items() if k in names})
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def _export_all(job: LoweringJob, programs: StepPrograms, state, platform: str, out) -> None:
     for item, (bucket, steps, positions) in enumerate(job.work):
         try:
             specs = list(programs.program_specs(state, bucket, programs.options(bucket, steps),

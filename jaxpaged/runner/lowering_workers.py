@@ -41,6 +41,7 @@ class LoweringJob(NamedTuple):
     max_blocks_per_req: int
     max_rows: int                  # the sampled-token buffer's length
     params: Any                    # the weights' tree (layers as a list of per-layer trees), ShapeDtypeStructs
+    device_kind: str               # the engine's device ("NVIDIA H100 80GB HBM3"): what the kernels lower for
     work: list                     # [(bucket, decode steps, positions of its step's programs to export)]
 
 

@@ -151,7 +151,7 @@ class StepPrograms:
         layers = None if self.layer_groups is None else [lp for group, _ in self.layer_groups for lp in group]
         params = abstract(self.params if layers is None else dict(self.params, layers=layers))
         jobs = [LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,
-                            self.max_blocks_per_req, self.max_rows, params,
+                            self.max_blocks_per_req, self.max_rows, params, jax.devices()[0].device_kind,
                             [(*missing[i][0], positions[i]) for i in share]) for share in shares]
         specs: dict = {}          # index into missing -> this process's ProgramSpecs of that bucket's step
         left = [len(p) for p in positions]

@@ -1,0 +1,81 @@
+"""A cold start-up's lowering workers (jaxpaged/runner/lowering_workers.py): real worker processes lower
+the step's programs (JAX on the CPU, jax.export), the engine compiles them, and they are the programs the
+engine would have lowered itself: the same tokens and logprobs as steps traced through jit. A worker that
+fails costs only time: the engine lowers its programs itself."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import tiny_llama_dir
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.runner import lowering_workers
+from jaxpaged.runner.program_spec import ProgramSpec
+
+ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=16,
+              max_num_seqs=4)
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, "tiny_llama_lw", num_hidden_layers=5)
+
+
+@pytest.fixture
+def with_workers(tmp_path, monkeypatch):
+    """The executable cache on under a fresh root, and two lowering workers: what resolve() gives a Hopper
+    GPU. Counts the programs this process lowered itself (ProgramSpec.lower)."""
+    from jaxpaged import envs
+    from jaxpaged.engine import core
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    real = core.resolve
+    monkeypatch.setattr(core, "resolve", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), executable_cache=True, lowering_processes=2))
+    lowered_here = []
+    real_lower = ProgramSpec.lower
+    monkeypatch.setattr(ProgramSpec, "lower", lambda self: lowered_here.append(self) or real_lower(self))
+    return lowered_here
+
+
+def generate(llm):
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(100, 40000, int(n)).tolist()} for n in (3, 21, 9)]
+    outs = llm.generate(prompts, SAMPLING, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+
+@pytest.mark.parametrize("layer_dispatch", ["per_layer", "unrolled"])
+def test_workers_lower_every_program_the_engine_runs(model_dir, with_workers, layer_dispatch):
+    """per_layer (5 layers: groups of 4 and 1, so an embedding, two layer groups and a head per bucket) and
+    unrolled (one program per bucket, and per decode bucket its multi-step program): every missing
+    program comes from a worker (none lowered here), lands in the executable cache, and the steps give
+    exactly the tokens and logprobs of the same engine tracing its steps through jit."""
+    want = generate(LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, num_scheduler_steps=4
+                        if layer_dispatch == "unrolled" else None, compile_buckets=False))
+    with_workers.clear()
+    llm = LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, compile_buckets=True,
+              num_scheduler_steps=4 if layer_dispatch == "unrolled" else None)
+    cache = llm.llm_engine.runner.exec_cache
+    assert llm.llm_engine.run.lowering_processes == 2 and cache.misses > 2
+    assert with_workers == []
+    assert generate(llm) == want
+    del llm
+    warm = LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, compile_buckets=True,
+               num_scheduler_steps=4 if layer_dispatch == "unrolled" else None)
+    assert warm.llm_engine.runner.exec_cache.misses == 0 and warm.llm_engine.runner.exec_cache.hits == cache.misses
+    assert generate(warm) == want
+
+
+def test_a_worker_that_fails_costs_only_time(model_dir, with_workers, monkeypatch, caplog):
+    """Workers that cannot start (their module missing: each exits at once): the engine lowers every
+    program itself, says so in a warning, and runs as without workers."""
+    want = generate(LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=False))
+    with_workers.clear()
+    monkeypatch.setattr(lowering_workers, "WORKER_MODULE", "jaxpaged.runner.no_such_worker")
+    llm = LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=True)
+    n = llm.llm_engine.runner.exec_cache.misses
+    assert len(with_workers) == n
+    assert "the worker exited" in caplog.text
+    assert generate(llm) == want
