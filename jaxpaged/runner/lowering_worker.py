@@ -50,7 +50,8 @@ def _export_all(job: LoweringJob, programs: StepPrograms, state, platform: str, 
             specs, error = [], f"{type(e).__name__}: {e}"
         for pos in positions:
             try:
-                result = Result(item, pos, *specs[pos].export(platform), None)
+                blob, out_tree = specs[pos].export(platform)
+                result = Result(item, pos, blob, out_tree, None)
             except Exception as e:  # noqa: BLE001
                 result = Result(item, pos, None, None, error if not specs else f"{type(e).__name__}: {e}")
             blob = pickle.dumps(result)
