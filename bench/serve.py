@@ -235,7 +235,10 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
 async def _in_processes(inputs: list[RequestFuncInput], k: int, event_loop: str,
                         ) -> tuple[list[RequestFuncOutput], float]:
     """Every request at once from k processes (request i from process i % k); the outputs in input order,
-    and the perf_counter() at which the processes were released."""
+    and the perf_counter() at which the processes were released: the earliest that any of them (this one
+    included) saw the barrier open. perf_counter is the system's monotonic clock, one for every process;
+    this process alone would see the release after its executor thread woke the event loop, later than a
+    client process that had already sent its first requests."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")          # (never fork a process with a running event loop)
     ready, results = ctx.Barrier(k + 1), ctx.Queue()
@@ -248,8 +251,9 @@ async def _in_processes(inputs: list[RequestFuncInput], k: int, event_loop: str,
     start = time.perf_counter()
     outputs: list[RequestFuncOutput] = [RequestFuncOutput()] * len(inputs)
     for _ in range(k):
-        i, shard = await loop.run_in_executor(None, results.get)
+        i, released, shard = await loop.run_in_executor(None, results.get)
         outputs[i::k] = shard
+        start = min(start, released)
     for proc in procs:
         proc.join()
     return outputs, start
@@ -259,13 +263,18 @@ def _client_process(index: int, inputs: list[RequestFuncInput], event_loop: str,
     """One of _in_processes' processes: its share of the requests, all at once once every process is ready."""
     import aiohttp
 
+    released = 0.0
+
     async def send_all() -> list[RequestFuncOutput]:
+        nonlocal released
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S),
                                          connector=connector, trust_env=True) as session:
             ready.wait()
+            released = time.perf_counter()
             return await asyncio.gather(*(async_request_openai_completions(inp, session) for inp in inputs))
-    results.put((index, event_loop_runner(event_loop)(send_all())))
+    shard = event_loop_runner(event_loop)(send_all())
+    results.put((index, released, shard))
 
 
 def admission_metrics(outputs: list[RequestFuncOutput], start: float) -> dict[str, float]:

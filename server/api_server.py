@@ -14,7 +14,10 @@ import contextlib
 import gc
 import inspect
 import logging
+import multiprocessing
+import os
 import signal
+import socket
 from typing import Any
 
 import uvicorn
@@ -232,7 +235,7 @@ def run_server(args: argparse.Namespace, core_target=None) -> int:
     workers = None
     try:
         if sock is not None:
-            workers = APIServerProcesses(args, sock, client.channels)
+            workers = APIServerProcesses(args, sock, client.channels, run_api_server_process)
         llm = AsyncLLM(engine_args, client=client)
         if workers is not None:
             workers.wait_ready()
@@ -322,3 +325,24 @@ class _Server(uvicorn.Server):
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self.llm.abort_all)
         self.should_exit = True
+
+
+def run_api_server_process(args, index: int, sock: socket.socket, channel, ready) -> None:
+    """An extra API process's entry point: the app over its pipe pair to the core, on the shared socket."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from jaxpaged.engine.async_llm import AsyncLLM
+    from jaxpaged.engine.core_client import CoreChannel, EngineDeadError
+    from jaxpaged.server.cli import engine_args_from
+
+    try:
+        llm = AsyncLLM(engine_args_from(args),
+                       client=CoreChannel(channel, index, watch=multiprocessing.parent_process()))
+    except EngineDeadError as e:
+        logger.error("API server process %d: %s", index, e)
+        os._exit(1)
+    logger.info("API server process %d of %d ready", index, args.api_server_count)
+    ready.send_bytes(b"ready")
+    ready.close()
+    code = serve(args, llm, sock)
+    logging.shutdown()
+    os._exit(code)          # (as the first process: nothing left that needs the interpreter's teardown)

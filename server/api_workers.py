@@ -71,13 +71,14 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 class APIServerProcesses:
     """The extra API processes, numbered 1 .. len(channels) - 1, spawned at once (they load their tokenizer
-    while the core loads the model)."""
+    while the core loads the model). target(args, index, sock, channel, ready): each one's entry point
+    (api_server.run_api_server_process; passed in, since the server imports this module)."""
 
-    def __init__(self, args, sock: socket.socket, channels: list):
+    def __init__(self, args, sock: socket.socket, channels: list, target: Callable):
         spawn = multiprocessing.get_context("spawn")
         pipes = [spawn.Pipe(duplex=False) for _ in channels[1:]]     # (receiving end, sending end)
         self.ready = [r for r, _ in pipes]
-        self.procs = [spawn.Process(target=run_api_server_process, name=f"jaxpaged-api-server-{i}", daemon=True,
+        self.procs = [spawn.Process(target=target, name=f"jaxpaged-api-server-{i}", daemon=True,
                                     args=(args, i, sock, channels[i], pipes[i - 1][1]))
                       for i in range(1, len(channels))]
         for p in self.procs:
@@ -133,25 +134,3 @@ class APIServerProcesses:
                 logger.error("API server process %s did not exit within %.0f s: killed", p.name, STOP_WAIT_S)
                 p.kill()
                 p.join()
-
-
-def run_api_server_process(args, index: int, sock: socket.socket, channel, ready) -> None:
-    """An extra API process's entry point: the app over its pipe pair to the core, on the shared socket."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    from jaxpaged.engine.async_llm import AsyncLLM
-    from jaxpaged.engine.core_client import CoreChannel, EngineDeadError
-    from jaxpaged.server.api_server import serve
-    from jaxpaged.server.cli import engine_args_from
-
-    try:
-        llm = AsyncLLM(engine_args_from(args),
-                       client=CoreChannel(channel, index, watch=multiprocessing.parent_process()))
-    except EngineDeadError as e:
-        logger.error("API server process %d: %s", index, e)
-        os._exit(1)
-    logger.info("API server process %d of %d ready", index, args.api_server_count)
-    ready.send_bytes(b"ready")
-    ready.close()
-    code = serve(args, llm, sock)
-    logging.shutdown()
-    os._exit(code)          # (as the first process: nothing left that needs the interpreter's teardown)
