@@ -7,6 +7,7 @@ import concurrent.futures
 import functools
 import logging
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,7 @@ class StepPrograms:
         self.host_inputs = HostInputs()
         self.kv_cache_shape, self.max_blocks_per_req, self.max_rows = kv_cache_shape, max_blocks_per_req, max_rows
         self._compiled: dict = {}       # (layout, options, flags) -> the step's compiled programs, at warm-up
+        self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_groups))
@@ -128,13 +130,24 @@ class StepPrograms:
                     for (bucket, steps), new in tqdm(missing, desc="Lowering buckets", disable=not progress):
                         specs = self.program_specs(state, bucket, self.options(bucket, steps), flags)
                         for key in new:
-                            compiling[key] = pool.submit(specs[key].lower().compile)
+                            compiling[key] = pool.submit(self._compile, key, specs[key].lower())
         try:
             for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
                 self._warm_one(state, bucket, steps, flags, programs, compiling)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+        if self.compile_seconds:
+            logger.info("XLA compile seconds by program (count), summed over threads: %s", ", ".join(
+                f"{kind} {sum(t):.1f} ({len(t)})" for kind, t in sorted(self.compile_seconds.items())))
+
+    def _compile(self, key: tuple, lowered):
+        """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
+        the start-up log: what a cold start-up spends where."""
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        self.compile_seconds.setdefault(key[0], []).append(time.perf_counter() - t0)
+        return compiled
 
     def _lower_in_workers(self, state, missing: list, flags: SamplerFlags, pool, compiling: dict,
                           progress: bool) -> None:
@@ -164,7 +177,7 @@ class StepPrograms:
                 if i not in specs:
                     specs[i] = self.program_specs(state, bucket, self.options(bucket, steps), flags)
                 key = order[i][result.position]
-                compiling[key] = pool.submit(self._lowered(specs[i][key], result).compile)
+                compiling[key] = pool.submit(self._compile, key, self._lowered(specs[i][key], result))
                 left[i] -= 1
                 bar.update(left[i] == 0)
         finally:
@@ -240,7 +253,7 @@ class StepPrograms:
                     compiled = future.result()
                 else:
                     specs = specs or self.program_specs(state, bucket, options, flags)
-                    compiled = specs[key].lower().compile()
+                    compiled = self._compile(key, specs[key].lower())
                 cache.store(key, compiled)
             programs[key] = compiled
         self._compiled[layout, options, flags] = self._assemble([programs[k] for k in keys])

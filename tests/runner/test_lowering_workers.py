@@ -60,6 +60,10 @@ def test_workers_lower_every_program_the_engine_runs(model_dir, with_workers, la
     cache = llm.llm_engine.runner.exec_cache
     assert llm.llm_engine.run.lowering_processes == 2 and cache.misses > 2
     assert with_workers == []
+    # every compile is in the start-up log's per-kind seconds
+    seconds = llm.llm_engine.runner.programs.compile_seconds
+    assert set(seconds) == ({"pre", "layers", "post"} if layer_dispatch == "per_layer" else {"step"})
+    assert sum(map(len, seconds.values())) == cache.misses
     assert generate(llm) == want
     del llm
     warm = LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, compile_buckets=True,
