@@ -2,6 +2,8 @@
 stdin and writes each program's export to stdout as it is done (lowering_workers.py says why and how)."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pickle
 import sys
@@ -30,12 +32,12 @@ def _serve(job: LoweringJob, out) -> None:
 def _target_device(job: LoweringJob):
     """A context naming the engine's GPU to the kernels' lowering: Pallas asks JAX for the device (its kind
     picks the Triton target), and in a process without that device JAX reads it from the abstract mesh's
-    abstract device. Nothing for the CPU."""
-    import contextlib
-    import dataclasses
+    abstract device. Nothing for the CPU. Compute capability 9.0: resolve() starts workers for Hopper GPUs
+    only."""
     if job.run.platform != "gpu":
         return contextlib.nullcontext()
     known = dict(device_kind=job.device_kind, num_cores=job.run.num_sms, platform="gpu", compute_capability="9.0")
+    # the fields this JAX's AbstractDevice has (they differ between versions)
     names = {f.name for f in dataclasses.fields(jax.sharding.AbstractDevice)}
     device = jax.sharding.AbstractDevice(**{k: v for k, v in known.items() if k in names})
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
@@ -43,19 +45,22 @@ def _target_device(job: LoweringJob):
 
 def _export_all(job: LoweringJob, programs: StepPrograms, state, platform: str, out) -> None:
     for item, (bucket, steps, positions) in enumerate(job.work):
+        specs, error = [], None
         try:
             specs = list(programs.program_specs(state, bucket, programs.options(bucket, steps),
                                                 SamplerFlags()).values())
         except Exception as e:  # noqa: BLE001 - the engine lowers what a worker cannot
-            specs, error = [], f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
         for pos in positions:
-            try:
-                blob, out_tree = specs[pos].export(platform)
-                result = Result(item, pos, blob, out_tree, None)
-            except Exception as e:  # noqa: BLE001
-                result = Result(item, pos, None, None, error if not specs else f"{type(e).__name__}: {e}")
-            blob = pickle.dumps(result)
-            out.write(LENGTH.pack(len(blob)) + blob)
+            result = Result(item, pos, None, None, error)
+            if specs:
+                try:
+                    blob, out_tree = specs[pos].export(platform)
+                    result = Result(item, pos, blob, out_tree, None)
+                except Exception as e:  # noqa: BLE001
+                    result = Result(item, pos, None, None, f"{type(e).__name__}: {e}")
+            frame = pickle.dumps(result)
+            out.write(LENGTH.pack(len(frame)) + frame)
             out.flush()
 
 
