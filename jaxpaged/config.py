@@ -196,17 +196,16 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
         compile_buckets=compile_buckets,
         executable_cache=executable_cache,
         input_align=MOSAIC_INPUT_ALIGN if dispatch == "unrolled" else 1,
-        num_sms=platform.num_sms or None if on_gpu else None,
+        num_sms=(platform.num_sms or None) if on_gpu else None,
         lowering_processes=_lowering_processes(platform, compile_buckets and executable_cache),
     )
 
 
 def _lowering_processes(platform: Platform, compile_buckets: bool) -> int:
-    """Lowering workers for a cold start-up: on Hopper GPUs that compile their buckets at start-up (into
-    the executable cache, runner/step.py's warm-up). The workers run
-    JAX on the CPU and lower for CUDA without a device, and JAX then lowers its GPU kernels for compute
-    capability 9.0 (its fallback): Hopper's, so only there is their program the one the engine would
-    lower itself. Elsewhere (and on the CPU, whose compiles are quick) the engine lowers alone."""
+    """Lowering workers for a cold start-up: on Hopper GPUs that compile their buckets at start-up into the
+    executable cache (runner/step.py's warm-up). The workers run JAX on the CPU and name the GPU to the
+    kernels' lowering as compute capability 9.0, Hopper's: only there is their program the one the engine
+    would lower itself. Elsewhere (and on the CPU, whose compiles are quick) the engine lowers alone."""
     if platform.name != "gpu" or not platform.hopper or not compile_buckets:
         return 0
     return min(MAX_LOWERING_PROCESSES, platform.num_cpus // 2)
