@@ -9,6 +9,7 @@ The measurements behind each rule are in bench/results/NOTES.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 USAGE_CONTEXTS = ("llm_class", "openai_api_server")
@@ -107,8 +108,6 @@ class Platform(NamedTuple):
 
 
 def detect_platform() -> Platform:
-    import os
-
     import jax
 
     from jaxpaged.pallas_kernels import is_hopper

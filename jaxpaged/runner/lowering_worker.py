@@ -3,7 +3,6 @@ stdin and writes each program's export to stdout as it is done (lowering_workers
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pickle
 import sys
@@ -30,16 +29,13 @@ def _serve(job: LoweringJob, out) -> None:
 
 
 def _target_device(job: LoweringJob):
-    """A context naming the engine's GPU to the kernels' lowering: Pallas asks JAX for the device (its kind
-    picks the Triton target), and in a process without that device JAX reads it from the abstract mesh's
-    abstract device. Nothing for the CPU. Compute capability 9.0: resolve() starts workers for Hopper GPUs
-    only."""
+    """A context naming the engine's GPU to the kernels' lowering: Pallas asks JAX for the device, and in a
+    process without one JAX reads the abstract mesh's abstract device (its kind picks the Triton target;
+    Mosaic GPU then takes compute capability 9.0, which is why resolve() starts workers for Hopper GPUs
+    only). Nothing for the CPU."""
     if job.run.platform != "gpu":
         return contextlib.nullcontext()
-    known = dict(device_kind=job.device_kind, num_cores=job.run.num_sms, platform="gpu", compute_capability="9.0")
-    # the fields this JAX's AbstractDevice has (they differ between versions)
-    names = {f.name for f in dataclasses.fields(jax.sharding.AbstractDevice)}
-    device = jax.sharding.AbstractDevice(**{k: v for k, v in known.items() if k in names})
+    device = jax.sharding.AbstractDevice(device_kind=job.device_kind, num_cores=job.run.num_sms, platform="gpu")
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 

@@ -116,18 +116,20 @@ class StepPrograms:
             keys = [self._program_keys(self._layout(*self.dummy_inputs(b)), self.options(b, steps), flags)
                     for b, steps in variants]
             cache.load_many(list(dict.fromkeys(k for ks in keys for k in ks)), STARTUP_THREADS)
-            missing, seen = [], set()     # [(variant, the keys it is the first to miss)]
+            # [(variant, its programs' keys in order without repeats, the keys it is the first to miss)]
+            missing, seen = [], set()
             for variant, ks in zip(variants, keys):
-                new = [k for k in dict.fromkeys(ks) if not cache.prefetched(k) and k not in seen]
+                order = list(dict.fromkeys(ks))
+                new = [k for k in order if not cache.prefetched(k) and k not in seen]
                 seen.update(new)
                 if new:
-                    missing.append((variant, new))
+                    missing.append((variant, order, new))
             if missing:
                 pool = concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile")
                 if self.run.lowering_processes and len(missing) > 1:
                     self._lower_in_workers(state, missing, flags, pool, compiling, progress)
                 else:
-                    for (bucket, steps), new in tqdm(missing, desc="Lowering buckets", disable=not progress):
+                    for (bucket, steps), _, new in tqdm(missing, desc="Lowering buckets", disable=not progress):
                         specs = self.program_specs(state, bucket, self.options(bucket, steps), flags)
                         for key in new:
                             compiling[key] = pool.submit(self._compile, key, specs[key].lower())
@@ -157,9 +159,7 @@ class StepPrograms:
         lowered here as usual."""
         from tqdm.auto import tqdm
         n = min(self.run.lowering_processes, len(missing))
-        order = [list(dict.fromkeys(self._program_keys(self._layout(*self.dummy_inputs(b)), self.options(b, steps),
-                                                       flags))) for (b, steps), _ in missing]
-        positions = [tuple(keys.index(k) for k in new) for keys, (_, new) in zip(order, missing)]
+        positions = [tuple(order.index(k) for k in new) for _, order, new in missing]
         shares = [list(range(first, len(missing), n)) for first in range(n)]
         layers = None if self.layer_groups is None else [lp for group, _ in self.layer_groups for lp in group]
         params = abstract(self.params if layers is None else dict(self.params, layers=layers))
@@ -173,10 +173,10 @@ class StepPrograms:
         try:
             for job, result in workers.results():
                 i = shares[job][result.item]
-                (bucket, steps), _ = missing[i]
+                (bucket, steps), order, _ = missing[i]
                 if i not in specs:
                     specs[i] = self.program_specs(state, bucket, self.options(bucket, steps), flags)
-                key = order[i][result.position]
+                key = order[result.position]
                 compiling[key] = pool.submit(self._compile, key, self._lowered(specs[i][key], result))
                 left[i] -= 1
                 bar.update(left[i] == 0)
