@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Cold start-ups of the server, one per variant, in one device call: where a cold start-up's time goes and
+# what XLA's options do to it.
+#   bash bench/cold_start.sh MODEL [--variant NAME "VAR=VALUE ..."]... [--offline NAME,NAME] [--deadline-s S]
+# carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Each variant starts
+# `python -m jaxpaged.server --load-format dummy` on a fresh cache root with its environment (e.g.
+# "XLA_FLAGS=--xla_gpu_autotune_level=0"; STARTUP_THREADS=N sets runner/step.py's constant in the installed
+# copy only) and reports the seconds to /health 200 and the engine's start-up lines (lowering, XLA compile
+# seconds by program kind). --offline NAME,...: after that variant's start-up, bench/throughput.py (ShareGPT
+# 1000) with the same environment on its now warm cache, so an option's run-time cost is measured beside
+# its compile time. Without --variant: one default start-up. Stops starting variants past --deadline-s.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
+NAMES=(); ENVS=(); OFFLINE=","; DEADLINE=560
+while [ $# -gt 0 ]; do
+  case $1 in --variant) NAMES+=("$2"); ENVS+=("$3"); shift 2 ;; --offline) OFFLINE=",$2,"; shift ;;
+             --deadline-s) DEADLINE=$2; shift ;; *) echo "unknown argument $1"; exit 2 ;; esac
+  shift
+done
+[ ${#NAMES[@]} = 0 ] && { NAMES=(default); ENVS=(""); }
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.jaxpaged-compiled ]; then
+  $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.jaxpaged-compiled || echo "WARNING: wheel install failed"
+fi
+if [ ! -f /tmp/site/.image-bytecode ]; then
+  $PY -m compileall -q -j 0 "$($PY -c 'import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))')" \
+    >/dev/null 2>&1; mkdir -p /tmp/site && touch /tmp/site/.image-bytecode
+fi
+rm -rf /tmp/jp0 "$REPO/build"
+$PY -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/jp0 "$REPO" \
+  || { echo "ERROR: installing jaxpaged failed"; exit 1; }
+export PYTHONPATH=/tmp/jp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
+export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
+JAXPAGED_GIT_REV=${JAXPAGED_GIT_REV:-$(cat .cache/gpu/GIT_REV 2>/dev/null || echo unknown)}
+export JAXPAGED_GIT_REV
+cd /tmp || exit 1
+echo "cold_start $MODEL: rev $JAXPAGED_GIT_REV, $(PYTHONPATH=/tmp/jp0:$PYTHONPATH $PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1), $(nproc) cores"
+path=$(PYTHONPATH=/tmp/jp0:$REPO:$PYTHONPATH $PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])")
+ms() { echo $(( $(date +%s%N) / 1000000 )); }
+secs() { local d=$(( $(ms) - $1 )); printf "%d.%03d" $((d / 1000)) $((d % 1000)); }
+PORT=8011
+for i in "${!NAMES[@]}"; do
+  name=${NAMES[$i]}; assign=${ENVS[$i]}
+  if [ $(( $(date +%s) - START )) -gt "$DEADLINE" ]; then echo "== $name: skipped (deadline)"; continue; fi
+  rm -rf /tmp/jp; cp -r /tmp/jp0 /tmp/jp
+  threads=$(echo "$assign" | sed -n 's/.*STARTUP_THREADS=\([0-9]*\).*/\1/p')
+  [ -n "$threads" ] && sed -i "s/^STARTUP_THREADS = .*/STARTUP_THREADS = $threads/" /tmp/jp/jaxpaged/runner/step.py
+  root=/tmp/cold-$name; rm -rf "$root"
+  echo "== $name: ${assign:-(no extra environment)}"
+  t0=$(ms)
+  # shellcheck disable=SC2086  # assign is a list of VAR=VALUE words
+  env JAXPAGED_CACHE_ROOT="$root" $assign $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy \
+    --disable-log-requests --uvicorn-log-level warning > "/tmp/server-$name.log" 2>&1 &
+  SRV=$!
+  ok=1
+  until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 $SRV 2>/dev/null; then echo "   server exited:"; tail -20 "/tmp/server-$name.log"; ok=0; break; fi
+    sleep 0.2
+  done
+  [ $ok = 1 ] && echo "   /health 200 after $(secs $t0) s (cold)"
+  tr '\r' '\n' < "/tmp/server-$name.log" | grep -E "Run config|KV cache:|XLA compile seconds|Compiled|engine core ready|Lowering buckets.*100%|unusable" \
+    | sed 's/^/   /' | cut -c1-400
+  echo "   rematerialization warnings: $(grep -c "rematerialization" "/tmp/server-$name.log"), autotuner timer warnings: $(grep -c "Delay kernel timed out" "/tmp/server-$name.log")"
+  kill -TERM $SRV 2>/dev/null; wait $SRV 2>/dev/null
+  [ -n "${OUT:-}" ] && cp "/tmp/server-$name.log" "$OUT/"
+  if [ $ok = 1 ] && [[ $OFFLINE == *",$name,"* ]]; then
+    echo "   offline ShareGPT 1000 on this variant's warm cache:"
+    # shellcheck disable=SC2086
+    env JAXPAGED_CACHE_ROOT="$root" $assign $PY "$REPO/bench/throughput.py" --no-tqdm --dataset sharegpt \
+      --model "$MODEL" --result-name "throughput-$MODEL-sharegpt-$name" 2>&1 \
+      | grep -E "Throughput|startup|Error|error" | tail -4 | sed 's/^/   /'
+    [ -n "${OUT:-}" ] && cp "$REPO/bench/results/throughput-$MODEL-sharegpt-$name.json" "$OUT/" 2>/dev/null
+  fi
+done
+echo "== done in $(( $(date +%s) - START )) s"
