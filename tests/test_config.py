@@ -127,3 +127,22 @@ def test_the_device_facts_reach_the_runtime_options():
     JAX (a lowering worker runs JAX on the CPU for a GPU program)."""
     assert run(H100._replace(num_sms=132)).num_sms == 132
     assert run(CPU).num_sms is None and run(CPU).interpret
+
+
+@pytest.mark.parametrize("user, expected", [
+    ("", "--xla_gpu_enable_triton_gemm=false"),
+    ("--xla_dump_to=/tmp/d", "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false"),
+    ("--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm=true"),      # the user's flag wins
+    ("--xla_gpu_enable_triton_gemm", "--xla_gpu_enable_triton_gemm"),
+])
+def test_xla_defaults_keep_the_users_flags(user, expected):
+    from jaxpaged.envs import with_xla_default
+    assert with_xla_default(user, "xla_gpu_enable_triton_gemm", "false") == expected
+
+
+def test_xla_flags_in_force_include_the_gemm_default():
+    """jaxpaged's import (before this test's jax started) put its default into XLA_FLAGS."""
+    import os
+
+    import jaxpaged  # noqa: F401
+    assert "xla_gpu_enable_triton_gemm" in os.environ["XLA_FLAGS"]
