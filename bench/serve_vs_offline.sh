@@ -20,6 +20,8 @@
 # loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop;
 # each (count, loop) gets a fresh server. --client-processes K: step 3 sends from K processes (bench/serve.py
 # --client-processes), its results named ...-cpK.
+# --server-args "FLAGS": more server flags (e.g. "--num-scheduler-steps 16 --max-num-seqs 4"); --c1-only skips
+# step 3 (the server's c1 figure under other flags without a ShareGPT run).
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -27,11 +29,13 @@ REPO=$(pwd)
 PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1; LOOPS=asyncio; CPROCS=1
+SERVER_ARGS=""; C1_ONLY=0
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
-             --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;; esac
+             --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;;
+             --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; esac
   shift
 done
 export PYTHONUNBUFFERED=1
@@ -89,7 +93,7 @@ if [ $PYSPY = 1 ]; then
   SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o /tmp/pyspy-server.json --)
 fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
-  --uvicorn-log-level warning --api-server-count "$N" > /tmp/server.log 2>&1 &
+  --uvicorn-log-level warning --api-server-count "$N" $SERVER_ARGS > /tmp/server.log 2>&1 &
 SRV=$!
 until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
   if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server.log; exit 1; fi
@@ -108,9 +112,11 @@ if [ $SOAK = 1 ]; then
   fi
   exit 0
 fi
+if [ $C1_ONLY = 0 ]; then
 echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client: $CPROCS process(es) on $LOOP)"
 client --dataset sharegpt --save-per-request --event-loop "$LOOP" --client-processes "$CPROCS" \
   --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
+fi
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
   --result-name "serve-$MODEL-openqa-c1$SUFFIX$LSUFFIX"
