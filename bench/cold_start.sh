@@ -11,8 +11,6 @@
 # its compile time. Without --variant: one default start-up. Stops starting variants past --deadline-s.
 set -u
 cd "$(dirname "$0")/.." || exit 1
-REPO=$(pwd)
-PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 NAMES=(); ENVS=(); OFFLINE=","; DEADLINE=560
 while [ $# -gt 0 ]; do
@@ -22,24 +20,8 @@ while [ $# -gt 0 ]; do
 done
 [ ${#NAMES[@]} = 0 ] && { NAMES=(default); ENVS=(""); }
 START=$(date +%s)
-export PYTHONUNBUFFERED=1
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.jaxpaged-compiled ]; then
-  $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.jaxpaged-compiled || echo "WARNING: wheel install failed"
-fi
-if [ ! -f /tmp/site/.image-bytecode ]; then
-  $PY -m compileall -q -j 0 "$($PY -c 'import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))')" \
-    >/dev/null 2>&1; mkdir -p /tmp/site && touch /tmp/site/.image-bytecode
-fi
-rm -rf /tmp/jp0 "$REPO/build"
-$PY -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/jp0 "$REPO" \
-  || { echo "ERROR: installing jaxpaged failed"; exit 1; }
-export PYTHONPATH=/tmp/jp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
-export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
-JAXPAGED_GIT_REV=${JAXPAGED_GIT_REV:-$(cat .cache/gpu/GIT_REV 2>/dev/null || echo unknown)}
-export JAXPAGED_GIT_REV
-cd /tmp || exit 1
+source bench/gpu_env.sh
+rm -rf /tmp/jp0; mv /tmp/jp /tmp/jp0          # each variant starts from a fresh copy
 echo "cold_start $MODEL: rev $JAXPAGED_GIT_REV, $(PYTHONPATH=/tmp/jp0:$PYTHONPATH $PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1), $(nproc) cores"
 path=$(PYTHONPATH=/tmp/jp0:$REPO:$PYTHONPATH $PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])")
 ms() { echo $(( $(date +%s%N) / 1000000 )); }

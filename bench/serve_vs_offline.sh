@@ -25,8 +25,6 @@
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
-REPO=$(pwd)
-PY=${PYTHON:-python3}
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1; LOOPS=asyncio; CPROCS=1
 SERVER_ARGS=""; C1_ONLY=0
@@ -38,29 +36,7 @@ while [ $# -gt 0 ]; do
              --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; esac
   shift
 done
-export PYTHONUNBUFFERED=1
-# Installed with their bytecode, as pip installs for users: the image sets PYTHONDONTWRITEBYTECODE, so without
-# it every start of the server (and of its core process) compiles pydantic, FastAPI and jaxpaged from source
-# again, ~15-20 s of each start-up to /health.
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.jaxpaged-compiled ]; then
-  $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.jaxpaged-compiled || echo "WARNING: wheel install failed"
-fi
-# The image's own site-packages miss part of their bytecode too (transformers' import took ~10 s of each
-# API-process start): compile it once per machine, as any pip-installed environment has it.
-if [ ! -f /tmp/site/.image-bytecode ]; then
-  $PY -m compileall -q -j 0 "$($PY -c 'import os, transformers; print(os.path.dirname(os.path.dirname(transformers.__file__)))')" \
-    >/dev/null 2>&1; mkdir -p /tmp/site && touch /tmp/site/.image-bytecode
-fi
-rm -rf /tmp/jp "$REPO/build"
-$PY -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/jp "$REPO" \
-  || { echo "ERROR: installing jaxpaged into /tmp/jp failed"; exit 1; }
-export PYTHONPATH=/tmp/jp:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export JAXPAGED_BENCH_MODELS=${JAXPAGED_BENCH_MODELS:-$REPO/.cache/gpu/bench_models}
-export JAXPAGED_BENCH_DATA=${JAXPAGED_BENCH_DATA:-$REPO/.cache/gpu/bench_data}
-JAXPAGED_GIT_REV=${JAXPAGED_GIT_REV:-$(cat .cache/gpu/GIT_REV 2>/dev/null || echo unknown)}
-export JAXPAGED_GIT_REV
-cd /tmp || exit 1          # run outside the repository: its folders must not shadow the installed jaxpaged
+source bench/gpu_env.sh
 echo "serve_vs_offline $MODEL: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
 path=$($PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])" 2>/dev/null \
        || PYTHONPATH=$REPO:$PYTHONPATH $PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])")
