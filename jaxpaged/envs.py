@@ -33,9 +33,17 @@ def with_xla_default(flags: str, name: str, value: str) -> str:
     return f"{flags} --{name}={value}".strip()
 
 
-# XLA's Triton GEMM fusions off (the user's XLA_FLAGS win): every matmul goes to cuBLAS, whose algorithm XLA
-# picks from a few candidates, where each Triton fusion had its tilings compiled and timed on the GPU. That
-# autotuning was most of a cold start-up's compile time (llama3-8b on the H100: 35 buckets compiled in 42 s
-# instead of 78 s) and the programs run as fast. XLA:CPU ignores the flag. Like the allocator's fraction,
-# it takes effect only if jax has not started its backend before jaxpaged is imported.
-os.environ["XLA_FLAGS"] = with_xla_default(os.environ.get("XLA_FLAGS", ""), "xla_gpu_enable_triton_gemm", "false")
+# Two XLA defaults for the engine's programs (the user's XLA_FLAGS win, flag by flag). Like the allocator's
+# fraction, they take effect only if jax has not started its backend before jaxpaged is imported.
+# - Triton GEMM fusions off: every matmul goes to cuBLAS, whose algorithm XLA picks from a few candidates,
+#   where each Triton fusion had its tilings compiled and timed on the GPU. That autotuning was most of a
+#   cold start-up's compile time (llama3-8b on the H100: 35 buckets compiled in 42 s instead of 78 s), and
+#   the programs run as fast.
+# - No rematerialization: XLA's memory estimate for a step counts the donated KV pool up to three times, so
+#   on a GPU whose pool fills its memory every step program looked over the limit, and the pass recomputed
+#   small fusions in every layer to save memory that was never short (qwen2-0.5b's one-request decode: 3
+#   extra kernels a layer, 1.24 ms a token instead of 1.18). What keeps the programs within memory is the
+#   room the pool leaves for a step's temporaries (engine/core.py _activation_estimate), and the warm-up
+#   runs every bucket's program once before the engine serves.
+_flags = with_xla_default(os.environ.get("XLA_FLAGS", ""), "xla_gpu_enable_triton_gemm", "false")
+os.environ["XLA_FLAGS"] = with_xla_default(_flags, "xla_disable_hlo_passes", "rematerialization")

@@ -140,9 +140,10 @@ def test_xla_defaults_keep_the_users_flags(user, expected):
     assert with_xla_default(user, "xla_gpu_enable_triton_gemm", "false") == expected
 
 
-def test_xla_flags_in_force_include_the_gemm_default():
-    """jaxpaged's import (before this test's jax started) put its default into XLA_FLAGS."""
+def test_xla_flags_in_force_include_the_engine_defaults():
+    """jaxpaged's import (before this test's jax started) put its defaults into XLA_FLAGS."""
     import os
 
     import jaxpaged  # noqa: F401
     assert "xla_gpu_enable_triton_gemm" in os.environ["XLA_FLAGS"]
+    assert "xla_disable_hlo_passes" in os.environ["XLA_FLAGS"]
