@@ -27,8 +27,8 @@ def main() -> None:
     summary = ta.analyze_events(events)
     kernels = ta.device_intervals(events)
     n = args.tokens
-    print(f"{len(kernels)} kernels, {len(kernels) / n:.1f} per token; per token: span {1000 * summary['span_ms'] / n:.1f} us, "
-          f"device busy {1000 * summary['device_busy_ms'] / n:.1f} us")
+    print(f"{len(kernels)} kernels, {len(kernels) / n:.1f} per token; per token: "
+          f"span {1000 * summary['span_ms'] / n:.1f} us, device busy {1000 * summary['device_busy_ms'] / n:.1f} us")
     print(f"{'kernel':90s} {'per token':>9s} {'mean us':>8s} {'us/token':>9s}")
     for k in ta._top_events(events, args.top, on_device=True):
         print(f"{k['name']:90s} {k['count'] / n:9.2f} {k['mean_us']:8.1f} {1000 * k['total_ms'] / n:9.1f}")
