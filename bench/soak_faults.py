@@ -181,7 +181,12 @@ async def _disconnect_before_response(target: Target, body: bytes) -> Sent:
 
 
 async def _bad_request(target: Target, session, body: bytes, status: int) -> Sent:
-    async with session.post(target.api_url, data=body, headers={"Content-Type": "application/json"}) as r:
+    """On a connection of its own: a pooled one may be closing just then (the server ends keep-alive
+    connections idle for 5 s), and a request sent into that close fails in the client, never reaching the
+    server whose answer this probe checks."""
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=session.timeout, connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.post(target.api_url, data=body, headers={"Content-Type": "application/json"}) as r:
         text = await r.text()
     if r.status != status:
         return Sent("wrong_status", r.status, text[:300])

@@ -110,7 +110,8 @@ def test_every_fault_kind_got_what_it_must(report):
     assert set(by_kind) == set(FAULT_KINDS) and max(by_kind.values()) - min(by_kind.values()) <= 1
     for f in faults:
         if f["kind"] in BAD_REQUESTS:      # the status its kind must get, with OpenAI's error body
-            assert (f["outcome"], f["status"]) == ("rejected", BAD_REQUESTS[f["kind"]][0]), f
+            assert (f["outcome"], f["status"]) == ("rejected", BAD_REQUESTS[f["kind"]][0]), \
+                f"{f['kind']} (fault {f['index']}): {f['outcome']}, status {f['status']}: {f['detail']}"
         elif f["kind"] == "disconnect_before_response":
             assert f["outcome"] == "disconnected", f
         else:
