@@ -33,8 +33,10 @@ class InputProcessor:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
+        if isinstance(prompt, (list, tuple)):
+            ids = _token_ids(prompt)
+            if ids is not None:
+                return None, ids
         raise ValueError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                          "'prompt_token_ids'")
 
@@ -71,10 +73,9 @@ class InputProcessor:
                 raise ValueError(f"Requested {name} logprobs of {k}, which is greater than max allowed: "
                                  f"{info.max_logprobs}")
         vocab = info.vocab_size
-        ids = np.asarray(token_ids)
-        bad = ids[(ids < 0) | (ids >= vocab)]       # one vectorised pass, not a Python loop per token
-        if bad.size:
-            raise ValueError(f"Token id {int(bad[0])} is out of vocabulary (vocab size {vocab}).")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:        # two C passes over the list
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise ValueError(f"Token id {bad} is out of vocabulary (vocab size {vocab}).")
         bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
         if bad_bias:
             raise ValueError(f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids "
@@ -102,3 +103,18 @@ class InputProcessor:
                                          sample_params, self.eos_token_ids, arrival, sample_seed, priority,
                                          self.client_index))
         return out
+
+
+def _token_ids(prompt: list | tuple) -> list[int] | None:
+    """The prompt's token ids as Python ints, or None if an item is not an integer. numpy converts and checks
+    the list in C: the per-item Python loop was a tenth of the API process's time per request with
+    token-id prompts (ShareGPT over HTTP)."""
+    if not prompt:
+        return []
+    ids = np.asarray(prompt)
+    if ids.ndim == 1 and ids.dtype.kind in "iub":
+        return ids.astype(np.int64).tolist() if ids.dtype.kind == "b" else ids.tolist()
+    # ids past int64's range become an object array: check them one by one (the vocabulary check refuses them)
+    if ids.ndim == 1 and ids.dtype == object and all(isinstance(t, (int, np.integer)) for t in prompt):
+        return [int(t) for t in prompt]
+    return None
