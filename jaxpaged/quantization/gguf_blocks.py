@@ -1,0 +1,140 @@
+"""GGUF's quantized block formats, dequantized in JAX: the weights of a GGUF file can live on the device in
+their blocks (a quarter to a half of bf16's bytes) and be expanded inside the program that uses them.
+
+Each format packs `block_size` weights into `type_size` bytes (ggml's layouts; the `gguf` package's numpy
+dequantizers are the reference, and every function here computes what they compute, operation for
+operation in float32, so the results are equal bit for bit):
+
+  Q8_0   32 weights in 34 bytes:  d f16, q int8[32]                                 w = q * d
+  Q4_0   32 in 18:                d f16, 16 bytes of nibbles (low: 0-15, high: 16-31) w = d * (q - 8)
+  Q4_1   32 in 20:                d f16, m f16, nibbles                              w = d * q + m
+  Q5_0   32 in 22:                d f16, qh u32 (bit i: weight i's fifth bit), nibbles w = d * (q - 16)
+  Q5_1   32 in 24:                d f16, m f16, qh u32, nibbles                       w = d * q + m
+  Q4_K   256 in 144:              d f16, dmin f16, 12 bytes of eight 6-bit scales and mins, 128 bytes of
+                                  nibbles (64 weights per 32 bytes: low nibbles first)  w = d*sc * q - dmin*mn
+  Q5_K   256 in 176:              as Q4_K with qh[32] (bit j of byte i: weight 32 j + i's fifth bit)
+  Q6_K   256 in 210:              ql[128] nibbles, qh[64] 2-bit pairs, scales int8[16], d f16
+                                                                                     w = d*scale * (q - 32)
+
+dequantize(raw, qtype) takes uint8[..., n * type_size] (a tensor's rows as the file stores them) and gives
+float32[..., n * block_size]. Equal bit for bit on the CPU (tests/quantization); a GPU compiler may fuse the
+multiply-adds of Q4_1, Q5_1 and the K formats into FMAs, one rounding fewer than numpy's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QK_K = 256
+# qtype -> (weights per block, bytes per block)
+BLOCK_SIZES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+               "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+
+
+def _f16(b):
+    """uint8[..., 2] -> float32[...]: a little-endian float16 field."""
+    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs, width: int):
+    """uint8[..., k * width / 2] -> uint8[..., k * width]: in each run of width/2 bytes, the low nibbles then
+    the high ones (ggml's order)."""
+    q = qs.reshape(*qs.shape[:-1], -1, 1, width // 2) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
+    return (q & 0x0F).reshape(*qs.shape[:-1], -1)
+
+
+def _bits(qh_u32):
+    """uint32[...] -> uint8[..., 32]: bit i of each word (Q5_0 / Q5_1's fifth bits)."""
+    return ((qh_u32[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+
+
+def _scale_min(scales):
+    """uint8[..., 12] -> (uint8[..., 8], uint8[..., 8]): the K formats' eight 6-bit scales and mins."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _q8_0(b):
+    d = _f16(b[..., 0:2])[..., None]
+    x = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    return x * d
+
+
+def _q4_0(b):
+    d = _f16(b[..., 0:2])[..., None]
+    q = _nibbles(b[..., 2:], 32).astype(jnp.int8) - jnp.int8(8)
+    return d * q.astype(jnp.float32)
+
+
+def _q4_1(b):
+    d, m = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    return d * _nibbles(b[..., 4:], 32).astype(jnp.float32) + m
+
+
+def _q5(b, offset: int):
+    qh = _bits(jax.lax.bitcast_convert_type(b[..., offset:offset + 4], jnp.uint32))
+    return _nibbles(b[..., offset + 4:], 32) | (qh << 4)
+
+
+def _q5_0(b):
+    d = _f16(b[..., 0:2])[..., None]
+    q = _q5(b, 2).astype(jnp.int8) - jnp.int8(16)
+    return d * q.astype(jnp.float32)
+
+
+def _q5_1(b):
+    d, m = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    return d * _q5(b, 4).astype(jnp.float32) + m
+
+
+def _k_scales(b):
+    """The K formats' per-32-weight multipliers: (d * sc, dmin * mn), each float32[..., 8, 1]."""
+    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    sc, mn = _scale_min(b[..., 4:16])
+    return (d * sc.astype(jnp.float32))[..., None], (dmin * mn.astype(jnp.float32))[..., None]
+
+
+def _q4_k(b):
+    d, dm = _k_scales(b)
+    q = _nibbles(b[..., 16:144], 64).reshape(*b.shape[:-1], 8, 32).astype(jnp.float32)
+    return (d * q - dm).reshape(*b.shape[:-1], QK_K)
+
+
+def _q5_k(b):
+    d, dm = _k_scales(b)
+    ql = _nibbles(b[..., 48:176], 64).reshape(*b.shape[:-1], 8, 32)
+    qh = b[..., 16:48]
+    qh = ((qh[..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1)           # [..., 8, 32]
+    q = (ql | (qh << 4)).astype(jnp.float32)
+    return (d * q - dm).reshape(*b.shape[:-1], QK_K)
+
+
+def _q6_k(b):
+    lead = b.shape[:-1]
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+    d = (_f16(b[..., 208:210])[..., None] * scales).reshape(*lead, QK_K // 16, 1)
+    lo = _nibbles(ql, 128).reshape(*lead, 8, 32)                                         # 2 halves x 4 x 32
+    hi = qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)
+    hi = (hi & 0x03).reshape(*lead, 8, 32)
+    q = (lo | (hi << 4)).astype(jnp.int8) - jnp.int8(32)
+    return (d * q.reshape(*lead, QK_K // 16, 16).astype(jnp.float32)).reshape(*lead, QK_K)
+
+
+_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def dequantize(raw, qtype: str):
+    """uint8[..., n * type_size] -> float32[..., n * block_size], as the `gguf` package dequantizes."""
+    if qtype not in _DEQUANTIZE:
+        raise ValueError(f"GGUF type {qtype} is not supported; supported: {', '.join(_DEQUANTIZE)}")
+    block_size, type_size = BLOCK_SIZES[qtype]
+    if raw.shape[-1] % type_size:
+        raise ValueError(f"{qtype} rows must be a multiple of {type_size} bytes, got {raw.shape[-1]}")
+    blocks = jnp.asarray(raw, jnp.uint8).reshape(*raw.shape[:-1], -1, type_size)
+    out = _DEQUANTIZE[qtype](blocks)
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // type_size * block_size)

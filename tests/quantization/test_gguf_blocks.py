@@ -1,0 +1,47 @@
+"""GGUF block formats dequantized in JAX equal the `gguf` package's numpy reference bit for bit, on random
+blocks (every byte random, the float16 scale fields finite)."""
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
+
+# Byte offsets of each format's float16 fields: random bytes there could be inf or NaN, which no writer stores.
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+              "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    _, type_size = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row, type_size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        raw[..., off:off + 2] = rng.normal(0, 0.05, size=(rows, blocks_per_row)).astype(np.float16)[..., None] \
+            .view(np.uint8)
+    return raw.reshape(rows, blocks_per_row * type_size)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+def test_dequantize_equals_the_gguf_reference_bit_for_bit(qtype):
+    raw = random_blocks(qtype, rows=3, blocks_per_row=4, seed=len(qtype) * 7 + ord(qtype[1]))
+    expected = quants.dequantize(raw, GGMLQuantizationType[qtype])
+    got = np.asarray(jax.jit(dequantize, static_argnums=1)(raw, qtype))
+    assert got.dtype == np.float32 and got.shape == expected.shape == (3, 4 * BLOCK_SIZES[qtype][0])
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_quantized_weights_round_trip_through_the_reference_quantizer():
+    """Real weights quantized by the gguf package (the formats it can write) come back as it reads them."""
+    w = np.random.default_rng(0).normal(0, 0.02, size=(8, 256)).astype(np.float32)
+    for qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        raw = quants.quantize(w, GGMLQuantizationType[qtype])
+        np.testing.assert_array_equal(np.asarray(dequantize(raw, qtype)),
+                                      quants.dequantize(raw, GGMLQuantizationType[qtype]))
+
+
+def test_unsupported_types_and_ragged_rows_are_refused():
+    with pytest.raises(ValueError, match="not supported; supported: Q8_0"):
+        dequantize(np.zeros((1, 34), np.uint8), "IQ2_XS")
+    with pytest.raises(ValueError, match="multiple of 34 bytes"):
+        dequantize(np.zeros((1, 35), np.uint8), "Q8_0")
