@@ -17,6 +17,9 @@ USAGE_CONTEXTS = ("llm_class", "openai_api_server")
 # dispatched program, or every layer unrolled into one program on per-layer weights.
 LAYER_DISPATCHES = ("scan", "per_layer", "unrolled")
 ATTENTION_BACKENDS = ("reference", "xla", "pallas", "mosaic")
+# What EngineArgs.quantization accepts (vLLM's names): gguf keeps the linear layers in the blocks of the GGUF
+# file the model folder was converted from (models/loader.py).
+QUANTIZATION_METHODS = ("gguf",)
 
 # Decode steps per program on a GPU when the whole step is one program. With one step per program a small
 # model's decode is host-bound (the launch and the engine's work outlast the device step). A stream gets a
@@ -64,6 +67,7 @@ class EngineArgs:
     layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size and use
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default by use
+    quantization: str | None = None          # gguf: the linear layers in their GGUF blocks; None: dense
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: who runs the engine (logged)
 
@@ -93,6 +97,9 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
 

@@ -38,10 +38,17 @@ class DecoderConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # Linear layers whose weights stay in GGUF blocks on the device: sorted (name, GGUF type) pairs, e.g.
+    # (("down_proj", "Q4_1"), ...); () for dense weights (models/loader.py gguf_weight_quant).
+    weight_quant: tuple[tuple[str, str], ...] = ()
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def quant_of(self, linear: str) -> str | None:
+        """The GGUF type a linear layer's weight is stored in, or None (dense)."""
+        return dict(self.weight_quant).get(linear)
 
 
 def _get(cfg: dict, key: str, default=None):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
 
 from .config import DecoderConfig, rope_inv_freq
 
@@ -67,6 +68,33 @@ def _rotate(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+class GGUFLinear(nn.Module):
+    """y = x @ W.T with W kept in GGUF blocks (uint8[features, blocks of the input dim]) and expanded inside
+    the program (jaxpaged/quantization/gguf_blocks.py): the device holds the file's bytes."""
+    features: int
+    in_features: int
+    qtype: str
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        block_size, type_size = BLOCK_SIZES[self.qtype]
+        qweight = self.param("qweight", nn.initializers.zeros,
+                             (self.features, self.in_features // block_size * type_size), jnp.uint8)
+        w = dequantize(qweight, self.qtype).astype(self.dtype)                  # [features, in]
+        return jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str) -> nn.Module:
+    """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, GGUFLinear."""
+    qtype = cfg.quant_of(name)
+    if qtype is None:
+        return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+    if bias:
+        raise ValueError(f"{name}: GGUF-quantized linear layers with a bias are not supported")
+    return GGUFLinear(features, in_features, qtype, dtype, name=name)
+
+
 class Attention(nn.Module):
     cfg: DecoderConfig
     dtype: Any
@@ -75,10 +103,9 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
         c = self.cfg
-        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = dense(q_size + 2 * kv_size, c.qkv_bias, "qkv_proj")(x)
+        qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj")(x)
         q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
@@ -96,7 +123,7 @@ class Attention(nn.Module):
                                      sliding_window=c.sliding_window, backend=backend,
                                      interpret=opts.interpret, num_sms=opts.num_sms)
         o = o.reshape(-1, c.num_heads * c.head_dim)
-        return dense(c.hidden_size, False, "o_proj")(o), kv_cache
+        return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj")(o), kv_cache
 
 
 class MLP(nn.Module):
@@ -105,10 +132,10 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
-        gate_up = dense(2 * self.cfg.intermediate_size, "gate_up_proj")(x)    # one matmul for both
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        return dense(self.cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+        c = self.cfg
+        gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj")(x)
+        gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
+        return _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

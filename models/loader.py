@@ -9,6 +9,7 @@ host memory took most of a large model's warm start-up.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -19,8 +20,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.config import QUANTIZATION_METHODS
+
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
+
+# Each linear layer of the decoder, by the GGUF tensors it is made of (concatenated on the output axis).
+_GGUF_LINEARS = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
+                 "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
+_GGUF_LINEAR_PATHS = {"qkv_proj": ("self_attn", "qkv_proj"), "o_proj": ("self_attn", "o_proj"),
+                      "gate_up_proj": ("mlp", "gate_up_proj"), "down_proj": ("mlp", "down_proj")}
 
 # HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
 # Parts are concatenated on the output axis: q/k/v into one qkv_proj, gate/up into one gate_up_proj.
@@ -65,6 +74,79 @@ def read_hf_config(model_dir: os.PathLike) -> dict:
     if not cfg_file.exists():
         raise FileNotFoundError(f"{str(cfg_file)!r} not found: a model folder needs config.json.")
     return json.loads(cfg_file.read_text())
+
+
+def model_config(model_dir: os.PathLike, quantization: str | None = None) -> DecoderConfig:
+    """The decoder's config for a model folder, with the linear layers `quantization` keeps quantized."""
+    cfg = decoder_config_from_hf(read_hf_config(model_dir))
+    if quantization is None:
+        return cfg
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    return dataclasses.replace(cfg, weight_quant=gguf_weight_quant(_gguf_reader(model_dir)))
+
+
+def gguf_source(model_dir: os.PathLike) -> pathlib.Path:
+    """The GGUF file a model folder was converted from (its CONVERTED_FROM, written by gguf_convert)."""
+    marker = pathlib.Path(model_dir) / "CONVERTED_FROM"
+    if not marker.exists():
+        raise ValueError(f"quantization='gguf' serves the blocks of a GGUF file, and {str(model_dir)!r} was not "
+                         "converted from one (it has no CONVERTED_FROM): run it without quantization")
+    return pathlib.Path(marker.read_text().splitlines()[0])
+
+
+def _gguf_reader(model_dir: os.PathLike):
+    import gguf
+    return gguf.GGUFReader(str(gguf_source(model_dir)))
+
+
+def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
+    """(linear name, GGUF type) for each linear layer whose tensors are quantized blocks of one supported
+    type in every layer. Float tensors stay dense; anything else is refused, naming what is supported."""
+    from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES
+    types: dict[str, set] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        for linear, names in _GGUF_LINEARS.items():
+            if parts[0] == "blk" and parts[2] in names:
+                types.setdefault(linear, set()).add(t.tensor_type.name)
+    out = []
+    for linear, found in sorted(types.items()):
+        if len(found) > 1:
+            raise ValueError(f"GGUF {linear}: its tensors come in several types ({', '.join(sorted(found))}); "
+                             "one type per linear layer is supported")
+        (qtype,) = found
+        if qtype in BLOCK_SIZES:
+            out.append((linear, qtype))
+        elif qtype not in ("F32", "F16", "BF16"):
+            raise ValueError(f"GGUF type {qtype} ({linear}) is not supported; supported: "
+                             f"{', '.join(BLOCK_SIZES)}, F32, F16, BF16")
+    return tuple(out)
+
+
+def gguf_layer_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> dict[tuple, list]:
+    """Param path ("self_attn", "qkv_proj", "qweight") -> each layer's uint8 blocks, as the GGUF file stores
+    them ([out, bytes]; q and k rows in HF's rotary order, parts concatenated on the output axis)."""
+    import numpy as np
+
+    from .gguf_convert import _unpermute_rope
+    reader = _gguf_reader(model_dir)
+    parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        p = t.name.split(".")
+        for linear, names in _GGUF_LINEARS.items():
+            if p[0] == "blk" and p[2] in names and cfg.quant_of(linear):
+                raw = np.asarray(t.data)
+                if p[2] in ("attn_q", "attn_k"):
+                    raw = _unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
+                parts.setdefault((linear, int(p[1])), {})[p[2]] = raw
+    out: dict[tuple, list] = {}
+    for linear, names in _GGUF_LINEARS.items():
+        if cfg.quant_of(linear):
+            out[_GGUF_LINEAR_PATHS[linear] + ("qweight",)] = [
+                jnp.asarray(np.concatenate([parts[linear, i][n] for n in names])) for i in range(cfg.num_layers)]
+    return out
 
 
 def resolve_dtype(dtype: str, cfg: DecoderConfig, platform: str = "cpu"):
@@ -113,6 +195,7 @@ def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0, per_layer: bool = Fal
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     specs = [(sds.shape, sds.dtype, getattr(path[-1], "key", None) == "scale",
               per_layer and getattr(path[0], "key", None) == "layers") for path, sds in leaves]
+    # quantized blocks (uint8) are zeros: scales of zero, so the weights they stand for are zeros too
 
     # One program for every leaf (one compile, kept by the persistent cache), not one per leaf: on a GPU
     # each small compile costs ~1 s and a model has ~17 leaves.
@@ -120,7 +203,7 @@ def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0, per_layer: bool = Fal
     def init(keys):
         out: list = []
         for i, (shape, dt, is_norm, split) in enumerate(specs):
-            x = (jnp.ones(shape, dt) if is_norm else
+            x = (jnp.ones(shape, dt) if is_norm else jnp.zeros(shape, dt) if jnp.issubdtype(dt, jnp.integer) else
                  jax.random.uniform(keys[i], shape, jnp.float32, -1e-3, 1e-3).astype(dt))
             out.append([x[j] for j in range(shape[0])] if split else x)
         return out
@@ -151,9 +234,12 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 
 def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False) -> Any:
+    """The checkpoint's weights in the decoder's tree; linear layers that cfg keeps quantized come from the
+    GGUF file's blocks instead of the folder's dense weights."""
     from safetensors import safe_open
     shapes = param_shapes(cfg, dtype)
     layer_parts: dict[tuple, list] = {}
+    blocks = gguf_layer_blocks(model_dir, cfg) if cfg.weight_quant else {}
     params: dict = {}
     for file in _safetensor_files(model_dir):
         # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
@@ -165,6 +251,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     if sub not in _LAYER_TABLE:
                         continue   # e.g. rotary_emb.inv_freq in old checkpoints
                     path, transpose, part = _LAYER_TABLE[sub]
+                    if cfg.quant_of(path[-2]):
+                        continue   # from the GGUF blocks
                     t = f.get_tensor(name).astype(dtype)
                     part_idx, num_parts = part or (0, 1)
                     slots = layer_parts.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
@@ -175,6 +263,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                         continue
                     t = f.get_tensor(name).astype(dtype)
                     _set(params, path, t.T if transpose else t)
+    for path, arrays in blocks.items():
+        _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
     for path, layers in layer_parts.items():
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:
@@ -201,10 +291,11 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
 
 
 def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
-               platform: str = "cpu", per_layer: bool = False) -> LoadedModel:
-    """per_layer: params["layers"] is a list of one tree per layer (per-layer and unrolled dispatch)."""
+               platform: str = "cpu", per_layer: bool = False, quantization: str | None = None) -> LoadedModel:
+    """per_layer: params["layers"] is a list of one tree per layer (per-layer and unrolled dispatch);
+    quantization: one of QUANTIZATION_METHODS, or None for dense weights."""
     hf_config = read_hf_config(model_dir)
-    cfg = decoder_config_from_hf(hf_config)
+    cfg = model_config(model_dir, quantization)
     jdtype = resolve_dtype(dtype, cfg, platform)
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, per_layer)

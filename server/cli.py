@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxpaged.config import EngineArgs
+from jaxpaged.config import QUANTIZATION_METHODS, EngineArgs
 
 
 # Request bodies larger than this are refused (413). 64 MiB holds a 1M-token prompt at 64 bytes a token (a
@@ -41,6 +41,10 @@ def _model_flags(m) -> None:
                    help="Weight and activation dtype; auto takes the checkpoint's torch_dtype.")
     m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="How to load weights; dummy gives random weights of the right shapes (benchmarks).")
+    m.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="Weights kept quantized on the device. gguf: the linear layers stay in the blocks of the "
+                        "GGUF file the model was converted from (the default SmolLM2 as shipped: Q4_1), expanded "
+                        "inside each step. Default: dense weights in --dtype.")
     m.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="Context length (prompt + output). Default: the model's max_position_embeddings.")
     m.add_argument("--chat-template", default=None,
@@ -149,5 +153,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, quantization=args.quantization,
         usage_context="openai_api_server")

@@ -64,8 +64,7 @@ def _configure_jax() -> None:
 class EngineCore:
     def __init__(self, args: EngineArgs):
         from jaxpaged.models import load_model
-        from jaxpaged.models.config import decoder_config_from_hf
-        from jaxpaged.models.loader import layer_bytes, read_hf_config, resolve_dtype
+        from jaxpaged.models.loader import layer_bytes, model_config, resolve_dtype
 
         self.args = args
         _configure_jax()
@@ -73,14 +72,15 @@ class EngineCore:
         platform = detect_platform()
         self.model_path = resolve_model_path(args.model)
         # The program is chosen from the model's shapes, then the weights load in the layout it runs on.
-        cfg = decoder_config_from_hf(read_hf_config(self.model_path))
+        cfg = model_config(self.model_path, args.quantization)
         self.run = run = resolve(args, platform, layer_bytes=layer_bytes(cfg, resolve_dtype(args.dtype, cfg,
                                                                                             platform.name)),
                                  max_position_embeddings=cfg.max_position_embeddings,
                                  compile_cache=envs.JAXPAGED_COMPILE_CACHE)
         logger.info("Run config: %s", run.summary())
         loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed, platform=platform.name,
-                            per_layer=run.layer_dispatch in ("per_layer", "unrolled"))
+                            per_layer=run.layer_dispatch in ("per_layer", "unrolled"),
+                            quantization=args.quantization)
         self.model_config = cfg = loaded.config
         self.dtype = np.dtype(loaded.dtype).name
         self.max_model_len, self.max_num_batched_tokens = run.max_model_len, run.max_num_batched_tokens

@@ -1,0 +1,54 @@
+"""quantization="gguf": the default SmolLM2 runs from its GGUF file's Q4_1 blocks, expanded inside the step,
+and computes what the dense float32 run computes (whose weights are the same blocks dequantized at load)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import tiny_llama_dir
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.config import EngineArgs
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+
+
+def _run(quantization):
+    llm = LLM(dtype="float32", quantization=quantization, max_model_len=256)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, logprobs=0),
+                        use_tqdm=False)
+    return outs, llm
+
+
+def _chosen(logprobs, tokens):
+    return np.array([d[t].logprob for d, t in zip(logprobs, tokens)])
+
+
+def test_gguf_blocks_give_the_dense_float32_run():
+    dense, _ = _run(None)
+    quant, llm = _run("gguf")
+    cfg = llm.llm_engine.model_config
+    assert dict(cfg.weight_quant) == {"qkv_proj": "Q4_1", "o_proj": "Q4_1", "gate_up_proj": "Q4_1",
+                                      "down_proj": "Q4_1"}
+    for d, q in zip(dense, quant):
+        assert q.outputs[0].token_ids == d.outputs[0].token_ids
+        prompt = d.prompt_token_ids
+        np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], prompt[1:]),
+                                   _chosen(d.prompt_logprobs[1:], prompt[1:]), atol=1e-4, rtol=0)
+        toks = d.outputs[0].token_ids
+        np.testing.assert_allclose(_chosen(q.outputs[0].logprobs, toks), _chosen(d.outputs[0].logprobs, toks),
+                                   atol=1e-4, rtol=0)
+
+
+def test_unsupported_methods_and_models_without_a_gguf_file_are_refused(tmp_path_factory):
+    with pytest.raises(ValueError, match="quantization 'awq' is not supported; supported: gguf"):
+        EngineArgs(quantization="awq")
+    with pytest.raises(ValueError, match="was not converted from one"):
+        LLM(model=tiny_llama_dir(tmp_path_factory, "not-gguf"), quantization="gguf")
+
+
+def test_the_server_flag_reaches_the_engine_args():
+    from jaxpaged.server.cli import engine_args_from, make_parser
+    args = engine_args_from(make_parser().parse_args(["--quantization", "gguf"]))
+    assert dataclasses.asdict(args)["quantization"] == "gguf"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--quantization", "awq"])
