@@ -85,6 +85,34 @@ class GGUFLinear(nn.Module):
         return jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
+class GGUFEmbed(nn.Module):
+    """The token embedding kept in GGUF blocks (uint8[V, blocks of H]): a lookup expands only the rows it
+    gathers; attend (the tied LM head) expands the table."""
+    num_embeddings: int
+    features: int
+    qtype: str
+    dtype: Any
+
+    def setup(self):
+        block_size, type_size = BLOCK_SIZES[self.qtype]
+        self.qweight = self.param("qweight", nn.initializers.zeros,
+                                  (self.num_embeddings, self.features // block_size * type_size), jnp.uint8)
+
+    def __call__(self, ids):
+        return dequantize(self.qweight[ids], self.qtype).astype(self.dtype)
+
+    def attend(self, x):
+        w = dequantize(self.qweight, self.qtype).astype(self.dtype)              # [V, H]
+        return jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.Module:
+    qtype = cfg.quant_of("embed_tokens")
+    if qtype is None:
+        return nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, name=name)
+    return GGUFEmbed(cfg.vocab_size, cfg.hidden_size, qtype, dtype, name=name)
+
+
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str) -> nn.Module:
     """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, GGUFLinear."""
     qtype = cfg.quant_of(name)
@@ -173,7 +201,7 @@ class DecoderModel(nn.Module):
     def __call__(self, token_ids, kv_cache, meta: AttentionMetadata, logits_indices, prompt_targets=None,
                  prompt_head=None):
         c = self.cfg
-        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        embed = _embed(c, self.dtype)
         h = embed(token_ids)
         cos, sin = rope_cos_sin(c, meta.positions)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -199,8 +227,12 @@ def rope_cos_sin(cfg: DecoderConfig, positions):
 
 
 def head_weight(cfg: DecoderConfig, params) -> jax.Array:
-    """The LM head as [H, V]: the tied embedding transposed, or lm_head's kernel."""
+    """The LM head as [H, V]: the tied embedding transposed (expanded from its blocks when quantized), or
+    lm_head's kernel."""
     if cfg.tie_word_embeddings:
+        qtype = cfg.quant_of("embed_tokens")
+        if qtype is not None:
+            return dequantize(params["embed_tokens"]["qweight"], qtype).T
         return params["embed_tokens"]["embedding"].T
     return params["lm_head"]["kernel"]
 
@@ -232,8 +264,7 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
 
 def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, positions):
     """-> (h [T, H], cos, sin f32[T, D/2])."""
-    h = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype).apply(
-        {"params": params["embed_tokens"]}, token_ids)
+    h = _embed(cfg, dtype, name=None).apply({"params": params["embed_tokens"]}, token_ids)
     return (h, *rope_cos_sin(cfg, positions))
 
 

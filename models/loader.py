@@ -111,6 +111,9 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
         for linear, names in _GGUF_LINEARS.items():
             if parts[0] == "blk" and parts[2] in names:
                 types.setdefault(linear, set()).add(t.tensor_type.name)
+    for t in reader.tensors:      # the embedding (and with it a tied LM head)
+        if t.name == "token_embd.weight":
+            types["embed_tokens"] = {t.tensor_type.name}
     out = []
     for linear, found in sorted(types.items()):
         if len(found) > 1:
@@ -147,6 +150,13 @@ def gguf_layer_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> dict[tuple,
             out[_GGUF_LINEAR_PATHS[linear] + ("qweight",)] = [
                 jnp.asarray(np.concatenate([parts[linear, i][n] for n in names])) for i in range(cfg.num_layers)]
     return out
+
+
+def gguf_embedding_blocks(model_dir: os.PathLike) -> jax.Array:
+    """The token embedding's blocks, uint8[V, bytes], as the GGUF file stores them."""
+    import numpy as np
+    (t,) = [t for t in _gguf_reader(model_dir).tensors if t.name == "token_embd.weight"]
+    return jnp.asarray(np.asarray(t.data))
 
 
 def resolve_dtype(dtype: str, cfg: DecoderConfig, platform: str = "cpu"):
@@ -261,10 +271,14 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     path, transpose = _TOP_TABLE[name]
                     if path[0] == "lm_head" and cfg.tie_word_embeddings:
                         continue
+                    if path[0] == "embed_tokens" and cfg.quant_of("embed_tokens"):
+                        continue   # from the GGUF blocks
                     t = f.get_tensor(name).astype(dtype)
                     _set(params, path, t.T if transpose else t)
     for path, arrays in blocks.items():
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
+    if cfg.quant_of("embed_tokens"):
+        _set(params, ("embed_tokens", "qweight"), gguf_embedding_blocks(model_dir))
     for path, layers in layer_parts.items():
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:

@@ -42,9 +42,9 @@ def _model_flags(m) -> None:
     m.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="How to load weights; dummy gives random weights of the right shapes (benchmarks).")
     m.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="Weights kept quantized on the device. gguf: the linear layers stay in the blocks of the "
-                        "GGUF file the model was converted from (the default SmolLM2 as shipped: Q4_1), expanded "
-                        "inside each step. Default: dense weights in --dtype.")
+                   help="Weights kept quantized on the device. gguf: the weights stay in the blocks of the GGUF "
+                        "file the model was converted from (the default SmolLM2 as shipped: Q4_1 and Q8_0), "
+                        "expanded inside each step. Default: dense weights in --dtype.")
     m.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="Context length (prompt + output). Default: the model's max_position_embeddings.")
     m.add_argument("--chat-template", default=None,

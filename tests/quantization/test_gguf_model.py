@@ -12,8 +12,8 @@ from jaxpaged.config import EngineArgs
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 
-def _run(quantization):
-    llm = LLM(dtype="float32", quantization=quantization, max_model_len=256)
+def _run(quantization, layer_dispatch=None):
+    llm = LLM(dtype="float32", quantization=quantization, max_model_len=256, layer_dispatch=layer_dispatch)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, logprobs=0),
                         use_tqdm=False)
     return outs, llm
@@ -23,12 +23,19 @@ def _chosen(logprobs, tokens):
     return np.array([d[t].logprob for d, t in zip(logprobs, tokens)])
 
 
-def test_gguf_blocks_give_the_dense_float32_run():
-    dense, _ = _run(None)
-    quant, llm = _run("gguf")
+@pytest.fixture(scope="module")
+def dense():
+    return _run(None)[0]
+
+
+@pytest.mark.parametrize("layer_dispatch", ["scan", "per_layer", "unrolled"])
+def test_gguf_blocks_give_the_dense_float32_run(dense, layer_dispatch):
+    """Under every layer dispatch (the GPU's per_layer and unrolled run the embedding and head as programs of
+    their own)."""
+    quant, llm = _run("gguf", layer_dispatch)
     cfg = llm.llm_engine.model_config
-    assert dict(cfg.weight_quant) == {"qkv_proj": "Q4_1", "o_proj": "Q4_1", "gate_up_proj": "Q4_1",
-                                      "down_proj": "Q4_1"}
+    assert dict(cfg.weight_quant) == {"embed_tokens": "Q8_0", "qkv_proj": "Q4_1", "o_proj": "Q4_1",
+                                      "gate_up_proj": "Q4_1", "down_proj": "Q4_1"}     # every tensor the file quantizes
     for d, q in zip(dense, quant):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         prompt = d.prompt_token_ids
