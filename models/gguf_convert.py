@@ -61,8 +61,9 @@ def _hf_name(gguf_name: str) -> str | None:
     return _NAME_TABLE.get(gguf_name)
 
 
-def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp interleaves each head's rotary halves; HF's rotate_half wants them split.
+def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves each head's rotary halves; HF's rotate_half wants them split. Rows only move,
+    so it applies as well to a quantized tensor's rows of blocks (models/loader.py, quantization='gguf').
 
     # one head, rows [a0, b0, a1, b1] (GGUF) -> [a0, a1, b0, b1] (HF)
     """
@@ -94,9 +95,9 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])     # GGUF lists dims innermost first
         if name.endswith("q_proj.weight"):
-            w = _unpermute_rope(w, num_heads)
+            w = unpermute_rope(w, num_heads)
         elif name.endswith("k_proj.weight"):
-            w = _unpermute_rope(w, num_kv_heads)
+            w = unpermute_rope(w, num_kv_heads)
         tensors[name] = np.ascontiguousarray(w)
     hidden = int(_field(reader, "llama.embedding_length"))
     config = {

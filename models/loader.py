@@ -133,7 +133,7 @@ def gguf_layer_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> dict[tuple,
     them ([out, bytes]; q and k rows in HF's rotary order, parts concatenated on the output axis)."""
     import numpy as np
 
-    from .gguf_convert import _unpermute_rope
+    from .gguf_convert import unpermute_rope
     reader = _gguf_reader(model_dir)
     parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     for t in reader.tensors:
@@ -142,7 +142,7 @@ def gguf_layer_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> dict[tuple,
             if p[0] == "blk" and p[2] in names and cfg.quant_of(linear):
                 raw = np.asarray(t.data)
                 if p[2] in ("attn_q", "attn_k"):
-                    raw = _unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
+                    raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
                 parts.setdefault((linear, int(p[1])), {})[p[2]] = raw
     out: dict[tuple, list] = {}
     for linear, names in _GGUF_LINEARS.items():
