@@ -77,8 +77,16 @@ def read_hf_config(model_dir: os.PathLike) -> dict:
 
 
 def model_config(model_dir: os.PathLike, quantization: str | None = None) -> DecoderConfig:
-    """The decoder's config for a model folder, with the linear layers `quantization` keeps quantized."""
-    cfg = decoder_config_from_hf(read_hf_config(model_dir))
+    """The decoder's config for a model folder, with the linear layers `quantization` keeps quantized. A
+    checkpoint whose config.json declares a quantization method (AWQ, GPTQ, fp8, ...) is refused by name:
+    its weights are not the dense tensors the loader reads."""
+    hf_config = read_hf_config(model_dir)
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"{str(model_dir)!r} holds {method!r}-quantized weights (config.json's "
+                         "quantization_config), which jaxpaged does not load; supported quantization: "
+                         f"{', '.join(QUANTIZATION_METHODS)} (the blocks of a GGUF file)")
+    cfg = decoder_config_from_hf(hf_config)
     if quantization is None:
         return cfg
     if quantization not in QUANTIZATION_METHODS:

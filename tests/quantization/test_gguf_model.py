@@ -59,3 +59,19 @@ def test_the_server_flag_reaches_the_engine_args():
     assert dataclasses.asdict(args)["quantization"] == "gguf"
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--quantization", "awq"])
+
+
+def test_a_checkpoint_of_another_quantization_method_is_refused_by_name(tmp_path_factory):
+    """config.json's quantization_config names the method (as AWQ, GPTQ and compressed-tensors checkpoints
+    do): refused at start-up with what is supported, not a missing-tensor error."""
+    import json
+    from pathlib import Path
+    folder = Path(tiny_llama_dir(tmp_path_factory, "awq"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                  "version": "gemm"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for quantization in (None, "gguf"):
+        with pytest.raises(ValueError, match="holds 'awq'-quantized weights .* supported quantization: gguf"):
+            LLM(model=str(folder), quantization=quantization)
+
