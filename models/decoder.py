@@ -68,6 +68,17 @@ def _rotate(x, cos, sin):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _blocks_shape(rows: int, row_len: int, qtype: str) -> tuple[int, int]:
+    """uint8 shape of `rows` rows of `row_len` weights in GGUF blocks of qtype."""
+    block_size, type_size = BLOCK_SIZES[qtype]
+    return rows, row_len // block_size * type_size
+
+
+def _dot_t(x, w, dtype):
+    """x @ w.T in dtype, w [out, in] as GGUF stores it (no transposed copy)."""
+    return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
+
+
 class GGUFLinear(nn.Module):
     """y = x @ W.T with W kept in GGUF blocks (uint8[features, blocks of the input dim]) and expanded inside
     the program (jaxpaged/quantization/gguf_blocks.py): the device holds the file's bytes."""
@@ -78,11 +89,9 @@ class GGUFLinear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        block_size, type_size = BLOCK_SIZES[self.qtype]
         qweight = self.param("qweight", nn.initializers.zeros,
-                             (self.features, self.in_features // block_size * type_size), jnp.uint8)
-        w = dequantize(qweight, self.qtype).astype(self.dtype)                  # [features, in]
-        return jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+                             _blocks_shape(self.features, self.in_features, self.qtype), jnp.uint8)
+        return _dot_t(x, dequantize(qweight, self.qtype), self.dtype)
 
 
 class GGUFEmbed(nn.Module):
@@ -94,16 +103,14 @@ class GGUFEmbed(nn.Module):
     dtype: Any
 
     def setup(self):
-        block_size, type_size = BLOCK_SIZES[self.qtype]
         self.qweight = self.param("qweight", nn.initializers.zeros,
-                                  (self.num_embeddings, self.features // block_size * type_size), jnp.uint8)
+                                  _blocks_shape(self.num_embeddings, self.features, self.qtype), jnp.uint8)
 
     def __call__(self, ids):
         return dequantize(self.qweight[ids], self.qtype).astype(self.dtype)
 
     def attend(self, x):
-        w = dequantize(self.qweight, self.qtype).astype(self.dtype)              # [V, H]
-        return jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+        return _dot_t(x, dequantize(self.qweight, self.qtype), self.dtype)
 
 
 def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.Module:

@@ -25,11 +25,15 @@ from jaxpaged.config import QUANTIZATION_METHODS
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
 
-# Each linear layer of the decoder, by the GGUF tensors it is made of (concatenated on the output axis).
-_GGUF_LINEARS = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
-                 "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
-_GGUF_LINEAR_PATHS = {"qkv_proj": ("self_attn", "qkv_proj"), "o_proj": ("self_attn", "o_proj"),
-                      "gate_up_proj": ("mlp", "gate_up_proj"), "down_proj": ("mlp", "down_proj")}
+# Each linear layer of the decoder: its param path under a layer, and the GGUF tensors it is made of
+# (concatenated on the output axis).
+_GGUF_LINEARS = {"qkv_proj": (("self_attn", "qkv_proj"), ("attn_q", "attn_k", "attn_v")),
+                 "o_proj": (("self_attn", "o_proj"), ("attn_output",)),
+                 "gate_up_proj": (("mlp", "gate_up_proj"), ("ffn_gate", "ffn_up")),
+                 "down_proj": (("mlp", "down_proj"), ("ffn_down",))}
+_GGUF_LINEAR_OF = {n: linear for linear, (_, names) in _GGUF_LINEARS.items() for n in names}
+_GGUF_EMBEDDING = "token_embd.weight"    # the embedding (and with it a tied LM head)
+
 
 # HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
 # Parts are concatenated on the output axis: q/k/v into one qkv_proj, gate/up into one gate_up_proj.
@@ -116,12 +120,10 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     types: dict[str, set] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
-        for linear, names in _GGUF_LINEARS.items():
-            if parts[0] == "blk" and parts[2] in names:
-                types.setdefault(linear, set()).add(t.tensor_type.name)
-    for t in reader.tensors:      # the embedding (and with it a tied LM head)
-        if t.name == "token_embd.weight":
-            types["embed_tokens"] = {t.tensor_type.name}
+        name = "embed_tokens" if t.name == _GGUF_EMBEDDING else \
+            _GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
+        if name is not None:
+            types.setdefault(name, set()).add(t.tensor_type.name)
     out = []
     for linear, found in sorted(types.items()):
         if len(found) > 1:
@@ -136,35 +138,29 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def gguf_layer_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> dict[tuple, list]:
-    """Param path ("self_attn", "qkv_proj", "qweight") -> each layer's uint8 blocks, as the GGUF file stores
-    them ([out, bytes]; q and k rows in HF's rotary order, parts concatenated on the output axis)."""
+def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple, list], jax.Array | None]:
+    """The tensors cfg keeps quantized, as the GGUF file stores them (uint8 [out, bytes]), in one pass over
+    the file: (param path under a layer, e.g. ("self_attn", "qkv_proj", "qweight") -> each layer's blocks,
+    q and k rows in HF's rotary order, parts concatenated on the output axis; the embedding's blocks, or
+    None when it is dense)."""
     import numpy as np
 
     from .gguf_convert import unpermute_rope
-    reader = _gguf_reader(model_dir)
     parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
-    for t in reader.tensors:
+    embedding = None
+    for t in _gguf_reader(model_dir).tensors:
         p = t.name.split(".")
-        for linear, names in _GGUF_LINEARS.items():
-            if p[0] == "blk" and p[2] in names and cfg.quant_of(linear):
-                raw = np.asarray(t.data)
-                if p[2] in ("attn_q", "attn_k"):
-                    raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
-                parts.setdefault((linear, int(p[1])), {})[p[2]] = raw
-    out: dict[tuple, list] = {}
-    for linear, names in _GGUF_LINEARS.items():
-        if cfg.quant_of(linear):
-            out[_GGUF_LINEAR_PATHS[linear] + ("qweight",)] = [
-                jnp.asarray(np.concatenate([parts[linear, i][n] for n in names])) for i in range(cfg.num_layers)]
-    return out
-
-
-def gguf_embedding_blocks(model_dir: os.PathLike) -> jax.Array:
-    """The token embedding's blocks, uint8[V, bytes], as the GGUF file stores them."""
-    import numpy as np
-    (t,) = [t for t in _gguf_reader(model_dir).tensors if t.name == "token_embd.weight"]
-    return jnp.asarray(np.asarray(t.data))
+        if t.name == _GGUF_EMBEDDING and cfg.quant_of("embed_tokens"):
+            embedding = jnp.asarray(np.asarray(t.data))
+        elif p[0] == "blk" and cfg.quant_of(_GGUF_LINEAR_OF.get(p[2], "")):
+            raw = np.asarray(t.data)
+            if p[2] in ("attn_q", "attn_k"):
+                raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
+            parts.setdefault((_GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = raw
+    layers = {path + ("qweight",): [jnp.asarray(np.concatenate([parts[linear, i][n] for n in names]))
+                                    for i in range(cfg.num_layers)]
+              for linear, (path, names) in _GGUF_LINEARS.items() if cfg.quant_of(linear)}
+    return layers, embedding
 
 
 def resolve_dtype(dtype: str, cfg: DecoderConfig, platform: str = "cpu"):
@@ -257,7 +253,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     from safetensors import safe_open
     shapes = param_shapes(cfg, dtype)
     layer_parts: dict[tuple, list] = {}
-    blocks = gguf_layer_blocks(model_dir, cfg) if cfg.weight_quant else {}
+    blocks, embedding = gguf_blocks(model_dir, cfg) if cfg.weight_quant else ({}, None)
     params: dict = {}
     for file in _safetensor_files(model_dir):
         # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
@@ -285,8 +281,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     _set(params, path, t.T if transpose else t)
     for path, arrays in blocks.items():
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
-    if cfg.quant_of("embed_tokens"):
-        _set(params, ("embed_tokens", "qweight"), gguf_embedding_blocks(model_dir))
+    if embedding is not None:
+        _set(params, ("embed_tokens", "qweight"), embedding)
     for path, layers in layer_parts.items():
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:
