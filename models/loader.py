@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.quantization.int4_formats import INT4_METHODS, check_scheme, int4_scheme
 
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
@@ -33,6 +34,7 @@ _GGUF_LINEARS = {"qkv_proj": (("self_attn", "qkv_proj"), ("attn_q", "attn_k", "a
                  "down_proj": (("mlp", "down_proj"), ("ffn_down",))}
 _GGUF_LINEAR_OF = {n: linear for linear, (_, names) in _GGUF_LINEARS.items() for n in names}
 _GGUF_EMBEDDING = "token_embd.weight"    # the embedding (and with it a tied LM head)
+_INT4_TENSORS = ("qweight", "qzeros", "scales", "g_idx")   # an AWQ / GPTQ layer's tensors (g_idx: GPTQ's)
 
 
 # HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
@@ -59,6 +61,19 @@ _TOP_TABLE = {
     "lm_head.weight": (("lm_head", "kernel"), True),
 }
 
+
+def _linear_modules() -> dict[tuple, list[str]]:
+    """Each linear layer's param path under a layer -> its HF modules, in the order their outputs concatenate:
+    ("self_attn", "qkv_proj") -> ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]."""
+    parts: dict[tuple, dict[int, str]] = {}
+    for name, (path, _, part) in _LAYER_TABLE.items():
+        if path[-1] == "kernel":
+            parts.setdefault(path[:-1], {})[(part or (0, 1))[0]] = name[:-len(".weight")]
+    return {path: [modules[i] for i in sorted(modules)] for path, modules in parts.items()}
+
+
+_LINEAR_MODULES = _linear_modules()
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "float": jnp.float32, "half": jnp.float16}
 
@@ -80,23 +95,53 @@ def read_hf_config(model_dir: os.PathLike) -> dict:
     return json.loads(cfg_file.read_text())
 
 
+def checkpoint_quantization(hf_config: dict, quantization: str | None) -> str | None:
+    """The quantization method a model runs with: the one asked for, else the one config.json's
+    quantization_config declares (vLLM's detection). A declared method jaxpaged cannot read, or one that
+    contradicts the request, is refused naming what is supported."""
+    declared = (hf_config.get("quantization_config") or {}).get("quant_method")
+    supported = ", ".join(QUANTIZATION_METHODS)
+    if declared is not None and declared not in INT4_METHODS:
+        raise ValueError(f"the checkpoint holds {declared!r}-quantized weights (config.json's quantization_config), "
+                         f"which jaxpaged does not load; supported quantization: {supported}")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: {supported}")
+    if quantization in INT4_METHODS and declared != quantization:
+        raise ValueError(f"quantization={quantization!r}, but config.json's quantization_config declares "
+                         f"{declared!r}: the checkpoint must be {quantization}-quantized")
+    if declared is not None and quantization not in (None, declared):
+        raise ValueError(f"quantization={quantization!r} contradicts config.json's quantization_config "
+                         f"({declared!r}); leave it unset to run the checkpoint as published")
+    return quantization or declared
+
+
 def model_config(model_dir: os.PathLike, quantization: str | None = None) -> DecoderConfig:
-    """The decoder's config for a model folder, with the linear layers `quantization` keeps quantized. A
-    checkpoint whose config.json declares a quantization method (AWQ, GPTQ, fp8, ...) is refused by name:
-    its weights are not the dense tensors the loader reads."""
+    """The decoder's config for a model folder, with the linear layers its quantization keeps quantized
+    (checkpoint_quantization: the method asked for, else the one config.json declares)."""
     hf_config = read_hf_config(model_dir)
-    method = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if method is not None:
-        raise ValueError(f"{str(model_dir)!r} holds {method!r}-quantized weights (config.json's "
-                         "quantization_config), which jaxpaged does not load; supported quantization: "
-                         f"{', '.join(QUANTIZATION_METHODS)} (the blocks of a GGUF file)")
+    method = checkpoint_quantization(hf_config, quantization)
     cfg = decoder_config_from_hf(hf_config)
-    if quantization is None:
+    if method is None:
         return cfg
-    if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization {quantization!r} is not supported; supported: "
-                         f"{', '.join(QUANTIZATION_METHODS)}")
+    if method in INT4_METHODS:
+        return dataclasses.replace(cfg, weight_quant=int4_weight_quant(hf_config["quantization_config"], cfg))
     return dataclasses.replace(cfg, weight_quant=gguf_weight_quant(_gguf_reader(model_dir)))
+
+
+def int4_weight_quant(quant_config: dict, cfg: DecoderConfig) -> tuple[tuple[str, str], ...]:
+    """Every linear layer of the decoder in the AWQ / GPTQ checkpoint's int4 scheme, each checked against
+    the kernel's layout (input features a multiple of 128, the group size one it takes)."""
+    scheme = int4_scheme(quant_config)
+    skipped = [m for m in quant_config.get("modules_to_not_convert") or [] if m != "lm_head"]
+    if skipped:
+        raise ValueError(f"modules_to_not_convert {skipped}: unquantized decoder layers in a {scheme.method} "
+                         "checkpoint are not supported (only lm_head)")
+    in_features = {"qkv_proj": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim,
+                   "gate_up_proj": cfg.hidden_size, "down_proj": cfg.intermediate_size}
+    name = f"int4-g{scheme.group_size}" + ("-actorder" if scheme.act_order else "")
+    for linear, k in in_features.items():
+        check_scheme(scheme, linear, k)
+    return tuple((linear, name) for linear in sorted(in_features))
 
 
 def gguf_source(model_dir: os.PathLike) -> pathlib.Path:
@@ -247,13 +292,47 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False) -> Any:
+def int4_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderConfig, dtype,
+                      quant_config: dict) -> dict[tuple, list]:
+    """AWQ / GPTQ tensors ((layer, HF module) -> {qweight, qzeros, scales[, g_idx]} as numpy) -> (param path
+    under a layer -> each layer's array) in Int4Linear's layout, fused parts joined on the output dim."""
+    import numpy as np
+
+    from jaxpaged.quantization.int4_formats import concat_outputs, device_layout, from_awq, from_gptq
+    scheme = int4_scheme(quant_config)
+    out: dict[tuple, list] = {}
+    for path, modules in _LINEAR_MODULES.items():
+        if not (cfg.quant_of(path[-1]) or "").startswith("int4"):
+            continue
+        for i in range(cfg.num_layers):
+            parts = []
+            for module in modules:
+                t = tensors.get((i, module), {})
+                need = ("qweight", "qzeros", "scales")
+                if any(n not in t for n in need):
+                    raise ValueError(f"{scheme.method} checkpoint lacks model.layers.{i}.{module}."
+                                     f"{{{','.join(n for n in need if n not in t)}}}")
+                parts.append(from_awq(t["qweight"], t["qzeros"], t["scales"], scheme) if scheme.method == "awq"
+                             else from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), scheme))
+            layer = device_layout(concat_outputs(parts, f"layer {i} {path[-1]}"), scheme.act_order)
+            for key, value in layer.items():
+                value = jnp.asarray(value, jnp.int32 if value.dtype.kind in "iu" else dtype)
+                out.setdefault(path + (key,), []).append(value)
+    return out
+
+
+def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False,
+                            quant_config: dict | None = None) -> Any:
     """The checkpoint's weights in the decoder's tree; linear layers that cfg keeps quantized come from the
-    GGUF file's blocks instead of the folder's dense weights."""
+    GGUF file's blocks (GGUF) or the folder's qweight / qzeros / scales tensors (AWQ, GPTQ; quant_config is
+    config.json's quantization_config) instead of dense weights."""
+    import numpy as np
     from safetensors import safe_open
     shapes = param_shapes(cfg, dtype)
     layer_parts: dict[tuple, list] = {}
-    blocks, embedding = gguf_blocks(model_dir, cfg) if cfg.weight_quant else ({}, None)
+    int4 = any(q.startswith("int4") for _, q in cfg.weight_quant)
+    blocks, embedding = gguf_blocks(model_dir, cfg) if cfg.weight_quant and not int4 else ({}, None)
+    int4_tensors: dict[tuple[int, str], dict] = {}
     params: dict = {}
     for file in _safetensor_files(model_dir):
         # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
@@ -262,10 +341,14 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                 if name.startswith("model.layers."):
                     rest = name[len("model.layers."):]
                     idx, sub = rest.split(".", 1)
+                    module, _, leaf = sub.rpartition(".")
+                    if int4 and leaf in _INT4_TENSORS:
+                        int4_tensors.setdefault((int(idx), module), {})[leaf] = np.asarray(f.get_tensor(name))
+                        continue
                     if sub not in _LAYER_TABLE:
                         continue   # e.g. rotary_emb.inv_freq in old checkpoints
                     path, transpose, part = _LAYER_TABLE[sub]
-                    if cfg.quant_of(path[-2]):
+                    if path[-1] == "kernel" and cfg.quant_of(path[-2]):
                         continue   # from the GGUF blocks
                     t = f.get_tensor(name).astype(dtype)
                     part_idx, num_parts = part or (0, 1)
@@ -279,6 +362,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                         continue   # from the GGUF blocks
                     t = f.get_tensor(name).astype(dtype)
                     _set(params, path, t.T if transpose else t)
+    if int4:
+        blocks = int4_layer_params(int4_tensors, cfg, dtype, quant_config or {})
     for path, arrays in blocks.items():
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
     if embedding is not None:
@@ -318,7 +403,8 @@ def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, per_layer)
     elif load_format in ("auto", "safetensors"):
-        params = load_safetensors_params(pathlib.Path(model_dir), cfg, jdtype, per_layer)
+        params = load_safetensors_params(pathlib.Path(model_dir), cfg, jdtype, per_layer,
+                                         hf_config.get("quantization_config"))
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; choose auto, safetensors or dummy")
     return LoadedModel(cfg, hf_config, params, jdtype)

@@ -1,0 +1,197 @@
+"""Linear layers at decode sizes on the GPU: XLA's bf16 dot against the Pallas W4A16 kernel (issue 26) and a
+Pallas dense GEMV (issue 24: can a kernel of ours read bf16 weights faster than cuBLAS at M = 1?).
+
+  python3 bench/bench_matmul.py --out DIR [--git-rev REV] [--budget-s 300] [--models llama3-8b,qwen2-0.5b]
+      [--rows 1,4,16,64] [--sweep]
+
+For each model's four linear layers (K, N) and each row count M:
+  xla-bf16      x @ w, bf16 weights (cuBLAS / XLA's own GEMV fusion)
+  int4          pallas_kernels.int4_matmul, group 128, the op's own tiling
+  int4-xla      dequantize_int4 then the dot, all in XLA (what a model does without the kernel)
+  gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
+--sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages).
+Each Pallas variant's output is checked against XLA's dot first (relative error printed). Times: median of
+device-synchronised samples (bench_kernels.time_op), each sample's ops reading weight copies that together
+exceed the 50 MB L2 (>= 1 GiB or 32 copies); TB/s counts the weight bytes only. Writes
+matmul_<device>.json / .md under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as plgpu  # noqa: E402
+
+from bench.bench_kernels import rel_err, time_op  # noqa: E402
+from pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, pack_int4  # noqa: E402
+
+LINEARS = {   # (name, K, N): qkv, o, gate_up, down
+    "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
+    "qwen2-0.5b": [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896)],
+}
+GROUP = 128
+T0 = time.time()
+
+
+def _gemv_kernel(x_ref, w_ref, o_ref, *, block_k, k_per_split, block_n):
+    # x_ref: bf16[M, K]; w_ref: bf16[K, N]; o_ref: f32[NS, M, N]
+    jn, split = pl.program_id(0), pl.program_id(1)
+    m = x_ref.shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (16, block_k), 0)
+    cols = pl.ds(jn * block_n, block_n)
+
+    def body(i, acc):
+        k0 = split * k_per_split + i * block_k
+        x = plgpu.load(x_ref.at[pl.ds(0, 16), pl.ds(k0, block_k)], mask=rows < m, other=0.0)
+        return acc + plgpu.dot(x, w_ref[pl.ds(k0, block_k), cols])
+
+    acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((16, block_n), jnp.float32))
+    out_rows = jax.lax.broadcasted_iota(jnp.int32, (16, block_n), 0)
+    plgpu.store(o_ref.at[split, pl.ds(0, 16), cols], acc, mask=out_rows < m)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_splits", "num_warps", "num_stages", "interpret"))
+def gemv_bf16(x, w, *, block_k=128, block_n=128, num_splits=8, num_warps=4, num_stages=4, interpret=False):
+    """x bf16[M <= 16, K] @ w bf16[K, N]: grid (N / block_n, num_splits), f32 partials summed by XLA."""
+    m, k = x.shape
+    n = w.shape[1]
+    kernel = functools.partial(_gemv_kernel, block_k=block_k, k_per_split=k // num_splits, block_n=block_n)
+    out = pl.pallas_call(kernel, grid=(n // block_n, num_splits),
+                         out_shape=jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
+                         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                         interpret=interpret, name="gemv_bf16")(x, w)
+    return jnp.sum(out, axis=0).astype(x.dtype)
+
+
+def _gemv_splits(k: int, n: int, block_n: int, block_k: int, sms: int) -> int:
+    want = max(1, 4 * sms // (n // block_n))
+    steps = k // block_k
+    return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= want)
+
+
+def weight_sets(rng, k, n, nbytes_each):
+    """How many copies of a weight make the rotation miss L2: >= 1 GiB in all, 2..32 copies."""
+    return int(min(32, max(2, math.ceil((1 << 30) / nbytes_each))))
+
+
+def bench_shape(args, model, name, k, n, m, results, sms):
+    rng = np.random.default_rng(k * 7 + n)
+    nsets = weight_sets(rng, k, n, k * n // 2)
+    q = [pack_int4(rng.integers(0, 16, (k, n), dtype=np.uint8)) for _ in range(min(nsets, 4))]
+    qweights = jnp.asarray(np.stack([q[i % len(q)] for i in range(nsets)]))       # [S, K/8, N]
+    scales = jnp.asarray(rng.uniform(0.001, 0.01, (nsets, k // GROUP, n)), jnp.bfloat16)
+    zeros = jnp.asarray(rng.integers(0, 16, (nsets, k // GROUP, n)), jnp.bfloat16)
+    nsets_bf16 = weight_sets(rng, k, n, 2 * k * n)
+    w_bf16 = jax.random.normal(jax.random.PRNGKey(1), (nsets_bf16, k, n), jnp.bfloat16) * 0.02
+    xs = jax.random.normal(jax.random.PRNGKey(2), (64, m, k), jnp.bfloat16)
+    int4_bytes = k * n // 2 + 2 * 2 * (k // GROUP) * n
+    variants = {
+        "xla-bf16": (lambda i, xs, w: xs[i % 64] @ w[i % nsets_bf16], (xs, w_bf16), 2 * k * n),
+        "int4": (lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], b[i % nsets]),
+                 (xs, qweights, scales, zeros), int4_bytes),
+        "int4-xla": (lambda i, xs, qw, s, b: xs[i % 64] @ dequantize_int4(qw[i % nsets], s[i % nsets],
+                                                                          b[i % nsets], jnp.bfloat16),
+                     (xs, qweights, scales, zeros), int4_bytes),
+    }
+    if m <= 16:
+        ns = _gemv_splits(k, n, 128, 128, sms)
+        variants["gemv-bf16"] = (lambda i, xs, w: gemv_bf16(xs[i % 64], w[i % nsets_bf16], num_splits=ns),
+                                 (xs, w_bf16), 2 * k * n)
+    if args.sweep and m == 1:
+        for ns_mult in (0.5, 2):
+            for bn in (64, 256):
+                steps = k // 128
+                ns = max(1, min(steps, int(_gemv_splits(k, n, bn, 128, sms) * ns_mult)))
+                while steps % ns:
+                    ns -= 1
+                variants[f"gemv-bf16 bn{bn} ns{ns}"] = (
+                    lambda i, xs, w, bn=bn, ns=ns: gemv_bf16(xs[i % 64], w[i % nsets_bf16], block_n=bn,
+                                                             num_splits=ns), (xs, w_bf16), 2 * k * n)
+        for kw in ({"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64}, {"block_n": 256}):
+            label = "int4 " + ",".join(f"{a}={b}" for a, b in kw.items())
+            variants[label] = (lambda i, xs, qw, s, b, kw=kw: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets],
+                                                                          b[i % nsets], **kw),
+                               (xs, qweights, scales, zeros), int4_bytes)
+    ref_bf16 = None
+    ref_int4 = None
+    for label, (op, data, nbytes) in variants.items():
+        if time.time() - T0 > args.budget_s:
+            print(f"budget spent: skipping {model} {name} M={m} {label}", flush=True)
+            return
+        err = None
+        try:
+            out = jax.jit(lambda *a: op(0, *a))(*data)
+            if label.startswith("int4"):
+                ref_int4 = out if ref_int4 is None else ref_int4
+                err = rel_err(out, ref_int4)
+            else:
+                ref_bf16 = out if ref_bf16 is None else ref_bf16
+                err = rel_err(out, ref_bf16)
+            dev_s, wall_s = time_op(op, data, n=16)
+        except Exception as e:  # noqa: BLE001  (a tiling Triton refuses is reported, the rest goes on)
+            print(f"{model} {name} M={m} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        row = {"model": model, "linear": name, "K": k, "N": n, "M": m, "variant": label, "us": dev_s * 1e6,
+               "wall_us": wall_s * 1e6, "TBps": nbytes / dev_s / 1e12, "weight_bytes": nbytes, "rel_err": err}
+        results.append(row)
+        print(f"{model:10s} {name:8s} M={m:<4d} {label:28s} {dev_s * 1e6:8.1f} us  {row['TBps']:5.2f} TB/s"
+              f"  err {err:.1e}", flush=True)
+
+
+def write_outputs(args, results):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0].device_kind
+    meta = {"device": device, "jax": jax.__version__, "git_rev": args.git_rev,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)}
+    slug = device.replace(" ", "_")
+    (out / f"matmul_{slug}.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    lines = [f"# Linear layers at decode sizes: {device}, jax {jax.__version__}, rev {args.git_rev}", "",
+             f"`{meta['command']}`", "",
+             "| model | linear | K x N | M | variant | us | weight TB/s | x xla-bf16 |", "|---|---|---|---|---|---|---|---|"]
+    base = {(r["model"], r["linear"], r["M"]): r["us"] for r in results if r["variant"] == "xla-bf16"}
+    for r in results:
+        b = base.get((r["model"], r["linear"], r["M"]))
+        ratio = f"{r['us'] / b:.2f}" if b else "-"
+        lines.append(f"| {r['model']} | {r['linear']} | {r['K']} x {r['N']} | {r['M']} | {r['variant']} | "
+                     f"{r['us']:.1f} | {r['TBps']:.2f} | {ratio} |")
+    (out / f"matmul_{slug}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--git-rev", default="unknown")
+    p.add_argument("--budget-s", type=float, default=300)
+    p.add_argument("--models", default="llama3-8b,qwen2-0.5b")
+    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args()
+    device = jax.devices()[0]
+    sms = int(getattr(device, "core_count", 0) or 132)
+    print(f"device {device.device_kind}, {sms} SMs, jax {jax.__version__}", flush=True)
+    results = []
+    for model in args.models.split(","):
+        for name, k, n in LINEARS[model]:
+            for m in (int(r) for r in args.rows.split(",")):
+                bench_shape(args, model, name, k, n, m, results, sms)
+    write_outputs(args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 26's W4A16 on the GPU, in one call: the kernel's tests at real sizes, the linear-layer table
+# (bench/bench_matmul.py), then llama3-8b's concurrency-1 TPOT over HTTP as AWQ int4 (dummy weights) beside
+# bf16 on the same machine.
+#   bash bench/int4_gpu.sh [--no-tests] [--no-table] [--no-c1] [--table-args "FLAGS"]
+# carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+TESTS=1; TABLE=1; C1=1; TABLE_ARGS="--sweep"
+while [ $# -gt 0 ]; do
+  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --table-args) TABLE_ARGS=$2; shift ;; esac
+  shift
+done
+OUTDIR=${OUT:-/tmp/int4}
+mkdir -p "$OUTDIR"
+ROOT=$(pwd)
+if [ $C1 = 1 ]; then   # (before gpu_env.sh leaves the repository)
+  c1() { bash "$ROOT/bench/serve_vs_offline.sh" "$1" --server-only --c1-only 2>&1 | grep -E "TPOT|health|Error|error" | head -12; }
+fi
+source bench/gpu_env.sh
+echo "int4_gpu: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
+if [ $TESTS = 1 ]; then
+  echo "== kernel tests (GPU)"
+  JAX_PLATFORMS=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o pythonpath= "$REPO/tests/kernels/test_int4_matmul.py" 2>&1 | tail -5
+fi
+if [ $TABLE = 1 ]; then
+  echo "== linear layers (bench_matmul.py $TABLE_ARGS)"
+  # shellcheck disable=SC2086
+  timeout 330 $PY "$REPO/bench/bench_matmul.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" $TABLE_ARGS 2>&1 \
+    | grep -vE "^\| " | tail -80
+fi
+if [ $C1 = 1 ]; then
+  cd "$ROOT" || exit 1
+  for model in llama3-8b-awq llama3-8b; do echo "== c1 $model"; c1 $model; done
+fi

@@ -1,0 +1,183 @@
+"""W4A16: x @ W with W in 4-bit groups, unpacked inside a Pallas (Triton) kernel, with a plain-jnp reference.
+
+Legend: M rows of x (tokens), K input features, N output features, G group size (input rows sharing one
+scale and zero point per column), NS splits of K.
+
+Weights are affine per group and column, which covers the int4 formats jaxpaged loads:
+    W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n],   q in 0..15
+(AWQ and asymmetric GPTQ: their zero points; symmetric GPTQ: 8.) The zero points are whole numbers, which
+every float dtype holds exactly, so the kernel computes with the checkpoint's zeros, not a rounded
+-zero * scale. The loaders repack each format into one device layout, declared here:
+
+    qweight: i32[K/8, N]        slab t (input rows 128t..128t+127) is int32 rows 16t..16t+15; nibble j
+                                (bits 4j..4j+3) of row 16t + r holds q of input row 128t + 16j + r
+    scales, zeros: dtype[K/G, N]
+
+Why this order: nibble j of a slab's 16 int32 rows is 16 consecutive input rows, so one shift and mask of
+the loaded [16, BN] tile is a ready [16, BN] operand of a tensor-core dot against x's matching 16
+columns. No register shuffles, and the kernel reads a quarter of the bf16 bytes.
+
+Grid (M tiles, N tiles, NS): each program walks its share of K's 128-row slabs. Per group it takes the
+dot of x with the raw 4-bit values, then scales: sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k), so
+the per-element work is one shift, one mask and one convert. With NS > 1 each split writes f32 partial
+sums and the caller's sum over splits is a small XLA reduction that fuses into whatever consumes the
+output (a residual add, the SiLU).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+PACK_ROWS = 128          # input rows per packed slab: 16 int32 rows x 8 nibbles
+_NIBBLE_ROWS = 16        # input rows of one nibble of a slab (a tensor-core dot's K)
+
+
+def check_group_size(in_features: int, group_size: int) -> str | None:
+    """Why (K, G) cannot use this layout, or None: K a multiple of 128; G 16, 32, 64 or a multiple of 128
+    that divides K."""
+    if in_features % PACK_ROWS:
+        return f"input features {in_features} not a multiple of {PACK_ROWS}"
+    if group_size in (16, 32, 64) or (group_size % PACK_ROWS == 0 and in_features % group_size == 0):
+        return None
+    return f"group size {group_size} (supported: 16, 32, 64, or a multiple of 128 dividing {in_features})"
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """4-bit values u8[K, N] (0..15) -> i32[K/8, N] in the layout above (host side, at load)."""
+    k, n = q.shape
+    if k % PACK_ROWS:
+        raise ValueError(f"input features {k} not a multiple of {PACK_ROWS}")
+    # [K, N] -> [slab, nibble j, row r, N]; int32 row (slab, r) = sum_j q[slab, j, r] << 4j
+    q = q.astype(np.uint32).reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS, n)
+    packed = np.zeros((k // PACK_ROWS, _NIBBLE_ROWS, n), np.uint32)
+    for j in range(8):
+        packed |= q[:, j] << np.uint32(4 * j)
+    return packed.reshape(k // 8, n).view(np.int32)
+
+
+def unpack_int4(qweight) -> jax.Array:
+    """i32[K/8, N] -> the 4-bit values i32[K, N] (jnp; the references and the large-M path)."""
+    k8, n = qweight.shape
+    slabs = qweight.reshape(k8 // _NIBBLE_ROWS, 1, _NIBBLE_ROWS, n)
+    shifts = (4 * jnp.arange(8, dtype=jnp.int32)).reshape(1, 8, 1, 1)
+    return ((slabs >> shifts) & 15).reshape(k8 * 8, n)
+
+
+def dequantize_int4(qweight, scales, zeros, dtype=jnp.float32) -> jax.Array:
+    """The dense weight dtype[K, N] ((q - zero) * scale per group, computed in f32)."""
+    q = unpack_int4(qweight).astype(jnp.float32)
+    group = q.shape[0] // scales.shape[0]
+    w = ((q.reshape(scales.shape[0], group, -1) - zeros.astype(jnp.float32)[:, None])
+         * scales.astype(jnp.float32)[:, None])
+    return w.reshape(q.shape).astype(dtype)
+
+
+def int4_matmul_reference(x, qweight, scales, zeros) -> jax.Array:
+    """Plain jnp, f32 math: x dtype[M, K] -> dtype[M, N]."""
+    w = dequantize_int4(qweight, scales, zeros)
+    return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_m, block_n):
+    # x_ref: dtype[M, K]
+    # w_ref: i32[K/8, N]
+    # s_ref: dtype[K/G, N]
+    # z_ref: dtype[K/G, N]
+    # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
+    im, jn, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows = x_ref.shape[0]
+    rows = im * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, _NIBBLE_ROWS), 0)
+    row_ok = rows < num_rows
+    cols = pl.ds(jn * block_n, block_n)
+    precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+    groups_per_slab = max(1, PACK_ROWS // group_size)
+    nibbles_per_group = 8 // groups_per_slab
+
+    def body(i, acc):
+        slab = split * slabs_per_split + i
+        w = w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]                       # [16, BN] i32
+        for g in range(groups_per_slab):
+            part = jnp.zeros((block_m, block_n), jnp.float32)
+            x_sum = jnp.zeros((block_m,), jnp.float32)
+            for j in range(g * nibbles_per_group, (g + 1) * nibbles_per_group):
+                xj = plgpu.load(x_ref.at[pl.ds(im * block_m, block_m),
+                                         pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)],
+                                mask=row_ok, other=0.0)                                  # [BM, 16]
+                qj = ((w >> (4 * j)) & 15).astype(xj.dtype)                              # [16, BN]
+                part += plgpu.dot(xj, qj, precision=precision)
+                x_sum += jnp.sum(xj.astype(jnp.float32), axis=1)
+            group_row = (slab * PACK_ROWS + g * group_size) // group_size
+            s = s_ref[group_row, cols].astype(jnp.float32)                               # [BN]
+            z = z_ref[group_row, cols].astype(jnp.float32)
+            acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+        return acc
+
+    acc = jax.lax.fori_loop(0, slabs_per_split, body, jnp.zeros((block_m, block_n), jnp.float32))
+    out_rows = im * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
+    if len(o_ref.shape) == 2:
+        plgpu.store(o_ref.at[pl.ds(im * block_m, block_m), cols], acc.astype(o_ref.dtype),
+                    mask=out_rows < num_rows)
+    else:
+        plgpu.store(o_ref.at[split, pl.ds(im * block_m, block_m), cols], acc, mask=out_rows < num_rows)
+
+
+def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int, int]:
+    """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64; 128 columns; K split
+    until the programs fill about four per SM (decode sizes leave too few N tiles for the GPU alone)."""
+    block_m = min(64, max(16, 1 << max(0, (m - 1).bit_length())))
+    block_n = 128 if n % 128 == 0 else 64
+    slabs = k // PACK_ROWS
+    programs = -(-m // block_m) * (n // block_n)
+    want = max(1, 4 * sms // programs)
+    # the largest divisor of the slab count not above want: every split walks the same number of slabs
+    splits = max(d for d in range(1, slabs + 1) if slabs % d == 0 and d <= want)
+    return block_m, block_n, splits
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "num_warps", "num_stages",
+                                             "interpret"))
+def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_n: int | None = None,
+                num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                interpret: bool | None = None) -> jax.Array:
+    """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N], scales and zeros dtype[K/G, N]
+    (the layout in the module docstring). Tiling None: choose_int4_tiling's."""
+    m, k = x.shape
+    k8, n = qweight.shape
+    if x.ndim != 2 or k8 * 8 != k or qweight.dtype != jnp.int32:
+        raise ValueError(f"x {x.shape} and qweight {qweight.shape} {qweight.dtype} do not match (qweight "
+                         "is int32 [K/8, N])")
+    if scales.shape != zeros.shape or scales.ndim != 2 or scales.shape[1] != n or k % scales.shape[0]:
+        raise ValueError(f"scales {scales.shape} / zeros {zeros.shape} do not match K {k}, N {n}")
+    group_size = k // scales.shape[0]
+    why = check_group_size(k, group_size)
+    if why is not None:
+        raise ValueError(why)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    bm, bn, ns = choose_int4_tiling(m, k, n)
+    block_m, block_n, num_splits = block_m or bm, block_n or bn, num_splits or ns
+    slabs = k // PACK_ROWS
+    if n % block_n or slabs % num_splits:
+        raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
+    kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
+                               block_m=block_m, block_n=block_n)
+    out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1
+                 else jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32))
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, block_m), n // block_n, num_splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="int4_matmul",
+    )(x, qweight, scales, zeros)
+    return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+
+
+__all__ = ["PACK_ROWS", "check_group_size", "choose_int4_tiling", "dequantize_int4", "int4_matmul",
+           "int4_matmul_reference", "pack_int4", "unpack_int4"]

@@ -1,0 +1,112 @@
+"""The W4A16 kernel (Triton backend) against its plain-jnp reference: interpret mode on the CPU, compiled on
+the GPU, where it also runs llama3-8b's decode shapes (kernel_cases.py says how the switch works)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import INTERPRET, TOL, gpu_only, lowered_calls, rel_err
+from jaxpaged.pallas_kernels.int4_matmul import (check_group_size, choose_int4_tiling, dequantize_int4, int4_matmul,
+                                                 int4_matmul_reference, pack_int4, unpack_int4)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCase:
+    m: int
+    k: int
+    n: int
+    group_size: int
+    dtype: str = "float32"
+    num_splits: int | None = None       # None: the op's own tiling
+
+    def __str__(self):
+        return f"{self.m}x{self.k}x{self.n}-g{self.group_size}-{self.dtype}-ns{self.num_splits}"
+
+
+def make_inputs(case: MatmulCase):
+    """x, qweight, scales, zeros with random values (scales > 0, whole-number zero points 0..15), and q."""
+    rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+    q = rng.integers(0, 16, (case.k, case.n), dtype=np.uint8)
+    groups = case.k // case.group_size
+    dtype = jnp.dtype(case.dtype)
+    scales = jnp.asarray(rng.uniform(0.005, 0.05, (groups, case.n)), dtype)
+    zeros = jnp.asarray(rng.integers(0, 16, (groups, case.n)), dtype)
+    x = jnp.asarray(rng.standard_normal((case.m, case.k)), dtype)
+    return x, jnp.asarray(pack_int4(q)), scales, zeros, q
+
+
+CASES = [
+    MatmulCase(1, 256, 128, 128),                   # one decode row, one group per slab
+    MatmulCase(3, 256, 128, 32, num_splits=2),      # four groups per slab, K split in two (f32 partials)
+    MatmulCase(20, 512, 192, 64, "bfloat16"),       # rows past one 16-row tile, N not a multiple of 128
+    MatmulCase(5, 256, 64, 256, num_splits=1),      # one group over all of K (per-channel)
+]
+CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 8, 64) for n in (6144, 4096))
+CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 4096, 28672, 128, "bfloat16")])
+
+
+class TestInt4Matmul:
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_matches_reference(self, case):
+        x, qweight, scales, zeros, _ = make_inputs(case)
+        ref = int4_matmul_reference(x, qweight, scales, zeros)
+        block_n = None if case.n % 128 == 0 else 64
+        out = int4_matmul(x, qweight, scales, zeros, num_splits=case.num_splits, block_n=block_n,
+                          interpret=INTERPRET)
+        assert out.shape == (case.m, case.n) and out.dtype == x.dtype
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert rel_err(out, ref) <= TOL[case.dtype]
+
+    def test_packing_round_trip_and_layout(self):
+        """pack_int4 then unpack_int4 gives the values back; nibble j of int32 row 16t + r is input row
+        128t + 16j + r (the layout the kernel's dots rely on)."""
+        q = np.random.default_rng(0).integers(0, 16, (256, 3), dtype=np.uint8)
+        packed = pack_int4(q)
+        assert packed.shape == (32, 3) and packed.dtype == np.int32
+        assert (np.asarray(unpack_int4(jnp.asarray(packed))) == q).all()
+        word = int(packed[16 + 5, 2]) & 0xFFFFFFFF                       # slab 1, row r = 5
+        assert [(word >> (4 * j)) & 15 for j in range(8)] == [q[128 + 16 * j + 5, 2] for j in range(8)]
+
+    def test_dequantize_is_affine_per_group(self):
+        case = MatmulCase(1, 128, 4, 32)
+        _, qweight, scales, zeros, q = make_inputs(case)
+        w = np.asarray(dequantize_int4(qweight, scales, zeros))
+        group = np.arange(128) // 32
+        expect = (q.astype(np.float32) - np.asarray(zeros)[group]) * np.asarray(scales)[group]
+        np.testing.assert_allclose(w, expect, rtol=1e-6)
+
+    @pytest.mark.parametrize("k,group,ok", [(4096, 128, True), (4096, 32, True), (4096, 4096, True),
+                                            (4096, 96, False), (576, 32, False), (4864, 128, True)])
+    def test_group_sizes(self, k, group, ok):
+        assert (check_group_size(k, group) is None) == ok
+
+    def test_rejects_bad_inputs(self):
+        case = MatmulCase(1, 256, 128, 128)
+        x, qweight, scales, zeros, _ = make_inputs(case)
+        with pytest.raises(ValueError, match="qweight"):
+            int4_matmul(x[:, :128], qweight, scales, zeros, interpret=INTERPRET)
+        with pytest.raises(ValueError, match="scales"):
+            int4_matmul(x, qweight, scales[:, :64], zeros, interpret=INTERPRET)
+        with pytest.raises(ValueError, match="group size"):
+            int4_matmul(x, qweight, jnp.ones((32, 128)), jnp.ones((32, 128)), interpret=INTERPRET)   # G = 8
+
+    def test_tiling_fills_the_gpu_at_decode_sizes(self):
+        """choose_int4_tiling: llama3-8b's decode GEMVs get about four programs per SM of the H100's 132."""
+        assert choose_int4_tiling(1, 4096, 6144) == (16, 128, 8)        # 48 column tiles x 8 splits
+        assert choose_int4_tiling(1, 4096, 4096) == (16, 128, 16)       # 32 x 16
+        assert choose_int4_tiling(1, 14336, 4096) == (16, 128, 16)      # 112 slabs: 16 divides
+        assert choose_int4_tiling(1, 4096, 28672) == (16, 128, 2)
+        assert choose_int4_tiling(256, 4096, 28672) == (64, 128, 1)
+
+    def test_lowers_to_triton(self):
+        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call."""
+        s = jax.ShapeDtypeStruct
+        op = functools.partial(int4_matmul, interpret=False)
+        assert lowered_calls(op, s((4, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
+                             s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.bfloat16)) == (1,)

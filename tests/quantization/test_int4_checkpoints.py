@@ -1,0 +1,198 @@
+"""AWQ and GPTQ int4 checkpoints, written here in their published layouts from tiny random-weight models, load
+as published and compute what HF transformers computes on the same weights dequantized (float32: prompt
+logprobs within 1e-4, greedy tokens equal), through XLA and through the W4A16 Pallas kernel (interpreted)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.quantization.int4_formats import AWQ_ORDER
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# K a multiple of 128 for every linear layer (the kernel's packed slabs): hidden 128, 2 heads of 64, MLP 256
+SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Case:
+    family: str              # conftest.TINY_MODELS key
+    method: str              # awq | gptq
+    group_size: int          # -1: per output channel
+    sym: bool = False        # GPTQ's symmetric zero point (8)
+    desc_act: bool = False   # GPTQ's act order: groups of a permutation of the input rows
+
+    def __str__(self):
+        return (f"{self.family}-{self.method}-g{self.group_size}" + ("-sym" if self.sym else "")
+                + ("-actorder" if self.desc_act else ""))
+
+    def quantization_config(self) -> dict:
+        if self.method == "awq":
+            return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
+                    "version": "gemm", "modules_to_not_convert": None}
+        return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size, "sym": self.sym,
+                "desc_act": self.desc_act, "checkpoint_format": "gptq"}
+
+
+CASES = [Int4Case("llama", "awq", 32), Int4Case("qwen2", "awq", 128), Int4Case("llama", "gptq", 64, sym=True),
+         Int4Case("qwen3", "gptq", 32, desc_act=True), Int4Case("llama", "gptq", -1)]
+
+
+def quantize(w: np.ndarray, group: int, sym: bool, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w f32[K, N] -> (q u8[K, N], scales f16[K/G, N], zeros u8[K/G, N]): round-to-nearest per group of input
+    rows, the groups cut from the rows in the order `rows` gives (a permutation with act order)."""
+    k, n = w.shape
+    wg = w[rows].reshape(k // group, group, n)
+    if sym:
+        scales = (np.abs(wg).max(1) / 7.0).astype(np.float16)
+        zeros = np.full(scales.shape, 8, np.uint8)
+    else:
+        lo, hi = np.minimum(wg.min(1), 0), np.maximum(wg.max(1), 0)
+        scales = ((hi - lo) / 15.0).astype(np.float16)
+        zeros = np.clip(np.round(-lo / scales.astype(np.float32)), 0, 15).astype(np.uint8)
+    s = scales.astype(np.float32)[:, None]
+    q_sorted = np.clip(np.round(wg / s) + zeros[:, None], 0, 15).astype(np.uint8).reshape(k, n)
+    q = np.empty_like(q_sorted)
+    q[rows] = q_sorted
+    return q, scales, zeros
+
+
+def pack_columns(v: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """u8[R, N] -> i32[R, N/8]: nibble i of word c holds column 8c + order[i]."""
+    words = np.zeros((v.shape[0], v.shape[1] // 8), np.uint32)
+    for i, col in enumerate(order):
+        words |= v[:, col::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def pack_rows(v: np.ndarray) -> np.ndarray:
+    """u8[K, N] -> i32[K/8, N]: nibble j of row i holds input row 8i + j (GPTQ's qweight)."""
+    return pack_columns(v.T).T.copy()
+
+
+def write_int4_checkpoint(case: Int4Case, path: Path):
+    """A tiny model saved by transformers, its linear weights replaced by the case's packed tensors; returns
+    HF's model carrying the dequantized weights (the reference)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxpaged.engine.llm_engine import resolve_model_path
+    hf = save_tiny_model(case.family, path, initializer_range=0.2, **SIZES)
+    for f in ("tokenizer.json", "tokenizer_config.json"):        # SmolLM2's ids cover the tiny vocabulary
+        shutil.copy(Path(resolve_model_path(None)) / f, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS and n.endswith(".weight")]:
+        w = tensors.pop(name).T                                             # [K, N]
+        group = case.group_size if case.group_size > 0 else w.shape[0]
+        prefix = name[:-len(".weight")]
+        # act order: GPTQ orders a layer's input rows by its inputs' statistics, so the layers reading one
+        # input (q, k and v; gate and up) share the permutation
+        shared_input = prefix.rsplit(".", 1)[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
+            prefix.rsplit(".", 1)[1], prefix.rsplit(".", 1)[1])
+        rows = (np.random.default_rng(zlib.crc32(shared_input.encode())).permutation(w.shape[0]) if case.desc_act
+                else np.arange(w.shape[0]))
+        q, scales, zeros = quantize(w, group, case.sym, rows)
+        if case.method == "awq":
+            tensors[prefix + ".qweight"] = pack_columns(q, AWQ_ORDER)
+            tensors[prefix + ".qzeros"] = pack_columns(zeros, AWQ_ORDER)
+        else:
+            tensors[prefix + ".qweight"] = pack_rows(q)
+            tensors[prefix + ".qzeros"] = pack_columns((zeros - 1) & 15)     # the original format: zero - 1
+            g_idx = np.empty(w.shape[0], np.int32)
+            g_idx[rows] = np.arange(w.shape[0]) // group
+            tensors[prefix + ".g_idx"] = g_idx
+        tensors[prefix + ".scales"] = scales
+        g_of_row = np.empty(w.shape[0], np.int64)
+        g_of_row[rows] = np.arange(w.shape[0]) // group
+        dequant = (q.astype(np.float32) - zeros[g_of_row]) * scales.astype(np.float32)[g_of_row]
+        hf.get_submodule(prefix).weight.data = torch.from_numpy(np.ascontiguousarray(dequant.T))
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = case.quantization_config()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+def hf_logprobs(hf, token_ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logits = hf(torch.tensor([token_ids])).logits[0, :-1]
+    return torch.log_softmax(logits.double(), -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    built = {}
+
+    def get(case: Int4Case):
+        if case not in built:
+            path = tmp_path_factory.mktemp(str(case))
+            built[case] = (path, write_int4_checkpoint(case, path))
+        return built[case]
+    return get
+
+
+SCORED = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+
+
+def check_against_hf(llm: LLM, hf) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (19, 7)]
+    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], SCORED, use_tqdm=False):
+        prompt, gen = out.prompt_token_ids, out.outputs[0]
+        lps = hf_logprobs(hf, prompt + gen.token_ids)
+        assert gen.token_ids == lps[len(prompt) - 1:].argmax(-1).tolist()
+        got = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        np.testing.assert_allclose(got, lps[np.arange(len(prompt) - 1), prompt[1:]], rtol=0, atol=1e-4)
+        got = [entry[t].logprob for entry, t in zip(gen.logprobs, gen.token_ids)]
+        rows = np.arange(len(prompt) - 1, len(prompt) - 1 + len(gen.token_ids))
+        np.testing.assert_allclose(got, lps[rows, gen.token_ids], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_int4_checkpoint_equals_hf_on_its_dequantized_weights(checkpoints, case):
+    """The method is detected from config.json (no quantization argument), as vLLM does."""
+    path, hf = checkpoints(case)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16)
+    scheme = dict(llm.llm_engine.model_config.weight_quant)
+    group = case.group_size if case.group_size > 0 else 0
+    assert set(scheme.values()) == {f"int4-g{group}" + ("-actorder" if case.desc_act else "")}
+    check_against_hf(llm, hf)
+
+
+def test_the_w4a16_kernel_runs_inside_the_model(checkpoints):
+    """attention_backend="pallas" runs the Pallas kernels (interpreted here), the W4A16 matmul among them."""
+    case = CASES[1]                     # Qwen2: a dense bias beside the quantized q/k/v
+    path, hf = checkpoints(case)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=32,
+              attention_backend="pallas", quantization="awq")
+    check_against_hf(llm, hf)
+
+
+def test_inconsistent_or_unsupported_int4_checkpoints_are_refused(checkpoints, tmp_path):
+    path, _ = checkpoints(CASES[0])                                           # an AWQ checkpoint
+    with pytest.raises(ValueError, match="contradicts config.json's quantization_config"):
+        LLM(model=str(path), quantization="gguf")
+    with pytest.raises(ValueError, match="'gptq', but config.json's quantization_config declares 'awq'"):
+        LLM(model=str(path), quantization="gptq")
+    cfg = json.loads((path / "config.json").read_text())
+    for change, message in [({"bits": 8}, "8-bit weights is not supported"),
+                            ({"version": "gemv"}, "AWQ version 'gemv' is not supported"),
+                            ({"group_size": 96}, "group size 96"),
+                            ({"quant_method": "fp8"}, "'fp8'-quantized weights .* supported quantization: awq, gguf, gptq")]:
+        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        bad.mkdir()
+        for f in path.iterdir():
+            (bad / f.name).symlink_to(f)
+        (bad / "config.json").unlink()
+        (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"],
+                                                                                      **change}}))
+        with pytest.raises(ValueError, match=message):
+            LLM(model=str(bad))
