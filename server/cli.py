@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from jaxpaged.config import QUANTIZATION_METHODS, EngineArgs
 
@@ -10,6 +11,19 @@ from jaxpaged.config import QUANTIZATION_METHODS, EngineArgs
 # token id in JSON takes at most 8, a token's text rarely 16), yet bounds what one request makes the API
 # process parse and hold.
 DEFAULT_MAX_REQUEST_BODY_MIB = 64
+
+
+# API processes by default where the host has cores to spare: admitting a burst is Python work in the API
+# process (parsing, tokenizing, the first stream events), and with one process the last requests of a
+# 1000-request burst waited 1.3-3.9 s to be admitted on the H100's 16-core host, the engine idle meanwhile;
+# two admit them within a second (bench/results/NOTES.md). Small hosts (CI's 2 cores) keep one.
+SPARE_CORES = 8
+SPARE_CORES_API_SERVERS = 2
+
+
+def default_api_server_count(num_cpus: int | None) -> int:
+    """--api-server-count when not given."""
+    return SPARE_CORES_API_SERVERS if (num_cpus or 1) >= SPARE_CORES else 1
 
 
 def _positive_int(text: str) -> int:
@@ -96,10 +110,12 @@ def _cache_and_scheduler_flags(c) -> None:
 def _server_flags(s) -> None:
     s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     s.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
-    s.add_argument("--api-server-count", type=_positive_int, default=1,
+    s.add_argument("--api-server-count", type=_positive_int, default=None,
                    help="API server processes sharing the port over the one engine core. Each parses, tokenizes, "
                         "detokenizes and streams the requests it accepts, so more of them admit bursts of "
-                        "requests faster, for a few hundred MB of host memory each; /metrics sums them all.")
+                        "requests faster, for a few hundred MB of host memory and a busy core each; /metrics "
+                        f"sums them all. Default: {SPARE_CORES_API_SERVERS} on a host of at least "
+                        f"{SPARE_CORES} cores, else 1.")
     s.add_argument("--api-key", nargs="+", default=None,
                    help="If set, requests must send `Authorization: Bearer <key>` with one of these keys, on "
                         "every route but /health, /ping, /version, /metrics and the API docs. Default: the "
@@ -130,7 +146,10 @@ def _json_list(text: str) -> list[str]:
 
 
 def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Errors the engine would only find after loading the model: report them at once."""
+    """Errors the engine would only find after loading the model: report them at once. Fills in the
+    defaults that depend on the host (--api-server-count)."""
+    if args.api_server_count is None:
+        args.api_server_count = default_api_server_count(os.cpu_count())
     if args.tensor_parallel_size != 1:
         parser.error(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet: jaxpaged "
                      "runs on one GPU, so only --tensor-parallel-size 1 works")

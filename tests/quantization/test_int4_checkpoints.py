@@ -196,3 +196,22 @@ def test_inconsistent_or_unsupported_int4_checkpoints_are_refused(checkpoints, t
                                                                                       **change}}))
         with pytest.raises(ValueError, match=message):
             LLM(model=str(bad))
+
+
+def test_fused_layers_must_share_their_input_grouping():
+    """q, k and v run as one matmul: act-order checkpoints whose parts permute the input differently are
+    refused at load, naming the layer."""
+    from jaxpaged.quantization.int4_formats import Int4Weight, concat_outputs
+    part = lambda g_idx: Int4Weight(np.zeros((4, 8), np.uint8), np.ones((2, 8), np.float32),
+                                    np.zeros((2, 8), np.float32), np.asarray(g_idx, np.int32))
+    joined = concat_outputs([part([0, 0, 1, 1]), part([0, 0, 1, 1])], "layer 0 qkv_proj")
+    assert joined.q.shape == (4, 16) and joined.g_idx.tolist() == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="layer 0 qkv_proj: the fused parts group the input rows differently"):
+        concat_outputs([part([0, 0, 1, 1]), part([0, 1, 0, 1])], "layer 0 qkv_proj")
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_the_server_flag_reaches_the_engine_args(method):
+    from jaxpaged.server.cli import engine_args_from, make_parser
+    args = engine_args_from(make_parser().parse_args(["--quantization", method]))
+    assert args.quantization == method

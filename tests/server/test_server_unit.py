@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,17 @@ def test_tensor_parallel_above_one_is_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "jaxpaged.server", "--tensor-parallel-size", "2"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--tensor-parallel-size 2 is not supported" in r.stderr
+
+
+def test_api_server_count_defaults_by_host_cores():
+    """Two API processes where the host has cores to spare (a GPU host), one on small hosts such as CI's."""
+    from jaxpaged.server.cli import default_api_server_count
+    assert [default_api_server_count(n) for n in (None, 1, 2, 7, 8, 16, 128)] == [1, 1, 1, 1, 2, 2, 2]
+    p = make_parser()
+    for argv, expected in (([], default_api_server_count(os.cpu_count())), (["--api-server-count", "3"], 3)):
+        args = p.parse_args(argv)
+        validate_args(p, args)
+        assert args.api_server_count == expected
 
 
 def test_flags_map_to_engine_args():
