@@ -18,9 +18,10 @@ USAGE_CONTEXTS = ("llm_class", "openai_api_server")
 LAYER_DISPATCHES = ("scan", "per_layer", "unrolled")
 ATTENTION_BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # What EngineArgs.quantization accepts (vLLM's names): gguf keeps the linear layers in the blocks of the GGUF
-# file the model folder was converted from; awq and gptq read 4-bit checkpoints as published (the method is
-# also detected from config.json's quantization_config; models/loader.py).
-QUANTIZATION_METHODS = ("awq", "gguf", "gptq")
+# file the model folder was converted from; awq, gptq and compressed-tensors (pack-quantized W4A16) read 4-bit
+# checkpoints as published (the method is also detected from config.json's quantization_config;
+# models/loader.py).
+QUANTIZATION_METHODS = ("awq", "compressed-tensors", "gguf", "gptq")
 
 # Decode steps per program on a GPU when the whole step is one program. With one step per program a small
 # model's decode is host-bound (the launch and the engine's work outlast the device step). A stream gets a
@@ -68,7 +69,7 @@ class EngineArgs:
     layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size and use
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default by use
-    quantization: str | None = None          # awq | gptq | gguf; None: dense, or what config.json declares
+    quantization: str | None = None          # QUANTIZATION_METHODS; None: dense, or what config.json declares
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: who runs the engine (logged)
 

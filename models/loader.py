@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import QUANTIZATION_METHODS
-from jaxpaged.quantization.int4_formats import INT4_METHODS, check_scheme, int4_scheme
+from jaxpaged.quantization.int4_formats import INT4_METHODS, TENSORS, check_scheme, int4_scheme
 
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
@@ -34,7 +34,6 @@ _GGUF_LINEARS = {"qkv_proj": (("self_attn", "qkv_proj"), ("attn_q", "attn_k", "a
                  "down_proj": (("mlp", "down_proj"), ("ffn_down",))}
 _GGUF_LINEAR_OF = {n: linear for linear, (_, names) in _GGUF_LINEARS.items() for n in names}
 _GGUF_EMBEDDING = "token_embd.weight"    # the embedding (and with it a tied LM head)
-_INT4_TENSORS = ("qweight", "qzeros", "scales", "g_idx")   # an AWQ / GPTQ layer's tensors (g_idx: GPTQ's)
 
 
 # HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
@@ -294,12 +293,12 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 def int4_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderConfig, dtype,
                       quant_config: dict) -> dict[tuple, list]:
-    """AWQ / GPTQ tensors ((layer, HF module) -> {qweight, qzeros, scales[, g_idx]} as numpy) -> (param path
-    under a layer -> each layer's array) in Int4Linear's layout, fused parts joined on the output dim."""
-    import numpy as np
-
-    from jaxpaged.quantization.int4_formats import concat_outputs, device_layout, from_awq, from_gptq
+    """int4 tensors ((layer, HF module) -> {tensor name: numpy array}, the names of int4_formats.TENSORS) ->
+    (param path under a layer -> each layer's array) in Int4Linear's layout, fused parts joined on the output
+    dim."""
+    from jaxpaged.quantization.int4_formats import concat_outputs, device_layout, from_checkpoint
     scheme = int4_scheme(quant_config)
+    need = TENSORS[scheme.method][0]
     out: dict[tuple, list] = {}
     for path, modules in _LINEAR_MODULES.items():
         if not (cfg.quant_of(path[-1]) or "").startswith("int4"):
@@ -308,12 +307,10 @@ def int4_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderConfig, 
             parts = []
             for module in modules:
                 t = tensors.get((i, module), {})
-                need = ("qweight", "qzeros", "scales")
                 if any(n not in t for n in need):
                     raise ValueError(f"{scheme.method} checkpoint lacks model.layers.{i}.{module}."
                                      f"{{{','.join(n for n in need if n not in t)}}}")
-                parts.append(from_awq(t["qweight"], t["qzeros"], t["scales"], scheme) if scheme.method == "awq"
-                             else from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), scheme))
+                parts.append(from_checkpoint(t, scheme))
             layer = device_layout(concat_outputs(parts, f"layer {i} {path[-1]}"), scheme.act_order)
             for key, value in layer.items():
                 value = jnp.asarray(value, jnp.int32 if value.dtype.kind in "iu" else dtype)
@@ -331,6 +328,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     shapes = param_shapes(cfg, dtype)
     layer_parts: dict[tuple, list] = {}
     int4 = any(q.startswith("int4") for _, q in cfg.weight_quant)
+    int4_names = set(sum(TENSORS[int4_scheme(quant_config).method], ())) if int4 else set()
     blocks, embedding = gguf_blocks(model_dir, cfg) if cfg.weight_quant and not int4 else ({}, None)
     int4_tensors: dict[tuple[int, str], dict] = {}
     params: dict = {}
@@ -342,7 +340,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     rest = name[len("model.layers."):]
                     idx, sub = rest.split(".", 1)
                     module, _, leaf = sub.rpartition(".")
-                    if int4 and leaf in _INT4_TENSORS:
+                    if leaf in int4_names:
                         int4_tensors.setdefault((int(idx), module), {})[leaf] = np.asarray(f.get_tensor(name))
                         continue
                     if sub not in _LAYER_TABLE:

@@ -1,5 +1,5 @@
-"""AWQ and GPTQ int4 checkpoints, read as published and repacked on the host into the W4A16 kernel's layout
-(pallas_kernels/int4_matmul.py: W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]).
+"""AWQ, GPTQ and compressed-tensors int4 checkpoints, read as published and repacked on the host into the
+W4A16 kernel's layout (pallas_kernels/int4_matmul.py: W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]).
 
 The published layouts (int32 words of eight 4-bit values, the lowest bits first):
   AWQ (GEMM):  qweight i32[K, N/8] and qzeros i32[K/G, N/8] packed along the output dim, word c holding
@@ -8,6 +8,10 @@ The published layouts (int32 words of eight 4-bit values, the lowest bits first)
                qzeros i32[K/G, N/8] packed along the output dim in order, holding zero - 1 (the original
                format; checkpoint_format "gptq_v2" holds the zero itself); scales f16[K/G, N]; g_idx i32[K],
                each input row's group: arange(K) // G, or a permutation's groups with desc_act (act order).
+  compressed-tensors pack-quantized (W4A16): weight_packed i32[N, K/8] packed along the input dim in order,
+               each value stored + 8 (signed int4 -> 0..15); weight_scale [N, K/G]; asymmetric schemes add
+               weight_zero_point i32[N/8, K/G] (packed along the output dim, + 8), symmetric ones have none
+               (zero point 0, so 8 once offset); actorder "group" adds weight_g_idx i32[K], as GPTQ's g_idx.
 Symmetric GPTQ stores the zero point 8 like any other, so one path reads both.
 """
 from __future__ import annotations
@@ -18,13 +22,18 @@ import numpy as np
 
 from jaxpaged.pallas_kernels.int4_matmul import check_group_size, pack_int4
 
-INT4_METHODS = ("awq", "gptq")
+INT4_METHODS = ("awq", "compressed-tensors", "gptq")
+# The tensors of one linear layer each method's checkpoints hold, required first, then optional ones.
+TENSORS = {"awq": (("qweight", "qzeros", "scales"), ()),
+           "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+           "compressed-tensors": (("weight_packed", "weight_scale"), ("weight_zero_point", "weight_g_idx",
+                                                                      "weight_shape"))}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)     # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 
 
 class Int4Scheme(NamedTuple):
     """What a checkpoint's quantization_config says about its linear layers."""
-    method: str             # awq | gptq
+    method: str             # awq | gptq | compressed-tensors
     group_size: int         # input rows per scale; 0: one group over all of K (per output channel)
     act_order: bool         # GPTQ desc_act: groups are a permutation's, g_idx gives each row's
     zeros_minus_one: bool   # GPTQ's original format stores zero - 1
@@ -42,10 +51,13 @@ class Int4Weight(NamedTuple):
 
 
 def int4_scheme(quant_config: dict) -> Int4Scheme:
-    """The scheme of an AWQ or GPTQ quantization_config; ValueError naming what is supported otherwise."""
+    """The scheme of an AWQ, GPTQ or compressed-tensors quantization_config; ValueError naming what is
+    supported otherwise."""
     method = quant_config.get("quant_method")
     if method not in INT4_METHODS:
         raise ValueError(f"quant_method {method!r} is not an int4 method ({', '.join(INT4_METHODS)})")
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(quant_config)
     bits = quant_config.get("bits", quant_config.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{method} with {bits}-bit weights is not supported (4-bit only)")
@@ -62,6 +74,34 @@ def int4_scheme(quant_config: dict) -> Int4Scheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (supported: gptq, gptq_v2)")
     return Int4Scheme("gptq", group, bool(quant_config.get("desc_act", False)), fmt == "gptq")
+
+
+def _compressed_tensors_scheme(quant_config: dict) -> Int4Scheme:
+    """compressed-tensors: one weight scheme, 4-bit integers packed, no activation quantization (W4A16),
+    on every Linear but the LM head."""
+    supported = "supported: the pack-quantized format, 4-bit int weights (W4A16), group or channel strategy"
+    fmt = quant_config.get("format")
+    groups = list((quant_config.get("config_groups") or {}).values())
+    if fmt != "pack-quantized" or not groups:
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported ({supported})")
+    if any(g.get("weights") != groups[0].get("weights") for g in groups[1:]):
+        raise ValueError("compressed-tensors config_groups with different weight schemes are not supported "
+                         "(one scheme for every linear layer)")
+    weights = groups[0].get("weights") or {}
+    if any(g.get("input_activations") for g in groups):
+        raise ValueError(f"compressed-tensors with quantized activations is not supported ({supported})")
+    if weights.get("num_bits") != 4 or weights.get("type", "int") != "int":
+        raise ValueError(f"compressed-tensors {weights.get('num_bits')}-bit {weights.get('type')} weights are "
+                         f"not supported ({supported})")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors strategy {strategy!r} is not supported ({supported})")
+    ignored = [m for m in quant_config.get("ignore") or [] if "lm_head" not in m]
+    if ignored:
+        raise ValueError(f"compressed-tensors ignore {ignored}: unquantized decoder layers are not supported "
+                         "(only lm_head)")
+    group = int(weights.get("group_size") or 0) if strategy == "group" else 0
+    return Int4Scheme("compressed-tensors", group, weights.get("actorder") == "group", False)
 
 
 def check_scheme(scheme: Int4Scheme, name: str, in_features: int) -> None:
@@ -103,6 +143,32 @@ def from_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx
     if g_idx is None:
         g_idx = np.arange(k) // scheme.group_of(k)
     return Int4Weight(q, scales.astype(np.float32), zeros, np.asarray(g_idx, np.int32))
+
+
+def from_compressed_tensors(weight_packed: np.ndarray, weight_scale: np.ndarray,
+                            weight_zero_point: np.ndarray | None, g_idx: np.ndarray | None,
+                            scheme: Int4Scheme) -> Int4Weight:
+    n = weight_packed.shape[0]
+    q = _nibbles(weight_packed).reshape(n, -1).T                            # [N, K/8] -> [K, N]
+    scales = weight_scale.astype(np.float32).T                              # [K/G, N]
+    if weight_zero_point is None:
+        zeros = np.full(scales.shape, 8.0, np.float32)                      # symmetric: 0, offset by 8
+    else:
+        zeros = _nibbles(weight_zero_point.T).reshape(scales.shape[0], -1)[:, :n].astype(np.float32)
+    k = q.shape[0]
+    if g_idx is None:
+        g_idx = np.arange(k) // scheme.group_of(k)
+    return Int4Weight(q, scales, zeros, np.asarray(g_idx, np.int32))
+
+
+def from_checkpoint(t: dict[str, np.ndarray], scheme: Int4Scheme) -> Int4Weight:
+    """One linear layer's tensors (TENSORS[scheme.method] by name) -> Int4Weight."""
+    if scheme.method == "awq":
+        return from_awq(t["qweight"], t["qzeros"], t["scales"], scheme)
+    if scheme.method == "gptq":
+        return from_gptq(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), scheme)
+    return from_compressed_tensors(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                                   t.get("weight_g_idx"), scheme)
 
 
 def concat_outputs(parts: list[Int4Weight], name: str) -> Int4Weight:

@@ -24,10 +24,11 @@ SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_
 @dataclasses.dataclass(frozen=True)
 class Int4Case:
     family: str              # conftest.TINY_MODELS key
-    method: str              # awq | gptq
+    method: str              # awq | gptq | compressed-tensors (pack-quantized)
     group_size: int          # -1: per output channel
-    sym: bool = False        # GPTQ's symmetric zero point (8)
-    desc_act: bool = False   # GPTQ's act order: groups of a permutation of the input rows
+    sym: bool = False        # symmetric: zero point 8 (GPTQ; compressed-tensors stores none)
+    desc_act: bool = False   # act order (GPTQ's desc_act, compressed-tensors' actorder "group"): groups of a
+                             # permutation of the input rows
 
     def __str__(self):
         return (f"{self.family}-{self.method}-g{self.group_size}" + ("-sym" if self.sym else "")
@@ -37,12 +38,22 @@ class Int4Case:
         if self.method == "awq":
             return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
                     "version": "gemm", "modules_to_not_convert": None}
-        return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size, "sym": self.sym,
-                "desc_act": self.desc_act, "checkpoint_format": "gptq"}
+        if self.method == "gptq":
+            return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size, "sym": self.sym,
+                    "desc_act": self.desc_act, "checkpoint_format": "gptq"}
+        weights = {"num_bits": 4, "type": "int", "symmetric": self.sym,
+                   "strategy": "group" if self.group_size > 0 else "channel",
+                   "group_size": self.group_size if self.group_size > 0 else None,
+                   "actorder": "group" if self.desc_act else None}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": None}}}
 
 
 CASES = [Int4Case("llama", "awq", 32), Int4Case("qwen2", "awq", 128), Int4Case("llama", "gptq", 64, sym=True),
-         Int4Case("qwen3", "gptq", 32, desc_act=True), Int4Case("llama", "gptq", -1)]
+         Int4Case("qwen3", "gptq", 32, desc_act=True), Int4Case("llama", "gptq", -1),
+         Int4Case("llama", "compressed-tensors", 128, sym=True), Int4Case("qwen2", "compressed-tensors", 64),
+         Int4Case("qwen3", "compressed-tensors", 32, desc_act=True), Int4Case("llama", "compressed-tensors", -1)]
 
 
 def quantize(w: np.ndarray, group: int, sym: bool, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -100,18 +111,30 @@ def write_int4_checkpoint(case: Int4Case, path: Path):
         rows = (np.random.default_rng(zlib.crc32(shared_input.encode())).permutation(w.shape[0]) if case.desc_act
                 else np.arange(w.shape[0]))
         q, scales, zeros = quantize(w, group, case.sym, rows)
+        g_of_row = np.empty(w.shape[0], np.int64)
+        g_of_row[rows] = np.arange(w.shape[0]) // group
         if case.method == "awq":
             tensors[prefix + ".qweight"] = pack_columns(q, AWQ_ORDER)
             tensors[prefix + ".qzeros"] = pack_columns(zeros, AWQ_ORDER)
+        elif case.method == "compressed-tensors":
+            # packed by the library's own packer: signed int4 (value - 8), along the input dim; zero points
+            # (asymmetric only) along the output dim
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+            signed = lambda v: torch.from_numpy(v.astype(np.int16) - 8).to(torch.int8)
+            tensors[prefix + ".weight_packed"] = pack_to_int32(signed(q.T), 4).numpy()
+            tensors[prefix + ".weight_shape"] = np.array([w.shape[1], w.shape[0]], np.int64)
+            if not case.sym:
+                tensors[prefix + ".weight_zero_point"] = pack_to_int32(signed(zeros.T), 4, packed_dim=0).numpy()
+            if case.desc_act:
+                tensors[prefix + ".weight_g_idx"] = g_of_row.astype(np.int32)
         else:
             tensors[prefix + ".qweight"] = pack_rows(q)
             tensors[prefix + ".qzeros"] = pack_columns((zeros - 1) & 15)     # the original format: zero - 1
-            g_idx = np.empty(w.shape[0], np.int32)
-            g_idx[rows] = np.arange(w.shape[0]) // group
-            tensors[prefix + ".g_idx"] = g_idx
-        tensors[prefix + ".scales"] = scales
-        g_of_row = np.empty(w.shape[0], np.int64)
-        g_of_row[rows] = np.arange(w.shape[0]) // group
+            tensors[prefix + ".g_idx"] = g_of_row.astype(np.int32)
+        if case.method == "compressed-tensors":
+            tensors[prefix + ".weight_scale"] = np.ascontiguousarray(scales.T)      # [N, K/G]
+        else:
+            tensors[prefix + ".scales"] = scales
         dequant = (q.astype(np.float32) - zeros[g_of_row]) * scales.astype(np.float32)[g_of_row]
         hf.get_submodule(prefix).weight.data = torch.from_numpy(np.ascontiguousarray(dequant.T))
     save_file(tensors, str(path / "model.safetensors"))
@@ -183,10 +206,15 @@ def test_inconsistent_or_unsupported_int4_checkpoints_are_refused(checkpoints, t
     with pytest.raises(ValueError, match="'gptq', but config.json's quantization_config declares 'awq'"):
         LLM(model=str(path), quantization="gptq")
     cfg = json.loads((path / "config.json").read_text())
+    ct = CASES[5].quantization_config()
     for change, message in [({"bits": 8}, "8-bit weights is not supported"),
                             ({"version": "gemv"}, "AWQ version 'gemv' is not supported"),
                             ({"group_size": 96}, "group size 96"),
-                            ({"quant_method": "fp8"}, "'fp8'-quantized weights .* supported quantization: awq, gguf, gptq")]:
+                            ({"quant_method": "fp8"}, "'fp8'-quantized weights .* supported quantization: awq, "
+                                                      "compressed-tensors, gguf, gptq"),
+                            ({**ct, "format": "float-quantized"}, "compressed-tensors format 'float-quantized'"),
+                            ({**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "input_activations":
+                                                            {"num_bits": 8}}}}, "quantized activations")]:
         bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
         bad.mkdir()
         for f in path.iterdir():
