@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from bench.bench_kernels import rel_err, time_op  # noqa: E402
-from pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, pack_int4  # noqa: E402
+from pallas_kernels.int4_matmul import choose_int4_tiling, dequantize_int4, int4_matmul, pack_int4  # noqa: E402
 
 LINEARS = {   # (name, K, N): qkv, o, gate_up, down
     "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
@@ -82,19 +82,23 @@ def _gemv_splits(k: int, n: int, block_n: int, block_k: int, sms: int) -> int:
     return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= want)
 
 
-def weight_sets(rng, k, n, nbytes_each):
-    """How many copies of a weight make the rotation miss L2: >= 1 GiB in all, 2..32 copies."""
-    return int(min(32, max(2, math.ceil((1 << 30) / nbytes_each))))
+TIMED_OPS = 16        # time_op's n: its longer call runs 2n ops
+
+
+def weight_sets(nbytes_each: int) -> int:
+    """Copies of a weight for the rotation: one per op of time_op's longer call (2n), so that no two ops share
+    a weight (XLA merges dots that do into one batched dot), and >= 1 GiB in all (L2 never holds them)."""
+    return int(max(2 * TIMED_OPS, math.ceil((1 << 30) / nbytes_each)))
 
 
 def bench_shape(args, model, name, k, n, m, results, sms):
     rng = np.random.default_rng(k * 7 + n)
-    nsets = weight_sets(rng, k, n, k * n // 2)
+    nsets = weight_sets(k * n // 2)
     q = [pack_int4(rng.integers(0, 16, (k, n), dtype=np.uint8)) for _ in range(min(nsets, 4))]
     qweights = jnp.asarray(np.stack([q[i % len(q)] for i in range(nsets)]))       # [S, K/8, N]
     scales = jnp.asarray(rng.uniform(0.001, 0.01, (nsets, k // GROUP, n)), jnp.bfloat16)
     zeros = jnp.asarray(rng.integers(0, 16, (nsets, k // GROUP, n)), jnp.bfloat16)
-    nsets_bf16 = weight_sets(rng, k, n, 2 * k * n)
+    nsets_bf16 = weight_sets(2 * k * n)
     w_bf16 = jax.random.normal(jax.random.PRNGKey(1), (nsets_bf16, k, n), jnp.bfloat16) * 0.02
     xs = jax.random.normal(jax.random.PRNGKey(2), (64, m, k), jnp.bfloat16)
     int4_bytes = k * n // 2 + 2 * 2 * (k // GROUP) * n
@@ -120,7 +124,11 @@ def bench_shape(args, model, name, k, n, m, results, sms):
                 variants[f"gemv-bf16 bn{bn} ns{ns}"] = (
                     lambda i, xs, w, bn=bn, ns=ns: gemv_bf16(xs[i % 64], w[i % nsets_bf16], block_n=bn,
                                                              num_splits=ns), (xs, w_bf16), 2 * k * n)
-        for kw in ({"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64}, {"block_n": 256}):
+        ns = choose_int4_tiling(m, k, n, sms)[2]
+        slabs = k // 128
+        other_splits = sorted({d for d in range(1, slabs + 1) if slabs % d == 0 and d in (ns // 2, ns * 2)})
+        for kw in ({"num_warps": 2}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64},
+                   {"block_n": 256}, *({"num_splits": d} for d in other_splits)):
             label = "int4 " + ",".join(f"{a}={b}" for a, b in kw.items())
             variants[label] = (lambda i, xs, qw, s, b, kw=kw: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets],
                                                                           b[i % nsets], **kw),
@@ -140,7 +148,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
             else:
                 ref_bf16 = out if ref_bf16 is None else ref_bf16
                 err = rel_err(out, ref_bf16)
-            dev_s, wall_s = time_op(op, data, n=16)
+            dev_s, wall_s = time_op(op, data, n=TIMED_OPS)
         except Exception as e:  # noqa: BLE001  (a tiling Triton refuses is reported, the rest goes on)
             print(f"{model} {name} M={m} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
@@ -179,7 +187,7 @@ def main():
     p.add_argument("--git-rev", default="unknown")
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--models", default="llama3-8b,qwen2-0.5b")
-    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--rows", default="1,2,4,8,16,64")
     p.add_argument("--sweep", action="store_true")
     args = p.parse_args()
     device = jax.devices()[0]

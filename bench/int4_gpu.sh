@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Issue 26's W4A16 on the GPU, in one call: the kernel's tests at real sizes, the linear-layer table
-# (bench/bench_matmul.py), then llama3-8b's concurrency-1 TPOT over HTTP as AWQ int4 (dummy weights) beside
-# bf16 on the same machine.
-#   bash bench/int4_gpu.sh [--no-tests] [--no-table] [--no-c1] [--table-args "FLAGS"]
+# (bench/bench_matmul.py), the fp8 GEMM probe (bench/fp8_probe.py), then llama3-8b's concurrency-1 TPOT over
+# HTTP as AWQ int4 (dummy weights) beside bf16 on the same machine.
+#   bash bench/int4_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--table-args "FLAGS"]
+#        [--c1-models llama3-8b-awq,llama3-8b]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
-TESTS=1; TABLE=1; C1=1; TABLE_ARGS="--sweep"
+TESTS=1; TABLE=1; FP8=1; C1=1; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
 while [ $# -gt 0 ]; do
-  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --table-args) TABLE_ARGS=$2; shift ;; esac
+  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --table-args) TABLE_ARGS=$2; shift ;;
+             --c1-models) C1_MODELS=$2; shift ;; esac
   shift
 done
 OUTDIR=${OUT:-/tmp/int4}
@@ -27,9 +29,13 @@ if [ $TABLE = 1 ]; then
   echo "== linear layers (bench_matmul.py $TABLE_ARGS)"
   # shellcheck disable=SC2086
   timeout 330 $PY "$REPO/bench/bench_matmul.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" $TABLE_ARGS 2>&1 \
-    | grep -vE "^\| " | tail -80
+    | grep -vE "^\| "
+fi
+if [ $FP8 = 1 ]; then
+  echo "== fp8 GEMM probe"
+  timeout 200 $PY "$REPO/bench/fp8_probe.py" --out "$OUTDIR" 2>&1 | tail -25
 fi
 if [ $C1 = 1 ]; then
   cd "$ROOT" || exit 1
-  for model in llama3-8b-awq llama3-8b; do echo "== c1 $model"; c1 $model; done
+  for model in ${C1_MODELS//,/ }; do echo "== c1 $model"; c1 $model; done
 fi

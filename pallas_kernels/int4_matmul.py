@@ -5,9 +5,10 @@ scale and zero point per column), NS splits of K.
 
 Weights are affine per group and column, which covers the int4 formats jaxpaged loads:
     W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n],   q in 0..15
-(AWQ and asymmetric GPTQ: their zero points; symmetric GPTQ: 8.) The zero points are whole numbers, which
-every float dtype holds exactly, so the kernel computes with the checkpoint's zeros, not a rounded
--zero * scale. The loaders repack each format into one device layout, declared here:
+(AWQ and asymmetric GPTQ: their zero points; symmetric GPTQ: 8.) The zero points are whole numbers 0..15
+(every format stores them as 4-bit integers, which every float dtype holds exactly), so the kernels compute
+with the checkpoint's zeros, not a rounded -zero * scale; the GEMV kernel relies on it (its 2**23 trick
+below). The loaders repack each format into one device layout, declared here:
 
     qweight: i32[K/8, N]        slab t (input rows 128t..128t+127) is int32 rows 16t..16t+15; nibble j
                                 (bits 4j..4j+3) of row 16t + r holds q of input row 128t + 16j + r
@@ -17,9 +18,11 @@ Why this order: nibble j of a slab's 16 int32 rows is 16 consecutive input rows,
 the loaded [16, BN] tile is a ready [16, BN] operand of a tensor-core dot against x's matching 16
 columns. No register shuffles, and the kernel reads a quarter of the bf16 bytes.
 
-Grid (M tiles, N tiles, NS): each program walks its share of K's 128-row slabs. Per group it takes the
-dot of x with the raw 4-bit values, then scales: sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k), so
-the per-element work is one shift, one mask and one convert. With NS > 1 each split writes f32 partial
+Two kernels. Up to GEMV_MAX_ROWS rows (decode of a few requests), the GEMV kernel, grid (N tiles, NS): no
+tensor-core dot (whose operand layouts would cost more than the multiplies), one FMA per weight and row into
+a [16, BN] accumulator, scaled once per group. More rows, the dot kernel, grid (M tiles, N tiles, NS): per
+group the dot of x with the raw 4-bit values, then sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k).
+Each program walks its share of K's 128-row slabs. With NS > 1 each split writes f32 partial
 sums and the caller's sum over splits is a small XLA reduction that fuses into whatever consumes the
 output (a residual add, the SiLU).
 """
@@ -126,10 +129,63 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
         plgpu.store(o_ref.at[split, pl.ds(im * block_m, block_m), cols], acc, mask=out_rows < num_rows)
 
 
+# Rows up to which the GEMV kernel runs (no tensor-core dot: each row keeps its own accumulator), beyond them
+# the dot kernel.
+GEMV_MAX_ROWS = 4
+# The bits of the float 2**23: OR-ing a 4-bit q into its lowest mantissa bits gives the float 2**23 + q, so
+# subtracting 2**23 + zero leaves q - zero exactly, without an int -> float conversion (a slow instruction).
+_MAGIC_BITS = 0x4B000000
+_MAGIC = 8388608.0
+
+
+def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n):
+    # x_ref: dtype[M, K], M <= GEMV_MAX_ROWS
+    # w_ref: i32[K/8, N]
+    # s_ref: dtype[K/G, N]
+    # z_ref: dtype[K/G, N]
+    # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
+    # Each row of x accumulates x_k * (q_k - z) into a [16, BN] tile (one FMA per weight, no dot), scaled once
+    # per group; the 16 rows of the tile are summed at the end.
+    jn, split = pl.program_id(0), pl.program_id(1)
+    num_rows = x_ref.shape[0]
+    cols = pl.ds(jn * block_n, block_n)
+    groups_per_slab = max(1, PACK_ROWS // group_size)
+    nibbles_per_group = 8 // groups_per_slab
+    tile = (_NIBBLE_ROWS, block_n)
+
+    def body(i, accs):
+        slab = split * slabs_per_split + i
+        w = w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]                       # [16, BN] i32
+        accs = list(accs)
+        for g in range(groups_per_slab):
+            group_row = (slab * PACK_ROWS + g * group_size) // group_size
+            s = s_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
+            z = z_ref[group_row, cols].astype(jnp.float32)[None, :] + _MAGIC
+            parts = [jnp.zeros(tile, jnp.float32) for _ in range(num_rows)]
+            for j in range(g * nibbles_per_group, (g + 1) * nibbles_per_group):
+                bits = ((w >> (4 * j)) & 15) | _MAGIC_BITS
+                qz = jax.lax.bitcast_convert_type(bits, jnp.float32) - z                 # [16, BN]: q - z
+                for r in range(num_rows):
+                    xj = x_ref[r, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)]  # [16]
+                    parts[r] += xj.astype(jnp.float32)[:, None] * qz
+            accs = [acc + part * s for acc, part in zip(accs, parts)]
+        return tuple(accs)
+
+    accs = jax.lax.fori_loop(0, slabs_per_split, body,
+                             tuple(jnp.zeros(tile, jnp.float32) for _ in range(num_rows)))
+    for r, acc in enumerate(accs):
+        out = jnp.sum(acc, axis=0)                                                        # [BN]
+        if len(o_ref.shape) == 2:
+            o_ref[r, cols] = out.astype(o_ref.dtype)
+        else:
+            o_ref[split, r, cols] = out
+
+
 def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int, int]:
-    """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64; 128 columns; K split
-    until the programs fill about four per SM (decode sizes leave too few N tiles for the GPU alone)."""
-    block_m = min(64, max(16, 1 << max(0, (m - 1).bit_length())))
+    """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
+    M rows in one program); 128 columns; K split until the programs fill about four per SM (decode sizes
+    leave too few N tiles for the GPU alone)."""
+    block_m = m if m <= GEMV_MAX_ROWS else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
     block_n = 128 if n % 128 == 0 else 64
     slabs = k // PACK_ROWS
     programs = -(-m // block_m) * (n // block_n)
@@ -164,13 +220,19 @@ def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_
     slabs = k // PACK_ROWS
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
-    kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
-                               block_m=block_m, block_n=block_n)
+    if m <= GEMV_MAX_ROWS:
+        kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
+                                   block_n=block_n)
+        grid = (n // block_n, num_splits)
+    else:
+        kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
+                                   block_m=block_m, block_n=block_n)
+        grid = (pl.cdiv(m, block_m), n // block_n, num_splits)
     out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1
                  else jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, block_m), n // block_n, num_splits),
+        grid=grid,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -179,5 +241,5 @@ def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
-__all__ = ["PACK_ROWS", "check_group_size", "choose_int4_tiling", "dequantize_int4", "int4_matmul",
+__all__ = ["GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling", "dequantize_int4", "int4_matmul",
            "int4_matmul_reference", "pack_int4", "unpack_int4"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kernel_cases import INTERPRET, TOL, gpu_only, lowered_calls, rel_err
-from jaxpaged.pallas_kernels.int4_matmul import (check_group_size, choose_int4_tiling, dequantize_int4, int4_matmul,
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, check_group_size, choose_int4_tiling, dequantize_int4, int4_matmul,
                                                  int4_matmul_reference, pack_int4, unpack_int4)
 
 
@@ -42,12 +42,13 @@ def make_inputs(case: MatmulCase):
 
 
 CASES = [
-    MatmulCase(1, 256, 128, 128),                   # one decode row, one group per slab
-    MatmulCase(3, 256, 128, 32, num_splits=2),      # four groups per slab, K split in two (f32 partials)
-    MatmulCase(20, 512, 192, 64, "bfloat16"),       # rows past one 16-row tile, N not a multiple of 128
+    MatmulCase(1, 256, 128, 128),                   # one decode row (the GEMV kernel), one group per slab
+    MatmulCase(3, 256, 128, 32, num_splits=2),      # GEMV: four groups per slab, K split in two (f32 partials)
+    MatmulCase(4, 384, 64, 64, "bfloat16"),         # GEMV at its most rows, bf16, three slabs in one split
+    MatmulCase(20, 512, 192, 64, "bfloat16"),       # the dot kernel: rows past one 16-row tile, N not / 128
     MatmulCase(5, 256, 64, 256, num_splits=1),      # one group over all of K (per-channel)
 ]
-CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 8, 64) for n in (6144, 4096))
+CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 3, 8, 64) for n in (6144, 4096))
 CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 4096, 28672, 128, "bfloat16")])
 
 
@@ -97,16 +98,20 @@ class TestInt4Matmul:
             int4_matmul(x, qweight, jnp.ones((32, 128)), jnp.ones((32, 128)), interpret=INTERPRET)   # G = 8
 
     def test_tiling_fills_the_gpu_at_decode_sizes(self):
-        """choose_int4_tiling: llama3-8b's decode GEMVs get about four programs per SM of the H100's 132."""
-        assert choose_int4_tiling(1, 4096, 6144) == (16, 128, 8)        # 48 column tiles x 8 splits
-        assert choose_int4_tiling(1, 4096, 4096) == (16, 128, 16)       # 32 x 16
-        assert choose_int4_tiling(1, 14336, 4096) == (16, 128, 16)      # 112 slabs: 16 divides
-        assert choose_int4_tiling(1, 4096, 28672) == (16, 128, 2)
+        """choose_int4_tiling: llama3-8b's decode GEMVs get about four programs per SM of the H100's 132; up to
+        GEMV_MAX_ROWS rows all go to one program (the GEMV kernel), more are tiles of 16 to 64."""
+        assert choose_int4_tiling(1, 4096, 6144) == (1, 128, 8)         # 48 column tiles x 8 splits
+        assert choose_int4_tiling(1, 4096, 4096) == (1, 128, 16)        # 32 x 16
+        assert choose_int4_tiling(1, 14336, 4096) == (1, 128, 16)       # 112 slabs: 16 divides
+        assert choose_int4_tiling(1, 4096, 28672) == (1, 128, 2)
+        assert choose_int4_tiling(GEMV_MAX_ROWS, 4096, 4096) == (GEMV_MAX_ROWS, 128, 16)
+        assert choose_int4_tiling(GEMV_MAX_ROWS + 1, 4096, 4096) == (16, 128, 16)
         assert choose_int4_tiling(256, 4096, 28672) == (64, 128, 1)
 
     def test_lowers_to_triton(self):
         """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call."""
         s = jax.ShapeDtypeStruct
         op = functools.partial(int4_matmul, interpret=False)
-        assert lowered_calls(op, s((4, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
-                             s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.bfloat16)) == (1,)
+        for rows in (1, GEMV_MAX_ROWS + 1):                            # the GEMV kernel, the dot kernel
+            assert lowered_calls(op, s((rows, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
+                                 s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.bfloat16)) == (1,)
