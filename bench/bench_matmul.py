@@ -95,11 +95,14 @@ def bench_shape(args, model, name, k, n, m, results, sms):
     rng = np.random.default_rng(k * 7 + n)
     nsets = weight_sets(k * n // 2)
     q = [pack_int4(rng.integers(0, 16, (k, n), dtype=np.uint8)) for _ in range(min(nsets, 4))]
-    qweights = jnp.asarray(np.stack([q[i % len(q)] for i in range(nsets)]))       # [S, K/8, N]
-    scales = jnp.asarray(rng.uniform(0.001, 0.01, (nsets, k // GROUP, n)), jnp.bfloat16)
-    zeros = jnp.asarray(rng.integers(0, 16, (nsets, k // GROUP, n)), jnp.bfloat16)
+    # Each copy its own array (a tuple argument), not a slice of a stacked one: XLA copies a slice that
+    # feeds a custom call or a cuBLAS dot, and that copy would be timed with the op.
+    qweights = tuple(jnp.asarray(q[i % len(q)]) for i in range(nsets))            # S x [K/8, N]
+    scales = tuple(jnp.asarray(rng.uniform(0.001, 0.01, (k // GROUP, n)), jnp.bfloat16) for _ in range(nsets))
+    zeros = tuple(jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.bfloat16) for _ in range(nsets))
     nsets_bf16 = weight_sets(2 * k * n)
-    w_bf16 = jax.random.normal(jax.random.PRNGKey(1), (nsets_bf16, k, n), jnp.bfloat16) * 0.02
+    w_bf16 = tuple(jax.random.normal(jax.random.PRNGKey(i), (k, n), jnp.bfloat16) * 0.02
+                   for i in range(nsets_bf16))
     xs = jax.random.normal(jax.random.PRNGKey(2), (64, m, k), jnp.bfloat16)
     int4_bytes = k * n // 2 + 2 * 2 * (k // GROUP) * n
     variants = {
