@@ -130,8 +130,10 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         ns = choose_int4_tiling(m, k, n, sms)[2]
         slabs = k // 128
         other_splits = sorted({d for d in range(1, slabs + 1) if slabs % d == 0 and d in (ns // 2, ns * 2)})
+        per_split = slabs // ns
         for kw in ({"num_warps": 2}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64},
-                   {"block_n": 256}, *({"num_splits": d} for d in other_splits)):
+                   {"block_n": 256}, *({"num_splits": d} for d in other_splits),
+                   *({"slabs_per_iter": t} for t in (2, 4) if per_split % t == 0)):
             label = "int4 " + ",".join(f"{a}={b}" for a, b in kw.items())
             variants[label] = (lambda i, xs, qw, s, b, kw=kw: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets],
                                                                           b[i % nsets], **kw),

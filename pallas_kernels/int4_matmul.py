@@ -138,14 +138,16 @@ _MAGIC_BITS = 0x4B000000
 _MAGIC = 8388608.0
 
 
-def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n):
+def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
+                      slabs_per_iter):
     # x_ref: dtype[M, K], M <= GEMV_MAX_ROWS
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
     # z_ref: dtype[K/G, N]
     # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
     # Each row of x accumulates x_k * (q_k - z) into a [16, BN] tile (one FMA per weight, no dot), scaled once
-    # per group; the 16 rows of the tile are summed at the end.
+    # per group; the 16 rows of the tile are summed at the end. Each iteration loads slabs_per_iter slabs
+    # before it computes on any: more bytes in flight per program.
     jn, split = pl.program_id(0), pl.program_id(1)
     num_rows = x_ref.shape[0]
     cols = pl.ds(jn * block_n, block_n)
@@ -153,10 +155,7 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
     nibbles_per_group = 8 // groups_per_slab
     tile = (_NIBBLE_ROWS, block_n)
 
-    def body(i, accs):
-        slab = split * slabs_per_split + i
-        w = w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]                       # [16, BN] i32
-        accs = list(accs)
+    def slab_step(slab, w, accs):
         for g in range(groups_per_slab):
             group_row = (slab * PACK_ROWS + g * group_size) // group_size
             s = s_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
@@ -169,9 +168,18 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
                     xj = x_ref[r, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)]  # [16]
                     parts[r] += xj.astype(jnp.float32)[:, None] * qz
             accs = [acc + part * s for acc, part in zip(accs, parts)]
+        return accs
+
+    def body(i, accs):
+        first = split * slabs_per_split + i * slabs_per_iter
+        ws = [w_ref[pl.ds((first + t) * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]             # [16, BN] i32 each
+              for t in range(slabs_per_iter)]
+        accs = list(accs)
+        for t, w in enumerate(ws):
+            accs = slab_step(first + t, w, accs)
         return tuple(accs)
 
-    accs = jax.lax.fori_loop(0, slabs_per_split, body,
+    accs = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body,
                              tuple(jnp.zeros(tile, jnp.float32) for _ in range(num_rows)))
     for r, acc in enumerate(accs):
         out = jnp.sum(acc, axis=0)                                                        # [BN]
@@ -195,13 +203,14 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
     return block_m, block_n, splits
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
+                                             "num_stages", "interpret"))
 def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_n: int | None = None,
-                num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                num_splits: int | None = None, slabs_per_iter: int = 1, num_warps: int = 4, num_stages: int = 3,
                 interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N], scales and zeros dtype[K/G, N]
-    (the layout in the module docstring). Tiling None: choose_int4_tiling's."""
+    (the layout in the module docstring). Tiling None: choose_int4_tiling's. slabs_per_iter (GEMV kernel):
+    slabs loaded per loop iteration; it must divide each split's slabs."""
     m, k = x.shape
     k8, n = qweight.shape
     if x.ndim != 2 or k8 * 8 != k or qweight.dtype != jnp.int32:
@@ -221,8 +230,10 @@ def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
     if m <= GEMV_MAX_ROWS:
+        if (slabs // num_splits) % slabs_per_iter:
+            raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
-                                   block_n=block_n)
+                                   block_n=block_n, slabs_per_iter=slabs_per_iter)
         grid = (n // block_n, num_splits)
     else:
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,

@@ -24,9 +24,10 @@ class MatmulCase:
     group_size: int
     dtype: str = "float32"
     num_splits: int | None = None       # None: the op's own tiling
+    slabs_per_iter: int = 1
 
     def __str__(self):
-        return f"{self.m}x{self.k}x{self.n}-g{self.group_size}-{self.dtype}-ns{self.num_splits}"
+        return f"{self.m}x{self.k}x{self.n}-g{self.group_size}-{self.dtype}-ns{self.num_splits}-it{self.slabs_per_iter}"
 
 
 def make_inputs(case: MatmulCase):
@@ -45,6 +46,7 @@ CASES = [
     MatmulCase(1, 256, 128, 128),                   # one decode row (the GEMV kernel), one group per slab
     MatmulCase(3, 256, 128, 32, num_splits=2),      # GEMV: four groups per slab, K split in two (f32 partials)
     MatmulCase(4, 384, 64, 64, "bfloat16"),         # GEMV at its most rows, bf16, three slabs in one split
+    MatmulCase(2, 512, 128, 32, num_splits=1, slabs_per_iter=2),    # GEMV loading two slabs an iteration
     MatmulCase(20, 512, 192, 64, "bfloat16"),       # the dot kernel: rows past one 16-row tile, N not / 128
     MatmulCase(5, 256, 64, 256, num_splits=1),      # one group over all of K (per-channel)
 ]
@@ -59,7 +61,7 @@ class TestInt4Matmul:
         ref = int4_matmul_reference(x, qweight, scales, zeros)
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, zeros, num_splits=case.num_splits, block_n=block_n,
-                          interpret=INTERPRET)
+                          slabs_per_iter=case.slabs_per_iter, interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
