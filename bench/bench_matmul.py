@@ -63,7 +63,8 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, block_k, k_per_split, block_n):
     plgpu.store(o_ref.at[split, pl.ds(0, 16), cols], acc, mask=out_rows < m)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_splits", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_splits", "num_warps", "num_stages",
+                                             "interpret"))
 def gemv_bf16(x, w, *, block_k=128, block_n=128, num_splits=8, num_warps=4, num_stages=4, interpret=False):
     """x bf16[M <= 16, K] @ w bf16[K, N]: grid (N / block_n, num_splits), f32 partials summed by XLA."""
     m, k = x.shape
@@ -175,7 +176,8 @@ def write_outputs(args, results):
     (out / f"matmul_{slug}.json").write_text(json.dumps({**meta, "results": results}, indent=1))
     lines = [f"# Linear layers at decode sizes: {device}, jax {jax.__version__}, rev {args.git_rev}", "",
              f"`{meta['command']}`", "",
-             "| model | linear | K x N | M | variant | us | weight TB/s | x xla-bf16 |", "|---|---|---|---|---|---|---|---|"]
+             "| model | linear | K x N | M | variant | us | weight TB/s | x xla-bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
     base = {(r["model"], r["linear"], r["M"]): r["us"] for r in results if r["variant"] == "xla-bf16"}
     for r in results:
         b = base.get((r["model"], r["linear"], r["M"]))

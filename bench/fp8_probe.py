@@ -21,7 +21,6 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from bench.bench_kernels import rel_err, time_op  # noqa: E402
 

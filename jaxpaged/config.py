@@ -18,10 +18,11 @@ USAGE_CONTEXTS = ("llm_class", "openai_api_server")
 LAYER_DISPATCHES = ("scan", "per_layer", "unrolled")
 ATTENTION_BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # What EngineArgs.quantization accepts (vLLM's names): gguf keeps the linear layers in the blocks of the GGUF
-# file the model folder was converted from; awq, gptq and compressed-tensors (pack-quantized W4A16) read 4-bit
-# checkpoints as published (the method is also detected from config.json's quantization_config;
-# models/loader.py).
-QUANTIZATION_METHODS = ("awq", "compressed-tensors", "gguf", "gptq")
+# file the model folder was converted from; awq, gptq and compressed-tensors (pack-quantized W4A16 or
+# float-quantized fp8) read checkpoints as published, and so does fp8 (vLLM's format), which on a dense
+# checkpoint quantizes the weights at load (the method is also detected from config.json's
+# quantization_config; models/quant_loader.py).
+QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq")
 
 # Decode steps per program on a GPU when the whole step is one program. With one step per program a small
 # model's decode is host-bound (the launch and the engine's work outlast the device step). A stream gets a

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
 from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul
+from jaxpaged.quantization import fp8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
 
 from .config import DecoderConfig, rope_inv_freq
@@ -153,6 +154,27 @@ class Int4Linear(nn.Module):
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
 
 
+class Fp8Linear(nn.Module):
+    """y = x @ W with W in e4m3 (jaxpaged/quantization/fp8.py's device form): weight f8[N, K], weight_scale
+    f32[N, K/B], and with static activation scales input_scale f32[]."""
+    features: int
+    in_features: int
+    static_input: bool
+    block_cols: int | None    # K columns per weight scale when block-scaled, else None (one per channel)
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        n, k = self.features, self.in_features
+        weight = self.param("weight", nn.initializers.zeros, (n, k), fp8.F8)
+        weight_scale = self.param("weight_scale", nn.initializers.ones, (n, k // (self.block_cols or k)),
+                                  jnp.float32)
+        input_scale = self.param("input_scale", nn.initializers.ones, (), jnp.float32) if self.static_input else None
+        y = fp8.fp8_linear(x.astype(self.dtype), weight, weight_scale, input_scale, self.block_cols)
+        return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
+
+
 def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.Module:
     qtype = cfg.quant_of("embed_tokens")
     if qtype is None:
@@ -163,13 +185,16 @@ def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.M
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
             options: RuntimeOptions) -> nn.Module:
     """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
-    (an "int4-g<group>[-actorder]" scheme) or GGUFLinear (a GGUF type)."""
+    (an "int4-g<group>[-actorder]" scheme), Fp8Linear (an "fp8..." scheme) or GGUFLinear (a GGUF type)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
         return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
     if qtype.startswith("int4-g"):
         group, _, order = qtype[len("int4-g"):].partition("-")
         return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)
+    if qtype.startswith("fp8"):
+        static, block_cols = fp8.parse_scheme_name(qtype)
+        return Fp8Linear(features, in_features, static, block_cols, bias, dtype, name=name)
     if bias:
         raise ValueError(f"{name}: GGUF-quantized linear layers with a bias are not supported")
     return GGUFLinear(features, in_features, qtype, dtype, name=name)
@@ -232,7 +257,8 @@ class DecoderLayer(nn.Module):
         attn_out, kv_cache = Attention(self.cfg, self.dtype, self.options, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
         h = h + attn_out
-        h = h + MLP(self.cfg, self.dtype, self.options, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(h))
+        mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(h)
+        h = h + MLP(self.cfg, self.dtype, self.options, name="mlp")(mlp_in)
         return (h, kv_cache, layer_idx + 1), None
 
 

@@ -1,6 +1,6 @@
 """Load an HF checkpoint folder (config.json + safetensors) into the Flax decoder's parameter tree.
 
-HF parameter names map to Flax params in `_LAYER_TABLE` / `_TOP_TABLE` (one table for every family the
+HF parameter names map to Flax params in `LAYER_TABLE` / `TOP_TABLE` (one table for every family the
 decoder supports). The layers' weights come in one of two layouts, whichever the step's layer dispatch
 runs on: stacked on a leading [L] axis (the layer scan, `nn.scan`), or one tree per layer (per-layer and
 unrolled dispatch), loaded that way rather than split from a stacked tree afterwards: splitting on the
@@ -20,58 +20,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.config import QUANTIZATION_METHODS
-from jaxpaged.quantization.int4_formats import INT4_METHODS, TENSORS, check_scheme, int4_scheme
 
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
-
-# Each linear layer of the decoder: its param path under a layer, and the GGUF tensors it is made of
-# (concatenated on the output axis).
-_GGUF_LINEARS = {"qkv_proj": (("self_attn", "qkv_proj"), ("attn_q", "attn_k", "attn_v")),
-                 "o_proj": (("self_attn", "o_proj"), ("attn_output",)),
-                 "gate_up_proj": (("mlp", "gate_up_proj"), ("ffn_gate", "ffn_up")),
-                 "down_proj": (("mlp", "down_proj"), ("ffn_down",))}
-_GGUF_LINEAR_OF = {n: linear for linear, (_, names) in _GGUF_LINEARS.items() for n in names}
-_GGUF_EMBEDDING = "token_embd.weight"    # the embedding (and with it a tied LM head)
-
-
-# HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
-# Parts are concatenated on the output axis: q/k/v into one qkv_proj, gate/up into one gate_up_proj.
-_LAYER_TABLE = {
-    "self_attn.q_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (0, 3)),
-    "self_attn.k_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (1, 3)),
-    "self_attn.v_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (2, 3)),
-    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True, None),
-    "self_attn.q_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (0, 3)),
-    "self_attn.k_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (1, 3)),
-    "self_attn.v_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (2, 3)),
-    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), False, None),
-    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), False, None),
-    "mlp.gate_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (0, 2)),
-    "mlp.up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (1, 2)),
-    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
-    "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
-    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
-}
-_TOP_TABLE = {
-    "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
-    "model.norm.weight": (("norm", "scale"), False),
-    "lm_head.weight": (("lm_head", "kernel"), True),
-}
-
-
-def _linear_modules() -> dict[tuple, list[str]]:
-    """Each linear layer's param path under a layer -> its HF modules, in the order their outputs concatenate:
-    ("self_attn", "qkv_proj") -> ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]."""
-    parts: dict[tuple, dict[int, str]] = {}
-    for name, (path, _, part) in _LAYER_TABLE.items():
-        if path[-1] == "kernel":
-            parts.setdefault(path[:-1], {})[(part or (0, 1))[0]] = name[:-len(".weight")]
-    return {path: [modules[i] for i in sorted(modules)] for path, modules in parts.items()}
-
-
-_LINEAR_MODULES = _linear_modules()
+from .param_tables import GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, LAYER_TABLE, LINEAR_MODULES, TOP_TABLE
+from .quant_loader import checkpoint_quantization, quantized_layer_params, quantized_tensor_names, \
+    quantize_online, weight_quant_of
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "float": jnp.float32, "half": jnp.float16}
@@ -94,26 +48,6 @@ def read_hf_config(model_dir: os.PathLike) -> dict:
     return json.loads(cfg_file.read_text())
 
 
-def checkpoint_quantization(hf_config: dict, quantization: str | None) -> str | None:
-    """The quantization method a model runs with: the one asked for, else the one config.json's
-    quantization_config declares (vLLM's detection). A declared method jaxpaged cannot read, or one that
-    contradicts the request, is refused naming what is supported."""
-    declared = (hf_config.get("quantization_config") or {}).get("quant_method")
-    supported = ", ".join(QUANTIZATION_METHODS)
-    if declared is not None and declared not in INT4_METHODS:
-        raise ValueError(f"the checkpoint holds {declared!r}-quantized weights (config.json's quantization_config), "
-                         f"which jaxpaged does not load; supported quantization: {supported}")
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization {quantization!r} is not supported; supported: {supported}")
-    if quantization in INT4_METHODS and declared != quantization:
-        raise ValueError(f"quantization={quantization!r}, but config.json's quantization_config declares "
-                         f"{declared!r}: the checkpoint must be {quantization}-quantized")
-    if declared is not None and quantization not in (None, declared):
-        raise ValueError(f"quantization={quantization!r} contradicts config.json's quantization_config "
-                         f"({declared!r}); leave it unset to run the checkpoint as published")
-    return quantization or declared
-
-
 def model_config(model_dir: os.PathLike, quantization: str | None = None) -> DecoderConfig:
     """The decoder's config for a model folder, with the linear layers its quantization keeps quantized
     (checkpoint_quantization: the method asked for, else the one config.json declares)."""
@@ -122,25 +56,9 @@ def model_config(model_dir: os.PathLike, quantization: str | None = None) -> Dec
     cfg = decoder_config_from_hf(hf_config)
     if method is None:
         return cfg
-    if method in INT4_METHODS:
-        return dataclasses.replace(cfg, weight_quant=int4_weight_quant(hf_config["quantization_config"], cfg))
-    return dataclasses.replace(cfg, weight_quant=gguf_weight_quant(_gguf_reader(model_dir)))
-
-
-def int4_weight_quant(quant_config: dict, cfg: DecoderConfig) -> tuple[tuple[str, str], ...]:
-    """Every linear layer of the decoder in the AWQ / GPTQ checkpoint's int4 scheme, each checked against
-    the kernel's layout (input features a multiple of 128, the group size one it takes)."""
-    scheme = int4_scheme(quant_config)
-    skipped = [m for m in quant_config.get("modules_to_not_convert") or [] if m != "lm_head"]
-    if skipped:
-        raise ValueError(f"modules_to_not_convert {skipped}: unquantized decoder layers in a {scheme.method} "
-                         "checkpoint are not supported (only lm_head)")
-    in_features = {"qkv_proj": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim,
-                   "gate_up_proj": cfg.hidden_size, "down_proj": cfg.intermediate_size}
-    name = f"int4-g{scheme.group_size}" + ("-actorder" if scheme.act_order else "")
-    for linear, k in in_features.items():
-        check_scheme(scheme, linear, k)
-    return tuple((linear, name) for linear in sorted(in_features))
+    if method == "gguf":
+        return dataclasses.replace(cfg, weight_quant=gguf_weight_quant(_gguf_reader(model_dir)))
+    return dataclasses.replace(cfg, weight_quant=weight_quant_of(method, hf_config.get("quantization_config"), cfg))
 
 
 def gguf_source(model_dir: os.PathLike) -> pathlib.Path:
@@ -164,8 +82,8 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     types: dict[str, set] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
-        name = "embed_tokens" if t.name == _GGUF_EMBEDDING else \
-            _GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
+        name = "embed_tokens" if t.name == GGUF_EMBEDDING else \
+            GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
         if name is not None:
             types.setdefault(name, set()).add(t.tensor_type.name)
     out = []
@@ -194,16 +112,16 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
     embedding = None
     for t in _gguf_reader(model_dir).tensors:
         p = t.name.split(".")
-        if t.name == _GGUF_EMBEDDING and cfg.quant_of("embed_tokens"):
+        if t.name == GGUF_EMBEDDING and cfg.quant_of("embed_tokens"):
             embedding = jnp.asarray(np.asarray(t.data))
-        elif p[0] == "blk" and cfg.quant_of(_GGUF_LINEAR_OF.get(p[2], "")):
+        elif p[0] == "blk" and cfg.quant_of(GGUF_LINEAR_OF.get(p[2], "")):
             raw = np.asarray(t.data)
             if p[2] in ("attn_q", "attn_k"):
                 raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
-            parts.setdefault((_GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = raw
+            parts.setdefault((GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = raw
     layers = {path + ("qweight",): [jnp.asarray(np.concatenate([parts[linear, i][n] for n in names]))
                                     for i in range(cfg.num_layers)]
-              for linear, (path, names) in _GGUF_LINEARS.items() if cfg.quant_of(linear)}
+              for linear, (path, names) in GGUF_LINEARS.items() if cfg.quant_of(linear)}
     return layers, embedding
 
 
@@ -291,46 +209,23 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def int4_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderConfig, dtype,
-                      quant_config: dict) -> dict[tuple, list]:
-    """int4 tensors ((layer, HF module) -> {tensor name: numpy array}, the names of int4_formats.TENSORS) ->
-    (param path under a layer -> each layer's array) in Int4Linear's layout, fused parts joined on the output
-    dim."""
-    from jaxpaged.quantization.int4_formats import concat_outputs, device_layout, from_checkpoint
-    scheme = int4_scheme(quant_config)
-    need = TENSORS[scheme.method][0]
-    out: dict[tuple, list] = {}
-    for path, modules in _LINEAR_MODULES.items():
-        if not (cfg.quant_of(path[-1]) or "").startswith("int4"):
-            continue
-        for i in range(cfg.num_layers):
-            parts = []
-            for module in modules:
-                t = tensors.get((i, module), {})
-                if any(n not in t for n in need):
-                    raise ValueError(f"{scheme.method} checkpoint lacks model.layers.{i}.{module}."
-                                     f"{{{','.join(n for n in need if n not in t)}}}")
-                parts.append(from_checkpoint(t, scheme))
-            layer = device_layout(concat_outputs(parts, f"layer {i} {path[-1]}"), scheme.act_order)
-            for key, value in layer.items():
-                value = jnp.asarray(value, jnp.int32 if value.dtype.kind in "iu" else dtype)
-                out.setdefault(path + (key,), []).append(value)
-    return out
-
-
 def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False,
                             quant_config: dict | None = None) -> Any:
     """The checkpoint's weights in the decoder's tree; linear layers that cfg keeps quantized come from the
-    GGUF file's blocks (GGUF) or the folder's qweight / qzeros / scales tensors (AWQ, GPTQ; quant_config is
-    config.json's quantization_config) instead of dense weights."""
+    GGUF file's blocks (GGUF), the folder's quantized tensors (int4 and fp8 checkpoints; quant_config is
+    config.json's quantization_config), or its dense weights quantized here (fp8 without quant_config)."""
     import numpy as np
     from safetensors import safe_open
+
+    from jaxpaged.quantization.fp8 import read_fp8_tensor
     shapes = param_shapes(cfg, dtype)
     layer_parts: dict[tuple, list] = {}
-    int4 = any(q.startswith("int4") for _, q in cfg.weight_quant)
-    int4_names = set(sum(TENSORS[int4_scheme(quant_config).method], ())) if int4 else set()
-    blocks, embedding = gguf_blocks(model_dir, cfg) if cfg.weight_quant and not int4 else ({}, None)
-    int4_tensors: dict[tuple[int, str], dict] = {}
+    gguf = any(not q.startswith(("int4", "fp8")) for _, q in cfg.weight_quant)
+    online = not gguf and cfg.weight_quant and quant_config is None
+    quant_names = quantized_tensor_names(cfg, quant_config)
+    quant_modules = {m for path, modules in LINEAR_MODULES.items() if cfg.quant_of(path[-1]) for m in modules}
+    blocks, embedding = gguf_blocks(model_dir, cfg) if gguf else ({}, None)
+    quant_tensors: dict[tuple[int, str], dict] = {}
     params: dict = {}
     for file in _safetensor_files(model_dir):
         # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
@@ -340,28 +235,30 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     rest = name[len("model.layers."):]
                     idx, sub = rest.split(".", 1)
                     module, _, leaf = sub.rpartition(".")
-                    if leaf in int4_names:
-                        int4_tensors.setdefault((int(idx), module), {})[leaf] = np.asarray(f.get_tensor(name))
+                    if leaf in quant_names and module in quant_modules:
+                        fp8_data = f.get_slice(name).get_dtype() == "F8_E4M3"
+                        quant_tensors.setdefault((int(idx), module), {})[leaf] = (
+                            read_fp8_tensor(str(file), name) if fp8_data else np.asarray(f.get_tensor(name)))
                         continue
-                    if sub not in _LAYER_TABLE:
+                    if sub not in LAYER_TABLE:
                         continue   # e.g. rotary_emb.inv_freq in old checkpoints
-                    path, transpose, part = _LAYER_TABLE[sub]
-                    if path[-1] == "kernel" and cfg.quant_of(path[-2]):
-                        continue   # from the GGUF blocks
+                    path, transpose, part = LAYER_TABLE[sub]
+                    if path[-1] == "kernel" and cfg.quant_of(path[-2]) and not online:
+                        continue   # from the GGUF blocks or the quantized tensors
                     t = f.get_tensor(name).astype(dtype)
                     part_idx, num_parts = part or (0, 1)
                     slots = layer_parts.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
                     slots[int(idx)][part_idx] = t.T if transpose else t
-                elif name in _TOP_TABLE:
-                    path, transpose = _TOP_TABLE[name]
+                elif name in TOP_TABLE:
+                    path, transpose = TOP_TABLE[name]
                     if path[0] == "lm_head" and cfg.tie_word_embeddings:
                         continue
                     if path[0] == "embed_tokens" and cfg.quant_of("embed_tokens"):
                         continue   # from the GGUF blocks
                     t = f.get_tensor(name).astype(dtype)
                     _set(params, path, t.T if transpose else t)
-    if int4:
-        blocks = int4_layer_params(int4_tensors, cfg, dtype, quant_config or {})
+    if quant_names:
+        blocks = quantized_layer_params(quant_tensors, cfg, dtype, quant_config or {})
     for path, arrays in blocks.items():
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
     if embedding is not None:
@@ -373,6 +270,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
         arrays = [jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0] for parts in layers]
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
         layers.clear()
+    if online:
+        quantize_online(params["layers"], cfg)
     # Every parameter the model needs must have arrived, with the right shape (per layer: its slice's).
     flat_need = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
     if per_layer:

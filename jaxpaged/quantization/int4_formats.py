@@ -177,8 +177,8 @@ def concat_outputs(parts: list[Int4Weight], name: str) -> Int4Weight:
     if any(not np.array_equal(p.g_idx, parts[0].g_idx) for p in parts[1:]):
         raise ValueError(f"{name}: the fused parts group the input rows differently (g_idx); jaxpaged fuses "
                          "them into one matmul and needs one grouping")
-    return Int4Weight(*(np.concatenate([getattr(p, f) for p in parts], axis=1) for f in ("q", "scales", "zeros")),
-                      parts[0].g_idx)
+    join = lambda field: np.concatenate([getattr(p, field) for p in parts], axis=1)
+    return Int4Weight(join("q"), join("scales"), join("zeros"), parts[0].g_idx)
 
 
 def device_layout(w: Int4Weight, act_order: bool) -> dict[str, np.ndarray]:

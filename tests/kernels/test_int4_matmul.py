@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from kernel_cases import INTERPRET, TOL, gpu_only, lowered_calls, rel_err
-from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, check_group_size, choose_int4_tiling, dequantize_int4, int4_matmul,
-                                                 int4_matmul_reference, pack_int4, unpack_int4)
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, check_group_size, choose_int4_tiling,
+                                                 dequantize_int4, int4_matmul, int4_matmul_reference, pack_int4,
+                                                 unpack_int4)
 
 
 @dataclasses.dataclass(frozen=True)

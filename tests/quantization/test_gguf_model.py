@@ -47,8 +47,9 @@ def test_gguf_blocks_give_the_dense_float32_run(dense, layer_dispatch):
 
 
 def test_unsupported_methods_and_models_without_a_gguf_file_are_refused(tmp_path_factory):
-    with pytest.raises(ValueError, match="quantization 'fp8' is not supported; supported: awq, compressed-tensors, gguf, gptq"):
-        EngineArgs(quantization="fp8")
+    with pytest.raises(ValueError, match="quantization 'bitsandbytes' is not supported; supported: awq, "
+                                         "compressed-tensors, fp8, gguf, gptq"):
+        EngineArgs(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="was not converted from one"):
         LLM(model=tiny_llama_dir(tmp_path_factory, "not-gguf"), quantization="gguf")
 
@@ -58,19 +59,19 @@ def test_the_server_flag_reaches_the_engine_args():
     args = engine_args_from(make_parser().parse_args(["--quantization", "gguf"]))
     assert dataclasses.asdict(args)["quantization"] == "gguf"
     with pytest.raises(SystemExit):
-        make_parser().parse_args(["--quantization", "fp8"])
+        make_parser().parse_args(["--quantization", "bitsandbytes"])
 
 
 def test_a_checkpoint_of_another_quantization_method_is_refused_by_name(tmp_path_factory):
-    """config.json's quantization_config names the method (as fp8 checkpoints do): one
+    """config.json's quantization_config names the method (as bitsandbytes checkpoints do): one
     jaxpaged cannot read is refused at start-up with what is supported, not a missing-tensor error."""
     import json
     from pathlib import Path
-    folder = Path(tiny_llama_dir(tmp_path_factory, "fp8"))
+    folder = Path(tiny_llama_dir(tmp_path_factory, "bnb"))
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(cfg))
     for quantization in (None, "gguf"):
-        with pytest.raises(ValueError, match="holds 'fp8'-quantized weights .* supported "
-                                             "quantization: awq, compressed-tensors, gguf, gptq"):
+        with pytest.raises(ValueError, match="holds 'bitsandbytes'-quantized weights .* supported "
+                                             "quantization: awq, compressed-tensors, fp8, gguf, gptq"):
             LLM(model=str(folder), quantization=quantization)

@@ -12,13 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_model
-from jaxpaged import LLM, SamplingParams
+from jaxpaged import LLM
 from jaxpaged.quantization.int4_formats import AWQ_ORDER
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# K a multiple of 128 for every linear layer (the kernel's packed slabs): hidden 128, 2 heads of 64, MLP 256
-SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+from quant_cases import check_against_hf, linear_weight_names, save_tiny
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,28 +84,29 @@ def pack_rows(v: np.ndarray) -> np.ndarray:
     return pack_columns(v.T).T.copy()
 
 
+# Act order: GPTQ orders a layer's input rows by its input's statistics, so the layers that read one input
+# (q, k and v; gate and up) share the permutation.
+READS_INPUT_OF = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
+def input_of(prefix: str) -> str:
+    """model.layers.0.self_attn.v_proj -> model.layers.0.self_attn.q_proj: the module whose input it reads."""
+    parent, module = prefix.rsplit(".", 1)
+    return f"{parent}.{READS_INPUT_OF.get(module, module)}"
+
+
 def write_int4_checkpoint(case: Int4Case, path: Path):
     """A tiny model saved by transformers, its linear weights replaced by the case's packed tensors; returns
     HF's model carrying the dequantized weights (the reference)."""
-    import shutil
-
     from safetensors.numpy import load_file, save_file
-
-    from jaxpaged.engine.llm_engine import resolve_model_path
-    hf = save_tiny_model(case.family, path, initializer_range=0.2, **SIZES)
-    for f in ("tokenizer.json", "tokenizer_config.json"):        # SmolLM2's ids cover the tiny vocabulary
-        shutil.copy(Path(resolve_model_path(None)) / f, path)
+    hf = save_tiny(case.family, path)
     tensors = load_file(str(path / "model.safetensors"))
-    for name in [n for n in tensors if n.rsplit(".", 2)[-2] in LINEARS and n.endswith(".weight")]:
+    for name in linear_weight_names(tensors):
         w = tensors.pop(name).T                                             # [K, N]
         group = case.group_size if case.group_size > 0 else w.shape[0]
         prefix = name[:-len(".weight")]
-        # act order: GPTQ orders a layer's input rows by its inputs' statistics, so the layers reading one
-        # input (q, k and v; gate and up) share the permutation
-        shared_input = prefix.rsplit(".", 1)[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
-            prefix.rsplit(".", 1)[1], prefix.rsplit(".", 1)[1])
-        rows = (np.random.default_rng(zlib.crc32(shared_input.encode())).permutation(w.shape[0]) if case.desc_act
-                else np.arange(w.shape[0]))
+        rows = (np.random.default_rng(zlib.crc32(input_of(prefix).encode())).permutation(w.shape[0])
+                if case.desc_act else np.arange(w.shape[0]))
         q, scales, zeros = quantize(w, group, case.sym, rows)
         g_of_row = np.empty(w.shape[0], np.int64)
         g_of_row[rows] = np.arange(w.shape[0]) // group
@@ -144,12 +141,6 @@ def write_int4_checkpoint(case: Int4Case, path: Path):
     return hf
 
 
-def hf_logprobs(hf, token_ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        logits = hf(torch.tensor([token_ids])).logits[0, :-1]
-    return torch.log_softmax(logits.double(), -1).numpy()
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     built = {}
@@ -160,23 +151,6 @@ def checkpoints(tmp_path_factory):
             built[case] = (path, write_int4_checkpoint(case, path))
         return built[case]
     return get
-
-
-SCORED = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-
-
-def check_against_hf(llm: LLM, hf) -> None:
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (19, 7)]
-    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], SCORED, use_tqdm=False):
-        prompt, gen = out.prompt_token_ids, out.outputs[0]
-        lps = hf_logprobs(hf, prompt + gen.token_ids)
-        assert gen.token_ids == lps[len(prompt) - 1:].argmax(-1).tolist()
-        got = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-        np.testing.assert_allclose(got, lps[np.arange(len(prompt) - 1), prompt[1:]], rtol=0, atol=1e-4)
-        got = [entry[t].logprob for entry, t in zip(gen.logprobs, gen.token_ids)]
-        rows = np.arange(len(prompt) - 1, len(prompt) - 1 + len(gen.token_ids))
-        np.testing.assert_allclose(got, lps[rows, gen.token_ids], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -210,8 +184,8 @@ def test_inconsistent_or_unsupported_int4_checkpoints_are_refused(checkpoints, t
     for change, message in [({"bits": 8}, "8-bit weights is not supported"),
                             ({"version": "gemv"}, "AWQ version 'gemv' is not supported"),
                             ({"group_size": 96}, "group size 96"),
-                            ({"quant_method": "fp8"}, "'fp8'-quantized weights .* supported quantization: awq, "
-                                                      "compressed-tensors, gguf, gptq"),
+                            ({"quant_method": "hqq"}, "'hqq'-quantized weights .* supported quantization: awq, "
+                                                      "compressed-tensors, fp8, gguf, gptq"),
                             ({**ct, "format": "float-quantized"}, "compressed-tensors format 'float-quantized'"),
                             ({**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "input_activations":
                                                             {"num_bits": 8}}}}, "quantized activations")]:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 26 (quantization) on the GPU, in one call: the int4 kernel's tests at real sizes, the linear-layer
+# table (bench/bench_matmul.py), the fp8 GEMM probe (bench/fp8_probe.py), llama3-8b's concurrency-1 TPOT over
+# HTTP as AWQ int4 (dummy weights) beside bf16, then (--fp8-throughput) llama3-8b offline ShareGPT 1000 with
+# fp8 weights quantized at load beside bf16 (dummy weights).
+#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput]
+#        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b]
+# carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
+while [ $# -gt 0 ]; do
+  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
+             --c1-models) C1_MODELS=$2; shift ;; esac
+  shift
+done
+OUTDIR=${OUT:-/tmp/quant}
+mkdir -p "$OUTDIR"
+ROOT=$(pwd)
+if [ $C1 = 1 ]; then   # (before gpu_env.sh leaves the repository)
+  c1() { bash "$ROOT/bench/serve_vs_offline.sh" "$1" --server-only --c1-only 2>&1 | grep -E "TPOT|health|Error|error" | head -12; }
+fi
+source bench/gpu_env.sh
+echo "quant_gpu: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
+if [ $TESTS = 1 ]; then
+  echo "== kernel tests (GPU)"
+  JAX_PLATFORMS=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o pythonpath= "$REPO/tests/kernels/test_int4_matmul.py" 2>&1 | tail -5
+fi
+if [ $TABLE = 1 ]; then
+  echo "== linear layers (bench_matmul.py $TABLE_ARGS)"
+  # shellcheck disable=SC2086
+  timeout 330 $PY "$REPO/bench/bench_matmul.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" $TABLE_ARGS 2>&1 \
+    | grep -vE "^\| "
+fi
+if [ $FP8 = 1 ]; then
+  echo "== fp8 GEMM probe"
+  timeout 200 $PY "$REPO/bench/fp8_probe.py" --out "$OUTDIR" 2>&1 | tail -25
+fi
+if [ $C1 = 1 ]; then
+  cd "$ROOT" || exit 1
+  for model in ${C1_MODELS//,/ }; do echo "== c1 $model"; c1 $model; done
+fi
+if [ $FP8_TPUT = 1 ]; then
+  for q in fp8 none; do
+    echo "== offline llama3-8b ShareGPT 1000, quantization $q"
+    # shellcheck disable=SC2046
+    timeout 300 $PY "$REPO/bench/throughput.py" --no-tqdm --dataset sharegpt --model llama3-8b \
+      $( [ $q = fp8 ] && echo --quantization fp8 ) --result-name "llama3-8b-sharegpt-$q" 2>&1 \
+      | grep -E "Throughput|Run config|loaded|Error|error" | tail -5
+  done
+fi

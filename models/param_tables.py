@@ -1,0 +1,50 @@
+"""HF parameter names -> the Flax decoder's params: one table for every family the decoder supports, and the
+GGUF tensor names of its linear layers."""
+from __future__ import annotations
+
+# Each linear layer of the decoder: its param path under a layer, and the GGUF tensors it is made of
+# (concatenated on the output axis).
+GGUF_LINEARS = {"qkv_proj": (("self_attn", "qkv_proj"), ("attn_q", "attn_k", "attn_v")),
+                 "o_proj": (("self_attn", "o_proj"), ("attn_output",)),
+                 "gate_up_proj": (("mlp", "gate_up_proj"), ("ffn_gate", "ffn_up")),
+                 "down_proj": (("mlp", "down_proj"), ("ffn_down",))}
+GGUF_LINEAR_OF = {n: linear for linear, (_, names) in GGUF_LINEARS.items() for n in names}
+GGUF_EMBEDDING = "token_embd.weight"    # the embedding (and with it a tied LM head)
+
+
+# HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).
+# Parts are concatenated on the output axis: q/k/v into one qkv_proj, gate/up into one gate_up_proj.
+LAYER_TABLE = {
+    "self_attn.q_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (0, 3)),
+    "self_attn.k_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (1, 3)),
+    "self_attn.v_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, (2, 3)),
+    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True, None),
+    "self_attn.q_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (0, 3)),
+    "self_attn.k_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (1, 3)),
+    "self_attn.v_proj.bias": (("self_attn", "qkv_proj", "bias"), False, (2, 3)),
+    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), False, None),
+    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), False, None),
+    "mlp.gate_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (0, 2)),
+    "mlp.up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (1, 2)),
+    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
+    "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
+    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
+}
+TOP_TABLE = {
+    "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+    "model.norm.weight": (("norm", "scale"), False),
+    "lm_head.weight": (("lm_head", "kernel"), True),
+}
+
+
+def _linear_modules() -> dict[tuple, list[str]]:
+    """Each linear layer's param path under a layer -> its HF modules, in the order their outputs concatenate:
+    ("self_attn", "qkv_proj") -> ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]."""
+    parts: dict[tuple, dict[int, str]] = {}
+    for name, (path, _, part) in LAYER_TABLE.items():
+        if path[-1] == "kernel":
+            parts.setdefault(path[:-1], {})[(part or (0, 1))[0]] = name[:-len(".weight")]
+    return {path: [modules[i] for i in sorted(modules)] for path, modules in parts.items()}
+
+
+LINEAR_MODULES = _linear_modules()

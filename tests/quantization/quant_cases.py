@@ -1,0 +1,68 @@
+"""What the quantized-checkpoint tests share: tiny models whose linear layers the kernels take, and the check
+of a jaxpaged LLM against HF transformers carrying the weights (and activation rounding) jaxpaged computes
+with."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from conftest import save_tiny_model
+from jaxpaged import LLM, SamplingParams
+
+# K a multiple of 128 for every linear layer (the int4 kernel's packed slabs, fp8's 128-column blocks):
+# hidden 128, 2 heads of 64, MLP 256
+SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SCORED = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+
+
+def save_tiny(family: str, path: Path, initializer_range: float = 0.2):
+    """conftest.TINY_MODELS[family] at SIZES, with SmolLM2's tokenizer (its ids cover the tiny vocabulary);
+    returns HF's model. initializer_range: 10x HF's default by default, so logits spread wide and few greedy
+    choices are near-ties."""
+    from jaxpaged.engine.llm_engine import resolve_model_path
+    hf = save_tiny_model(family, path, initializer_range=initializer_range, **SIZES)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(resolve_model_path(None)) / f, path)
+    return hf
+
+
+def linear_weight_names(tensors: dict) -> list[str]:
+    """The decoder layers' linear weights among a checkpoint's tensor names."""
+    return [n for n in tensors if n.endswith(".weight") and n.rsplit(".", 2)[-2] in LINEARS]
+
+
+def hf_logprobs(hf, token_ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logits = hf(torch.tensor([token_ids])).logits[0, :-1]
+    return torch.log_softmax(logits.double(), -1).numpy()
+
+
+def check_against_hf(llm: LLM, hf, atol: float = 1e-4, mean_atol: float | None = None, tie: float = 0.0) -> None:
+    """Two prompts: teacher-forced prompt logprobs and 12 greedy tokens' logprobs within atol of HF's (and
+    their mean difference within mean_atol), the greedy tokens HF's. tie > 0 (quantized activations, where a
+    1e-7 difference upstream can move one activation to the next e4m3 value): a token may differ where HF's
+    own top choice leads it by less than tie nats, and the comparison ends there."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (19, 7)]
+    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], SCORED, use_tqdm=False):
+        prompt, gen = out.prompt_token_ids, list(out.outputs[0].token_ids)
+        lps = hf_logprobs(hf, prompt + gen)
+        steps = lps[len(prompt) - 1:]
+        same = [t == int(row.argmax()) for t, row in zip(gen, steps)]
+        first = same.index(False) if False in same else len(gen)
+        if first < len(gen):
+            row = steps[first]
+            assert row.max() - row[gen[first]] < tie, (first, row.max() - row[gen[first]])
+        got = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        got += [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs[:first], gen[:first])]
+        rows = np.arange(len(prompt) - 1 + first)
+        want = lps[rows, (prompt[1:] + gen)[:len(rows)]]
+        print(f"logprobs against HF: max |diff| {np.max(np.abs(np.asarray(got) - want)):.2e}, "
+              f"mean {np.mean(np.abs(np.asarray(got) - want)):.2e}, {first} of {len(gen)} greedy tokens HF's")
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+        if mean_atol is not None:
+            assert np.mean(np.abs(np.asarray(got) - want)) < mean_atol
