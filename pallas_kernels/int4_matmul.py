@@ -234,7 +234,7 @@ def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_
             raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_n=block_n, slabs_per_iter=slabs_per_iter)
-        grid = (n // block_n, num_splits)
+        grid: tuple[int, ...] = (n // block_n, num_splits)
     else:
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_m=block_m, block_n=block_n)
