@@ -23,6 +23,9 @@ ATTENTION_BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # checkpoint quantizes the weights at load (the method is also detected from config.json's
 # quantization_config; models/quant_loader.py).
 QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq")
+# The KV pool's dtype (vLLM's --kv-cache-dtype): auto is the model's; fp8 and fp8_e4m3 store e4m3, half of
+# bf16's bytes, with a per-layer k_scale / v_scale from the checkpoint (else 1.0).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # Decode steps per program on a GPU when the whole step is one program. With one step per program a small
 # model's decode is host-bound (the launch and the engine's work outlast the device step). A stream gets a
@@ -71,6 +74,7 @@ class EngineArgs:
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
     num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default by use
     quantization: str | None = None          # QUANTIZATION_METHODS; None: dense, or what config.json declares
+    kv_cache_dtype: str = "auto"             # KV_CACHE_DTYPES
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: who runs the engine (logged)
 
@@ -103,6 +107,9 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
                              f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
 

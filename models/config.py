@@ -43,6 +43,9 @@ class DecoderConfig:
     # with "-actorder" when GPTQ's desc_act permutes the input rows (AWQ / GPTQ, int4_weight_quant; group 0:
     # one group per output channel); () for dense weights.
     weight_quant: tuple[tuple[str, str], ...] = ()
+    # The KV pool's dtype: "auto" (the model's) or "fp8" (e4m3, with a k_scale and v_scale per layer, the
+    # checkpoint's or 1.0; vLLM's --kv-cache-dtype).
+    kv_cache_dtype: str = "auto"
 
     @property
     def family(self) -> str:

@@ -220,13 +220,17 @@ class Attention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         backend = self.options.attn_backend
         opts = self.options
+        kv_scales = None
+        if c.kv_cache_dtype == "fp8":    # the pool holds k / k_scale and v / v_scale in e4m3
+            kv_scales = (self.param("k_scale", nn.initializers.ones, (), jnp.float32),
+                         self.param("v_scale", nn.initializers.ones, (), jnp.float32))
         kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
-                                           interpret=opts.interpret)
+                                           interpret=opts.interpret, kv_scales=kv_scales)
         o = pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale=c.head_dim ** -0.5,
                                      decode_only=opts.decode_only, in_loop=opts.in_loop,
                                      sliding_window=c.sliding_window, backend=backend,
-                                     interpret=opts.interpret, num_sms=opts.num_sms)
+                                     interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales)
         o = o.reshape(-1, c.num_heads * c.head_dim)
         return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
 
@@ -364,6 +368,11 @@ def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targ
     if prompt_head is None:
         return logits, ()
     return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head)
+
+
+def kv_cache_dtype(cfg: DecoderConfig, dtype):
+    """The pool's dtype: the model's, or e4m3 with --kv-cache-dtype fp8."""
+    return pallas_kernels.FP8_CACHE_DTYPE if cfg.kv_cache_dtype == "fp8" else dtype
 
 
 def kv_cache_shape(cfg: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
-from .param_tables import GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, LAYER_TABLE, LINEAR_MODULES, TOP_TABLE
+from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_TABLE, LINEAR_MODULES,
+                           TOP_TABLE)
 from .quant_loader import checkpoint_quantization, quantized_layer_params, quantized_tensor_names, \
     quantize_online, weight_quant_of
 
@@ -48,12 +49,15 @@ def read_hf_config(model_dir: os.PathLike) -> dict:
     return json.loads(cfg_file.read_text())
 
 
-def model_config(model_dir: os.PathLike, quantization: str | None = None) -> DecoderConfig:
+def model_config(model_dir: os.PathLike, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> DecoderConfig:
     """The decoder's config for a model folder, with the linear layers its quantization keeps quantized
-    (checkpoint_quantization: the method asked for, else the one config.json declares)."""
+    (checkpoint_quantization: the method asked for, else the one config.json declares) and the KV pool's
+    dtype (fp8 and fp8_e4m3: "fp8")."""
     hf_config = read_hf_config(model_dir)
     method = checkpoint_quantization(hf_config, quantization)
     cfg = decoder_config_from_hf(hf_config)
+    cfg = dataclasses.replace(cfg, kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else "auto")
     if method is None:
         return cfg
     if method == "gguf":
@@ -164,12 +168,18 @@ def unstack_layers(params, num_layers: int) -> dict:
     return {**params, "layers": per_layer}
 
 
+def _is_scale(name: str) -> bool:
+    """Norm scales, k_scale / v_scale, fp8 weight and input scales: ones in dummy weights."""
+    return name == "scale" or name.endswith("_scale")
+
+
 def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0, per_layer: bool = False) -> Any:
-    """Random weights of the right shapes (vLLM's --load-format dummy): uniform(-1e-3, 1e-3), norms 1. The
+    """Random weights of the right shapes (vLLM's --load-format dummy): uniform(-1e-3, 1e-3), norms and
+    scales 1. The
     same seed gives the same weights in either layout (per_layer: each layer's slice of the stacked draw)."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    specs = [(sds.shape, sds.dtype, getattr(path[-1], "key", None) == "scale",
+    specs = [(sds.shape, sds.dtype, _is_scale(getattr(path[-1], "key", "")),
               per_layer and getattr(path[0], "key", None) == "layers") for path, sds in leaves]
     # quantized blocks (uint8) are zeros: scales of zero, so the weights they stand for are zeros too
 
@@ -245,7 +255,12 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     path, transpose, part = LAYER_TABLE[sub]
                     if path[-1] == "kernel" and cfg.quant_of(path[-2]) and not online:
                         continue   # from the GGUF blocks or the quantized tensors
-                    t = f.get_tensor(name).astype(dtype)
+                    if path[-1] in KV_SCALES:
+                        if cfg.kv_cache_dtype != "fp8":
+                            continue
+                        t = f.get_tensor(name).astype(jnp.float32).reshape(())
+                    else:
+                        t = f.get_tensor(name).astype(dtype)
                     part_idx, num_parts = part or (0, 1)
                     slots = layer_parts.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
                     slots[int(idx)][part_idx] = t.T if transpose else t
@@ -259,6 +274,10 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     _set(params, path, t.T if transpose else t)
     if quant_names:
         blocks = quantized_layer_params(quant_tensors, cfg, dtype, quant_config or {})
+    if cfg.kv_cache_dtype == "fp8":     # scales the checkpoint lacks are 1.0, as vLLM's
+        for name in KV_SCALES:
+            for slot in layer_parts.setdefault(("self_attn", name), [[None] for _ in range(cfg.num_layers)]):
+                slot[0] = jnp.ones((), jnp.float32) if slot[0] is None else slot[0]
     for path, arrays in blocks.items():
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
     if embedding is not None:
@@ -291,11 +310,12 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
 
 
 def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "auto", seed: int = 0,
-               platform: str = "cpu", per_layer: bool = False, quantization: str | None = None) -> LoadedModel:
+               platform: str = "cpu", per_layer: bool = False, quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> LoadedModel:
     """per_layer: params["layers"] is a list of one tree per layer (per-layer and unrolled dispatch);
-    quantization: one of QUANTIZATION_METHODS, or None for dense weights."""
+    quantization: one of QUANTIZATION_METHODS, or None for dense weights; kv_cache_dtype: as model_config's."""
     hf_config = read_hf_config(model_dir)
-    cfg = model_config(model_dir, quantization)
+    cfg = model_config(model_dir, quantization, kv_cache_dtype)
     jdtype = resolve_dtype(dtype, cfg, platform)
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, per_layer)

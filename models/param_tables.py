@@ -29,7 +29,13 @@ LAYER_TABLE = {
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
     "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
+    # an fp8 KV cache's per-layer scales (vLLM's names; compressed-tensors writes them on k_proj / v_proj)
+    "self_attn.k_scale": (("self_attn", "k_scale"), False, None),
+    "self_attn.v_scale": (("self_attn", "v_scale"), False, None),
+    "self_attn.k_proj.output_scale": (("self_attn", "k_scale"), False, None),
+    "self_attn.v_proj.output_scale": (("self_attn", "v_scale"), False, None),
 }
+KV_SCALES = ("k_scale", "v_scale")
 TOP_TABLE = {
     "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
     "model.norm.weight": (("norm", "scale"), False),

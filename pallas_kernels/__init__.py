@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 
-from ._checks import is_hopper
+from ._checks import FP8_CACHE_DTYPE, is_hopper
 from .kv_write import write_kv_pallas, write_kv_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
@@ -38,14 +38,15 @@ BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # 32 pairs).
 MOSAIC_DECODE_MIN_PAIRS = 128
 
-__all__ = ["BACKENDS", "attention", "is_hopper", "paged_decode_attention", "paged_decode_attention_reference",
-           "ragged_paged_attention_reference", "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
+__all__ = ["BACKENDS", "FP8_CACHE_DTYPE", "attention", "is_hopper", "paged_decode_attention",
+           "paged_decode_attention_reference", "ragged_paged_attention_reference", "ragged_paged_attention_xla",
+           "write_kv", "write_kv_reference"]
 
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
               decode_only: bool = False, in_loop: bool = False, sliding_window: int | None = None,
               soft_cap: float | None = None, backend: str = "xla", interpret: bool | None = None,
-              num_sms: int | None = None):
+              num_sms: int | None = None, kv_scales=None):
     """Attention of a flat ragged batch over the paged cache; see ragged_paged_attention.py for shapes.
 
     decode_only: static promise that every request has exactly one query token (T == R), which lets the
@@ -59,7 +60,24 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     interpret: run the Pallas kernels in interpret mode (None: when JAX's default backend is the CPU);
     num_sms: the GPU's SM count the kernels size their grids by (None: the device's own). Callers that
     lower for a GPU from a process without one (the engine's lowering workers) name both.
+    kv_scales: (k_scale, v_scale) f32[] for an e4m3 cache (FP8_CACHE_DTYPE), whose K/V hold k / k_scale and
+    v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
+    convert each tile to q's dtype. (The Mosaic GPU kernels take bf16/fp16 caches only: an e4m3 cache runs
+    the Triton kernels.)
     """
+    if kv_scales is None:
+        return _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, scale=scale,
+                          decode_only=decode_only, in_loop=in_loop, sliding_window=sliding_window,
+                          soft_cap=soft_cap, backend=backend, interpret=interpret, num_sms=num_sms)
+    k_scale, v_scale = kv_scales
+    out = _attention((q * k_scale).astype(q.dtype), kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
+                     scale=scale, decode_only=decode_only, in_loop=in_loop, sliding_window=sliding_window,
+                     soft_cap=soft_cap, backend=backend, interpret=interpret, num_sms=num_sms)
+    return (out * v_scale).astype(q.dtype)
+
+
+def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale, decode_only, in_loop,
+               sliding_window, soft_cap, backend, interpret, num_sms):
     if backend == "reference":
         return ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens,
                                                 query_start_loc, scale=scale,
@@ -98,11 +116,15 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 
-def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla", interpret: bool | None = None):
+def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla", interpret: bool | None = None,
+             kv_scales=None):
     """Scatter new K/V (dtype[T, K, D]) into the pool at slot_mapping (i32[T]); returns the pool.
-    interpret: as attention's."""
+    interpret: as attention's; kv_scales: (k_scale, v_scale) of an e4m3 pool, which stores k / k_scale and
+    v / v_scale."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if kv_scales is not None:
+        k, v = k / kv_scales[0].astype(k.dtype), v / kv_scales[1].astype(v.dtype)
     if backend in ("pallas", "mosaic"):
         return write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping, interpret=interpret)
     return write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)

@@ -1,7 +1,31 @@
 """Input checks shared by the attention kernels' public ops."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+# The one narrower cache the kernels read (--kv-cache-dtype fp8): e4m3 values, held as their bytes (uint8)
+# and reinterpreted where read. Why bytes: XLA's CPU backend widens every op on an e4m3 (or bf16) array to
+# f32, so each step's scatter into an e4m3 pool converted and copied the whole pool (~1 s a layer on a
+# 0.5 GiB pool; a uint8 scatter is in place); on the GPU the reinterpretation is free. Each K/V tile is
+# converted to q's dtype as it is loaded; the per-layer scales are the caller's (pallas_kernels.attention).
+FP8_CACHE_DTYPE = jnp.uint8
+FP8_MAX = 448.0          # e4m3fn's largest finite value: writes saturate there
+
+
+def from_cache(x, dtype):
+    """Cache values (a loaded tile, or gathered blocks) in dtype: e4m3 bytes are reinterpreted first."""
+    if x.dtype == FP8_CACHE_DTYPE:
+        x = jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+    return x.astype(dtype)
+
+
+def to_cache(x, cache_dtype):
+    """K/V values in the pool's dtype; into e4m3 they saturate at its largest value (no NaN from overflow)."""
+    if cache_dtype == FP8_CACHE_DTYPE:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+        return jax.lax.bitcast_convert_type(x, FP8_CACHE_DTYPE)
+    return x.astype(cache_dtype)
 
 
 def validate_q_and_cache(q, kv_cache, layer_idx) -> None:
@@ -20,8 +44,9 @@ def validate_q_and_cache(q, kv_cache, layer_idx) -> None:
                          "(block sizes 8/16/32/64, head dims 64/128/256)")
     if jnp.shape(layer_idx) not in ((), (1,)):
         raise ValueError(f"layer_idx must be a scalar; got shape {jnp.shape(layer_idx)}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if q.dtype != kv_cache.dtype and kv_cache.dtype != FP8_CACHE_DTYPE:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype} (a cache of another "
+                         f"dtype than q's must be {FP8_CACHE_DTYPE})")
 
 
 def is_hopper(device) -> bool:

@@ -1,6 +1,6 @@
 """KV writes: scatter this step's new K/V into the block pool by slot mapping.
 
-  kv_cache:     dtype[L, 2, B, K, S, D]
+  kv_cache:     dtype[L, 2, B, K, S, D]   (or e4m3 bytes, FP8_CACHE_DTYPE: values saturate at +-448)
   k, v:         dtype[T, K, D]
   slot_mapping: i32[T]     slot = block_id * S + offset; padding tokens use slot 0..S-1 (the null block)
 
@@ -18,13 +18,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._checks import to_cache
+
 
 def write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping):
     """Plain-jnp scatter. Under jit with the cache donated, XLA updates the pool in place."""
     block_size = kv_cache.shape[4]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype)                 # [2, T, K, D]
+    kv = to_cache(jnp.stack([k, v]), kv_cache.dtype)        # [2, T, K, D]
     # Advanced indices (layer, blocks, offsets) are split by the K slice, so the scattered update is
     # laid out as [T, 2, K, D].
     return kv_cache.at[layer_idx, :, blocks, :, offsets, :].set(kv.transpose(1, 0, 2, 3))
@@ -41,8 +43,8 @@ def _write_kv_kernel(layer_ref, slot_mapping_ref, k_ref, v_ref, _cache_in_ref, c
     layer = layer_ref[0]
     slot = slot_mapping_ref[t]
     block, offset = slot // block_size, slot % block_size
-    cache_ref[layer, 0, block, h, offset, :] = k_ref[t, h, :].astype(cache_ref.dtype)
-    cache_ref[layer, 1, block, h, offset, :] = v_ref[t, h, :].astype(cache_ref.dtype)
+    cache_ref[layer, 0, block, h, offset, :] = to_cache(k_ref[t, h, :], cache_ref.dtype)
+    cache_ref[layer, 1, block, h, offset, :] = to_cache(v_ref[t, h, :], cache_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import validate_q_and_cache
+from ._checks import from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 NUM_SMS = 132            # H100 SXM: the SM count where no GPU says its own (lowering on the CPU)
@@ -90,8 +90,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
         blocks = plgpu.load(block_tables_ref.at[r, pl.ds(block0, blocks_per_iter)],
                             mask=idx < max_blocks, other=0)                  # [P]; past M -> null
-        k = kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
-        v = kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim)         # [P*S, D]
+        k = from_cache(kv_ref[layer, 0, blocks, h, :, :].reshape(tile, head_dim), q.dtype)   # [P*S, D]
+        v = from_cache(kv_ref[layer, 1, blocks, h, :, :].reshape(tile, head_dim), q.dtype)   # [P*S, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale    # [Gp, P*S] f32
         if soft_cap is not None:
             s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
@@ -223,7 +223,7 @@ def paged_decode_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     k = layer[0][block_tables].transpose(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, -1, head_dim)
     v = layer[1][block_tables].transpose(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, -1, head_dim)
     qg = q.reshape(num_reqs, num_kv_heads, group, head_dim).astype(jnp.float32)
-    s = jnp.einsum("rkgd,rkcd->rkgc", qg, k.astype(jnp.float32),
+    s = jnp.einsum("rkgd,rkcd->rkgc", qg, from_cache(k, jnp.float32),
                    precision=jax.lax.Precision.HIGHEST) * scale              # [R, K, G, M*S]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -235,7 +235,7 @@ def paged_decode_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("rkgc,rkcd->rkgd", p, v.astype(jnp.float32),
+    o = jnp.einsum("rkgc,rkcd->rkgd", p, from_cache(v, jnp.float32),
                    precision=jax.lax.Precision.HIGHEST) / jnp.where(l == 0, 1.0, l)
     return o.reshape(num_reqs, num_heads, head_dim).astype(q.dtype)
 

@@ -6,7 +6,8 @@ Dimension legend (used in every shape comment and einsum string of this package)
 
 Inputs shared by every implementation:
   q:                f32/bf16[T, N, D]      query tokens, request r owns q[query_start_loc[r]:query_start_loc[r+1]]
-  kv_cache:         dtype[L, 2, B, K, S, D] the whole pool; index 0 of axis 1 is K, 1 is V
+  kv_cache:         dtype[L, 2, B, K, S, D] the whole pool; index 0 of axis 1 is K, 1 is V (or e4m3 bytes:
+                                           _checks.FP8_CACHE_DTYPE, read through from_cache)
   layer_idx:        i32[]                  which layer of the pool to read
   block_tables:     i32[R, M]              logical -> physical block ids; padding entries are 0 (null block)
   seq_lens:         i32[R]                 tokens of context of each request, including this step's tokens
@@ -23,6 +24,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from ._checks import from_cache
 
 
 def _token_metadata(query_start_loc, seq_lens, num_tokens):
@@ -61,7 +64,7 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     k = k.transpose(0, 1, 3, 2, 4).reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
     v = v.transpose(0, 1, 3, 2, 4).reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32)) * scale     # [T, K, G, M*S]
+    s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32)) * scale     # [T, K, G, M*S]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
@@ -74,7 +77,7 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32)) / jnp.where(l == 0, 1.0, l)
+    o = jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32)) / jnp.where(l == 0, 1.0, l)
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
@@ -107,7 +110,7 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
         blocks = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)[req_ids]   # [T, C]
         k = layer[0][blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
         v = layer[1][blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32))
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
@@ -120,7 +123,7 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32))
+        acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32))
         return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import validate_q_and_cache
+from ._checks import from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -136,8 +136,8 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
         idx = block0 + jax.lax.broadcasted_iota(jnp.int32, (blocks_per_iter,), 0)
         blocks = plgpu.load(block_tables_ref.at[req, pl.ds(block0, blocks_per_iter)],
                             mask=idx < max_blocks, other=0)              # [P]; past M -> null
-        k = kv_ref[layer, 0, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
-        v = kv_ref[layer, 1, blocks, h, :, :].reshape(bk, head_dim)       # [BK, D]
+        k = from_cache(kv_ref[layer, 0, blocks, h, :, :].reshape(bk, head_dim), q.dtype)   # [BK, D]
+        v = from_cache(kv_ref[layer, 1, blocks, h, :, :].reshape(bk, head_dim), q.dtype)   # [BK, D]
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [BM, BK] f32
         if soft_cap is not None:
             s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)

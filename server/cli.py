@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxpaged.config import QUANTIZATION_METHODS, EngineArgs
+from jaxpaged.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
 
 
 # Request bodies larger than this are refused (413). 64 MiB holds a 1M-token prompt at 64 bytes a token (a
@@ -75,6 +75,9 @@ def _cache_and_scheduler_flags(c) -> None:
                    help="Fraction of GPU memory for weights, activations and the KV cache.")
     c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
                    help="Tokens per KV cache block.")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="The KV cache's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3: twice the tokens in "
+                        "the same memory, scaled by the checkpoint's per-layer k_scale / v_scale, else 1.0).")
     c.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use this many KV cache blocks instead of sizing the pool from free memory.")
     c.add_argument("--swap-space", type=float, default=4.0,
@@ -173,4 +176,4 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
         num_scheduler_steps=args.num_scheduler_steps, quantization=args.quantization,
-        usage_context="openai_api_server")
+        kv_cache_dtype=args.kv_cache_dtype, usage_context="openai_api_server")

@@ -72,7 +72,7 @@ class EngineCore:
         platform = detect_platform()
         self.model_path = resolve_model_path(args.model)
         # The program is chosen from the model's shapes, then the weights load in the layout it runs on.
-        cfg = model_config(self.model_path, args.quantization)
+        cfg = model_config(self.model_path, args.quantization, args.kv_cache_dtype)
         self.run = run = resolve(args, platform, layer_bytes=layer_bytes(cfg, resolve_dtype(args.dtype, cfg,
                                                                                             platform.name)),
                                  max_position_embeddings=cfg.max_position_embeddings,
@@ -80,7 +80,7 @@ class EngineCore:
         logger.info("Run config: %s", run.summary())
         loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed, platform=platform.name,
                             per_layer=run.layer_dispatch in ("per_layer", "unrolled"),
-                            quantization=args.quantization)
+                            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         self.model_config = cfg = loaded.config
         self.dtype = np.dtype(loaded.dtype).name
         self.max_model_len, self.max_num_batched_tokens = run.max_model_len, run.max_num_batched_tokens
@@ -109,8 +109,10 @@ class EngineCore:
         """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""
         from jaxpaged.runner.buckets import BucketPolicy
         from jaxpaged.runner.model_runner import ModelRunner
+        from jaxpaged.models import kv_cache_dtype
         args, cfg = self.args, loaded.config
-        per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, loaded.dtype)
+        pool_dtype = kv_cache_dtype(cfg, loaded.dtype)
+        per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, pool_dtype)
         activations = self._activation_estimate(cfg, run.max_num_batched_tokens, run.max_num_seqs)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
                              args.num_gpu_blocks_override)
@@ -128,9 +130,10 @@ class EngineCore:
                                                    run.num_scheduler_steps),
                                    self.kv_manager)
         self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens of context; maximum concurrency "
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s), %d tokens of context; maximum concurrency "
                     "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
-                    size.num_blocks * per_block / 2**30, tokens, run.max_model_len, tokens / run.max_model_len)
+                    size.num_blocks * per_block / 2**30, np.dtype(pool_dtype).name, tokens, run.max_model_len,
+                    tokens / run.max_model_len)
         if tokens < run.max_model_len:      # vLLM refuses to start here; this engine refuses such requests
             logger.warning("The KV cache holds %d tokens, fewer than max_model_len=%d: a request needing more "
                            "(prompt + max_tokens - 1) is refused on arrival", tokens, run.max_model_len)

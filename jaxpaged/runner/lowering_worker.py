@@ -11,6 +11,7 @@ import types
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.models import kv_cache_dtype
 from jaxpaged.runner.lowering_workers import LENGTH, LoweringJob, Result, export_platform
 from jaxpaged.runner.sampler import SamplerFlags
 from jaxpaged.runner.step import StepPrograms
@@ -21,7 +22,7 @@ def _serve(job: LoweringJob, out) -> None:
     dtype = jnp.dtype(job.dtype)
     programs = StepPrograms(job.params, job.cfg, dtype, job.run, job.pool_shape, job.max_blocks_per_req,
                             job.max_rows, None)
-    state = types.SimpleNamespace(kv_cache=jax.ShapeDtypeStruct(job.pool_shape, dtype),
+    state = types.SimpleNamespace(kv_cache=jax.ShapeDtypeStruct(job.pool_shape, kv_cache_dtype(job.cfg, dtype)),
                                   prev_sampled=jax.ShapeDtypeStruct((job.max_rows,), jnp.int32))
     platform = export_platform(job.run)
     with _target_device(job):

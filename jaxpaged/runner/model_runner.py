@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxpaged.config import RunConfig
 from jaxpaged.engine.output import (LogprobsArrays, ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput)
-from jaxpaged.models import LoadedModel, kv_cache_shape
+from jaxpaged.models import LoadedModel, kv_cache_dtype, kv_cache_shape
 from jaxpaged.runner.buckets import Bucket, BucketPolicy, _round_up_pow2
 from jaxpaged.runner.input_batch import InputBatch
 from jaxpaged.runner.inputs import PreparedInputs, PromptRows, prepare_inputs
@@ -50,6 +50,7 @@ class ModelRunner:
         self.buckets = buckets
         self.max_rows = buckets.max_rows
         self._pool_shape = kv_cache_shape(self.cfg, num_blocks, block_size)
+        self.pool_dtype = kv_cache_dtype(self.cfg, self.dtype)
         self.programs = StepPrograms(model.params, self.cfg, self.dtype, run, self._pool_shape,
                                      self.max_blocks_per_req, self.max_rows, exec_cache_root)
         # The pool and the sampled-token buffer are made committed to the device, as the step's outputs that
@@ -58,7 +59,7 @@ class ModelRunner:
         self._device = jax.devices()[0]
         self.reset_buffers()
         # Host memory for swapped-out blocks: [L, 2, num_cpu_blocks, K, S, D].
-        self.cpu_cache = (np.zeros(kv_cache_shape(self.cfg, num_cpu_blocks, block_size), jnp.dtype(self.dtype))
+        self.cpu_cache = (np.zeros(kv_cache_shape(self.cfg, num_cpu_blocks, block_size), jnp.dtype(self.pool_dtype))
                           if num_cpu_blocks else None)
         self.batch = InputBatch(self.max_blocks_per_req)
         self.prev_rows: dict[str, int] = {}      # rows of the last launched step's samples
@@ -70,7 +71,7 @@ class ModelRunner:
 
     def reset_buffers(self) -> None:
         """A zeroed KV pool and sampled-token buffer on the device."""
-        self.kv_cache = jnp.zeros(self._pool_shape, self.dtype, device=self._device)
+        self.kv_cache = jnp.zeros(self._pool_shape, self.pool_dtype, device=self._device)
         self.prev_sampled = jnp.zeros((self.max_rows,), jnp.int32, device=self._device)   # donated to each step
 
     # ---- one step -----------------------------------------------------------------------------

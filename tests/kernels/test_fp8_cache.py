@@ -1,0 +1,75 @@
+"""An e4m3 KV pool (--kv-cache-dtype fp8, held as bytes: FP8_CACHE_DTYPE): the decode and ragged Triton
+kernels (interpret mode on the CPU, compiled on the GPU) and the XLA path read it as their references do,
+and the KV write saturates into it (kernel_cases.py says how the platform switch works)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import (INTERPRET, LAYER, SMALL_LAYOUTS, TOL, DecodeBatch, decode_inputs, mixed_batch,
+                          ragged_inputs, reference, rel_err)
+from jaxpaged import pallas_kernels as pk
+from jaxpaged.pallas_kernels._checks import FP8_CACHE_DTYPE, from_cache, to_cache
+from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
+from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention_reference,
+                                                            ragged_paged_attention_xla)
+from jaxpaged.pallas_kernels.ragged_paged_attention_pallas import ragged_paged_attention_pallas
+
+LAYOUTS = [SMALL_LAYOUTS[1], SMALL_LAYOUTS[2]]          # bf16 and f32 queries over the e4m3 pool
+
+
+def fp8_pool(pool):
+    """A pool of the layout's dtype -> the same values rounded into e4m3 bytes."""
+    return to_cache(pool, FP8_CACHE_DTYPE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.id)
+def test_decode_kernel_reads_an_fp8_pool(layout):
+    x = decode_inputs(np.random.default_rng(0), layout, DecodeBatch("mixed", 10, (1, 19, 16, 0, 139)))
+    pool = fp8_pool(x.kv_cache)
+    assert pool.dtype == FP8_CACHE_DTYPE
+    args = (x.q, pool, LAYER, x.block_tables, x.seq_lens)
+    ref = reference(paged_decode_attention_reference, *args, scale=0.125)
+    for splits in (1, 3):
+        out = paged_decode_attention(*args, scale=0.125, num_splits=splits, blocks_per_iter=2, interpret=INTERPRET)
+        assert out.dtype == x.q.dtype and rel_err(out, ref) <= TOL[layout.dtype]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.id)
+def test_ragged_kernel_and_xla_path_read_an_fp8_pool(layout):
+    x = ragged_inputs(np.random.default_rng(1), layout, mixed_batch(layout.block_size))
+    args = (x.q, fp8_pool(x.kv_cache), LAYER, x.block_tables, x.seq_lens, x.query_start_loc)
+    ref = reference(ragged_paged_attention_reference, *args, scale=0.125)
+    out = ragged_paged_attention_pallas(*args, scale=0.125, interpret=INTERPRET)
+    assert rel_err(out, ref) <= TOL[layout.dtype]
+    assert rel_err(reference(ragged_paged_attention_xla, *args, scale=0.125), ref) <= TOL[layout.dtype]
+
+
+def test_the_reference_reads_e4m3_values():
+    """from_cache reinterprets the bytes: the reference on an e4m3 pool equals it on the rounded values."""
+    layout = LAYOUTS[1]
+    x = decode_inputs(np.random.default_rng(2), layout, DecodeBatch("3", 4, (5, 17, 30)))
+    pool = fp8_pool(x.kv_cache)
+    rounded = x.kv_cache.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(from_cache(pool, jnp.float32)), np.asarray(rounded))
+    a = paged_decode_attention_reference(x.q, pool, LAYER, x.block_tables, x.seq_lens, scale=0.125)
+    b = paged_decode_attention_reference(x.q, rounded, LAYER, x.block_tables, x.seq_lens, scale=0.125)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_write_kv_saturates_into_e4m3_and_scales(backend):
+    """Values beyond e4m3's 448 saturate (no NaN); kv_scales divide k and v before they are stored."""
+    pool = jnp.zeros((2, 2, 4, 2, 8, 64), FP8_CACHE_DTYPE)
+    k = jnp.full((3, 2, 64), 1000.0).at[1].set(-3.0).at[2].set(0.3)
+    v = jnp.full((3, 2, 64), 2.0)
+    slots = jnp.asarray([9, 10, 17], jnp.int32)                          # block 1 slots 1-2, block 2 slot 1
+    scales = (jnp.float32(2.0), jnp.float32(0.5))
+    out = pk.write_kv(pool, 1, k, v, slots, backend=backend, interpret=INTERPRET, kv_scales=scales)
+    stored = np.asarray(from_cache(out, jnp.float32))
+    np.testing.assert_array_equal(stored[1, 0, 1, :, 1], 448.0)          # 1000 / 2 saturates
+    np.testing.assert_array_equal(stored[1, 0, 1, :, 2], -1.5)
+    np.testing.assert_array_equal(stored[1, 0, 2, :, 1], np.float32(jnp.float8_e4m3fn(0.15)))
+    np.testing.assert_array_equal(stored[1, 1, 1, :, 1], 4.0)            # 2 / 0.5
+    assert np.isfinite(stored).all() and not stored[0].any()
