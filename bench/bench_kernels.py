@@ -10,6 +10,7 @@ is not the model's default (Mosaic GPU kernels and --decode-variants against the
    jax.experimental.pallas.ops.gpu.paged_attention on the same data in its layout; time = median of
    >= 20 device-synchronised samples, each sample running the op on several block tables drawn at random
    from a pool >= 1 GiB (so L2 never holds the cache); TB/s of K+V bytes read vs 2.53 TB/s.
+   --fp8-cache also times the default configuration over the same pool in e4m3 (fp8_speedup).
 2. Prefill: {1..16} seqs x {512..8k} tokens, causal, whole prompts as single chunks through the ragged
    kernel, vs jax.nn.dot_product_attention(implementation="cudnn") on dense equal-length inputs;
    TFLOP/s counting the causal half (2 * 2 * seqs * len^2 * N * D / 2).
@@ -168,6 +169,8 @@ def decode_bench(args, results):
                     row["default_tbps"] = kv_bytes / t / 1e12
                 except Exception as e:  # noqa: BLE001
                     print(f"decode default failed: {type(e).__name__}: {str(e)[:300]}")
+                if args.fp8_cache:
+                    _time_decode_fp8(row, (q, pool, tables, lens), nrot, d ** -0.5)
                 _time_decode_variants(args, row, (q, pool, tables, lens), nrot, d ** -0.5)
                 if best:
                     row["ours_us"], row["ours_cfg"], row["ours_wall_us"] = best[0] * 1e6, best[1], best[2] * 1e6
@@ -192,6 +195,21 @@ def decode_bench(args, results):
                                             for k_, v in row.items()}), flush=True)
                 rows.append(row)
     results["decode"] = rows
+
+
+def _time_decode_fp8(row, data, nrot, scale):
+    """The default configuration on the same pool in e4m3 (--kv-cache-dtype fp8): half the bytes read."""
+    from pallas_kernels._checks import FP8_CACHE_DTYPE, to_cache
+    q, pool, tables, lens = data
+    pool8 = to_cache(pool, FP8_CACHE_DTYPE)
+    try:
+        t, _ = time_op(lambda i, q, pool, tables, lens: pk.paged_decode_attention(
+            q, pool, jnp.int32(0), tables[i], lens, scale=scale), (q, pool8, tables, lens), nrot)
+        row["fp8_default_us"] = t * 1e6
+        if "default_us" in row:
+            row["fp8_speedup"] = row["default_us"] / row["fp8_default_us"]
+    except Exception as e:  # noqa: BLE001
+        print(f"decode fp8 failed: {type(e).__name__}: {str(e)[:300]}")
 
 
 def _variant_label(kw: dict) -> str:
@@ -582,6 +600,8 @@ def main():
     ap.add_argument("--parts", type=_parts, default="decode,prefill,kvwrite",
                     help=f"parts to run, of {list(PART_SHARE)}")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"head layouts to run, of {list(LAYOUTS)}")
+    ap.add_argument("--fp8-cache", action="store_true",
+                    help="decode: also time the default configuration on the pool in e4m3 (--kv-cache-dtype fp8)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
     ap.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32),
                     help="KV cache block size (tokens) of every pool and table; the engine's default is 16")

@@ -3,14 +3,15 @@
 # table (bench/bench_matmul.py), the fp8 GEMM probe (bench/fp8_probe.py), llama3-8b's concurrency-1 TPOT over
 # HTTP as AWQ int4 (dummy weights) beside bf16, then (--fp8-throughput) llama3-8b offline ShareGPT 1000 with
 # fp8 weights quantized at load beside bf16 (dummy weights).
-#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput]
+# --fp8-kv: decode attention over a bf16 pool and the same pool in e4m3 (bench_kernels.py --fp8-cache).
+#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv]
 #        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
-TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
+TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
 while [ $# -gt 0 ]; do
-  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
+  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
              --c1-models) C1_MODELS=$2; shift ;; esac
   shift
 done
@@ -39,6 +40,11 @@ fi
 if [ $C1 = 1 ]; then
   cd "$ROOT" || exit 1
   for model in ${C1_MODELS//,/ }; do echo "== c1 $model"; c1 $model; done
+fi
+if [ $FP8_KV = 1 ]; then
+  echo "== decode attention, bf16 against fp8 cache (bench_kernels.py --fp8-cache)"
+  timeout 300 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode \
+    --fp8-cache --decode-shapes 256x4096,64x4096 --budget-s 240 2>&1 | grep -E "fp8_speedup|failed" | tail -8
 fi
 if [ $FP8_TPUT = 1 ]; then
   for q in fp8 none; do
