@@ -3,6 +3,7 @@ of a jaxpaged LLM against HF transformers carrying the weights (and activation r
 with."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,38 @@ def save_tiny(family: str, path: Path, initializer_range: float = 0.2):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(resolve_model_path(None)) / f, path)
     return hf
+
+
+def declare_quantization(path: Path, quant_config: dict) -> None:
+    """Write quant_config into the folder's config.json, as a quantized checkpoint declares its method."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = quant_config
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def built_once(tmp_path_factory, write):
+    """A getter that builds each case's checkpoint once (write(case, folder) -> HF's reference model) and
+    returns (folder, HF model)."""
+    built: dict = {}
+
+    def get(case):
+        if case not in built:
+            path = tmp_path_factory.mktemp(str(case))
+            built[case] = (path, write(case, path))
+        return built[case]
+    return get
+
+
+def with_quant_config(path: Path, tmp_path: Path, quant_config: dict) -> Path:
+    """A new folder holding path's files (linked) but a config.json that declares quant_config."""
+    folder = tmp_path / f"variant-{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    for f in path.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    (folder / "config.json").write_text((path / "config.json").read_text())
+    declare_quantization(folder, quant_config)
+    return folder
 
 
 def linear_weight_names(tensors: dict) -> list[str]:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from jaxpaged import LLM
-from quant_cases import check_against_hf, linear_weight_names, save_tiny
+from quant_cases import (built_once, check_against_hf, declare_quantization, linear_weight_names, save_tiny,
+                         with_quant_config)
 
 F8_MAX = 448.0
 STATIC_INPUT_SCALE = 0.02      # |x| up to ~9 in e4m3's range: the tiny models' normed inputs stay inside
@@ -119,22 +120,13 @@ def write_fp8_checkpoint(case: Fp8Case, path: Path):
                     FakeQuantInput(module, STATIC_INPUT_SCALE if case.static else None))
     if case.source != "online":
         save_file(tensors, str(path / "model.safetensors"))
-        cfg = json.loads((path / "config.json").read_text())
-        cfg["quantization_config"] = case.quantization_config()
-        (path / "config.json").write_text(json.dumps(cfg))
+        declare_quantization(path, case.quantization_config())
     return hf
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    built = {}
-
-    def get(case: Fp8Case):
-        if case not in built:
-            path = tmp_path_factory.mktemp(str(case))
-            built[case] = (path, write_fp8_checkpoint(case, path))
-        return built[case]
-    return get
+    return built_once(tmp_path_factory, write_fp8_checkpoint)
 
 
 # W8A8 against HF with the same roundings: equal until an activation lands on the other side of an e4m3
@@ -204,11 +196,5 @@ def test_unsupported_fp8_checkpoints_are_refused(checkpoints, tmp_path):
                          "blocks of 96 columns do not divide"),
                         ({**ct, "config_groups": w8a16}, "without quantized activations"),
                         ({**ct, "ignore": ["lm_head", "re:.*down_proj"]}, "unquantized decoder layers")]:
-        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
-        bad.mkdir()
-        for f in path.iterdir():
-            (bad / f.name).symlink_to(f)
-        (bad / "config.json").unlink()
-        (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ValueError, match=message):
-            LLM(model=str(bad))
+            LLM(model=str(with_quant_config(path, tmp_path, qc)))

@@ -14,7 +14,8 @@ import torch
 
 from jaxpaged import LLM
 from jaxpaged.quantization.int4_formats import AWQ_ORDER
-from quant_cases import check_against_hf, linear_weight_names, save_tiny
+from quant_cases import (built_once, check_against_hf, declare_quantization, linear_weight_names, save_tiny,
+                         with_quant_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,22 +136,13 @@ def write_int4_checkpoint(case: Int4Case, path: Path):
         dequant = (q.astype(np.float32) - zeros[g_of_row]) * scales.astype(np.float32)[g_of_row]
         hf.get_submodule(prefix).weight.data = torch.from_numpy(np.ascontiguousarray(dequant.T))
     save_file(tensors, str(path / "model.safetensors"))
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = case.quantization_config()
-    (path / "config.json").write_text(json.dumps(cfg))
+    declare_quantization(path, case.quantization_config())
     return hf
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    built = {}
-
-    def get(case: Int4Case):
-        if case not in built:
-            path = tmp_path_factory.mktemp(str(case))
-            built[case] = (path, write_int4_checkpoint(case, path))
-        return built[case]
-    return get
+    return built_once(tmp_path_factory, write_int4_checkpoint)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -189,15 +181,8 @@ def test_inconsistent_or_unsupported_int4_checkpoints_are_refused(checkpoints, t
                             ({**ct, "format": "float-quantized"}, "compressed-tensors format 'float-quantized'"),
                             ({**ct, "config_groups": {"g": {**ct["config_groups"]["group_0"], "input_activations":
                                                             {"num_bits": 8}}}}, "quantized activations")]:
-        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
-        bad.mkdir()
-        for f in path.iterdir():
-            (bad / f.name).symlink_to(f)
-        (bad / "config.json").unlink()
-        (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**cfg["quantization_config"],
-                                                                                      **change}}))
         with pytest.raises(ValueError, match=message):
-            LLM(model=str(bad))
+            LLM(model=str(with_quant_config(path, tmp_path, {**cfg["quantization_config"], **change})))
 
 
 def test_fused_layers_must_share_their_input_grouping():
