@@ -55,8 +55,9 @@ class RuntimeOptions:
         return self.attn_backend in ("pallas", "mosaic")
 
 
-# Rows (tokens) up to which an int4 linear layer runs the W4A16 kernel; more rows expand the weights in XLA
-# and take cuBLAS's dot (a prefill's matmul outweighs the expansion).
+# Rows (tokens) up to which an int4 linear layer runs the W4A16 kernel (decode batches); more rows expand the
+# weights in XLA and take cuBLAS's dot, where a prefill's matmul outweighs the expansion. A first choice, not
+# yet measured shape by shape (bench/bench_matmul.py's table is to set it).
 INT4_KERNEL_MAX_ROWS = 64
 
 
