@@ -4,14 +4,17 @@ compressed-tensors float-quantized, or a dense checkpoint quantized at load; jax
 GGUF blocks are models/loader.py's (gguf_weight_quant, gguf_blocks)."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import QUANTIZATION_METHODS
 from jaxpaged.quantization import fp8
-from jaxpaged.quantization.int4_formats import (INT4_METHODS, TENSORS, check_scheme, concat_outputs, device_layout,
-                                                from_checkpoint, int4_scheme)
+from jaxpaged.quantization.int4_formats import (INT4_METHODS, TENSORS, Int4Scheme, check_scheme, concat_outputs,
+                                                device_layout, from_checkpoint, int4_scheme)
 
 from .config import DecoderConfig
 from .param_tables import LINEAR_MODULES
@@ -59,6 +62,11 @@ def weight_quant_of(method: str, quant_config: dict | None, cfg: DecoderConfig) 
     """DecoderConfig.weight_quant for an int4 or fp8 method: every linear layer in the checkpoint's scheme
     (quant_config None: a dense checkpoint that quantization="fp8" quantizes at load)."""
     inputs = linear_inputs(cfg)
+    # modules a checkpoint leaves dense: AWQ's modules_to_not_convert, compressed-tensors' ignore
+    kept = (quant_config or {}).get("modules_to_not_convert") or (quant_config or {}).get("ignore") or []
+    if any("lm_head" not in m for m in kept):
+        raise ValueError(f"{method} checkpoint keeps {[m for m in kept if 'lm_head' not in m]} unquantized: "
+                         "unquantized decoder layers are not supported (only lm_head)")
     if _is_fp8(method, quant_config):
         f8 = fp8.fp8_scheme(quant_config)
         if f8.block is not None and any(k % f8.block[1] for k in inputs.values()):
@@ -66,10 +74,6 @@ def weight_quant_of(method: str, quant_config: dict | None, cfg: DecoderConfig) 
                              f"inputs {sorted(set(inputs.values()))}")
         return tuple((linear, f8.name()) for linear in sorted(inputs))
     scheme = int4_scheme(quant_config or {})
-    skipped = [m for m in (quant_config or {}).get("modules_to_not_convert") or [] if m != "lm_head"]
-    if skipped:
-        raise ValueError(f"modules_to_not_convert {skipped}: unquantized decoder layers in a {scheme.method} "
-                         "checkpoint are not supported (only lm_head)")
     name = f"int4-g{scheme.group_size}" + ("-actorder" if scheme.act_order else "")
     for linear, k in inputs.items():
         check_scheme(scheme, linear, k)
@@ -91,21 +95,26 @@ def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderCon
                            quant_config: dict) -> dict[tuple, list]:
     """A quantized checkpoint's tensors ((layer, HF module) -> {tensor name: numpy array}) -> (param path
     under a layer -> each layer's array) in the decoder's form, fused parts joined on the output dim."""
+    convert: Callable[[list[dict], list[str]], dict[str, np.ndarray]]
+    if _is_fp8(quant_config.get("quant_method", ""), quant_config):
+        convert = functools.partial(_fp8_layer, scheme=fp8.fp8_scheme(quant_config))
+    else:
+        convert = functools.partial(_int4_layer, scheme=int4_scheme(quant_config))
     out: dict[tuple, list] = {}
     for path, modules in LINEAR_MODULES.items():
-        scheme_name = cfg.quant_of(path[-1]) or ""
-        if not scheme_name.startswith(("int4", "fp8")):
+        if not (cfg.quant_of(path[-1]) or "").startswith(("int4", "fp8")):
             continue
         for i in range(cfg.num_layers):
             parts = [tensors.get((i, module), {}) for module in modules]
-            where = [f"model.layers.{i}.{module}" for module in modules]
-            layer = (_int4_layer(parts, where, quant_config) if scheme_name.startswith("int4")
-                     else _fp8_layer(parts, where, quant_config))
+            layer = convert(parts, [f"model.layers.{i}.{module}" for module in modules])
             for key, value in layer.items():
-                dt = jnp.int32 if value.dtype.kind in "iu" else fp8.F8 if key == "weight" else \
-                    jnp.float32 if key.endswith("scale") else dtype
-                out.setdefault(path + (key,), []).append(jnp.asarray(value, dt))
+                out.setdefault(path + (key,), []).append(jnp.asarray(value, _PARAM_DTYPES.get(key, dtype)))
     return out
+
+
+# The params of quantized layers not in the model's dtype (scales and zeros of int4 layers are)
+_PARAM_DTYPES = {"qweight": jnp.int32, "perm": jnp.int32, "weight": fp8.F8, "weight_scale": jnp.float32,
+                 "input_scale": jnp.float32}
 
 
 def _require(parts: list[dict], where: list[str], names: tuple[str, ...], method: str) -> None:
@@ -114,17 +123,15 @@ def _require(parts: list[dict], where: list[str], names: tuple[str, ...], method
             raise ValueError(f"{method} checkpoint lacks {w}.{{{','.join(n for n in names if n not in t)}}}")
 
 
-def _int4_layer(parts: list[dict], where: list[str], quant_config: dict) -> dict[str, np.ndarray]:
-    scheme = int4_scheme(quant_config)
+def _int4_layer(parts: list[dict], where: list[str], scheme: Int4Scheme) -> dict[str, np.ndarray]:
     _require(parts, where, TENSORS[scheme.method][0], scheme.method)
     weights = concat_outputs([from_checkpoint(t, scheme) for t in parts], where[0])
     return device_layout(weights, scheme.act_order)
 
 
-def _fp8_layer(parts: list[dict], where: list[str], quant_config: dict) -> dict[str, np.ndarray]:
+def _fp8_layer(parts: list[dict], where: list[str], scheme: fp8.Fp8Scheme) -> dict[str, np.ndarray]:
     """fp8 parts -> weight f8[N, K], weight_scale f32[N, K/B] (per-tensor scales repeated per channel; block
     scales one row per channel), input_scale f32[] (static: the largest of the parts', as vLLM fuses them)."""
-    scheme = fp8.fp8_scheme(quant_config)
     scale_name = "weight_scale_inv" if scheme.block is not None else "weight_scale"
     _require(parts, where, ("weight", scale_name) + (("input_scale",) if scheme.static_input else ()),
              scheme.source)
@@ -136,7 +143,7 @@ def _fp8_layer(parts: list[dict], where: list[str], quant_config: dict) -> dict[
         if scheme.block is not None:
             scales.append(fp8.expand_block_scales(s, scheme.block, n))
         else:
-            scales.append(np.broadcast_to(s.reshape(-1, 1), (n, 1)) if s.size in (1, n) else s)
+            scales.append(np.broadcast_to(s.reshape(-1, 1), (n, 1)))
         weights.append(w)
     out = {"weight": np.concatenate(weights), "weight_scale": np.concatenate(scales)}
     if scheme.static_input:

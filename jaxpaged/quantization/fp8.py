@@ -15,7 +15,9 @@ compute dtype in the program and multiply unquantized x (W8A16).
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 import struct
 from typing import NamedTuple
 
@@ -78,10 +80,6 @@ def fp8_scheme(quant_config: dict | None) -> Fp8Scheme:
                              f"supported ({supported})")
         if acts.get("num_bits") != 8 or acts.get("type") != "float":
             raise ValueError(f"compressed-tensors activations {acts} are not supported ({supported})")
-        ignored = [m for m in quant_config.get("ignore") or [] if "lm_head" not in m]
-        if ignored:
-            raise ValueError(f"compressed-tensors ignore {ignored}: unquantized decoder layers are not supported "
-                             "(only lm_head)")
         return Fp8Scheme("compressed-tensors", not acts.get("dynamic", True), None)
     raise ValueError(f"quant_method {method!r} is not an fp8 format")
 
@@ -133,12 +131,21 @@ def read_fp8_tensor(path: str, name: str) -> np.ndarray:
     """An F8_E4M3 tensor of a safetensors file as float8_e4m3fn numpy, read from the file's header and bytes
     (safetensors' numpy and flax readers have no fp8 dtype)."""
     import ml_dtypes
+    size, header = _safetensors_header(path, os.stat(path).st_mtime_ns)
+    info = header[name]
+    if info["dtype"] != "F8_E4M3":
+        raise ValueError(f"{name}: {info['dtype']} is not F8_E4M3")
+    start, end = info["data_offsets"]
     with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        info = json.loads(f.read(size))[name]
-        if info["dtype"] != "F8_E4M3":
-            raise ValueError(f"{name}: {info['dtype']} is not F8_E4M3")
-        start, end = info["data_offsets"]
         f.seek(8 + size + start)
         data = f.read(end - start)
     return np.frombuffer(data, dtype=ml_dtypes.float8_e4m3fn).reshape(info["shape"])
+
+
+@functools.lru_cache(maxsize=8)
+def _safetensors_header(path: str, mtime_ns: int) -> tuple[int, dict]:
+    """(header bytes, header) of a safetensors file, read once per file (and version: mtime_ns) for all of its
+    fp8 tensors."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return size, json.loads(f.read(size))

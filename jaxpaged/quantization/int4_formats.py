@@ -77,8 +77,7 @@ def int4_scheme(quant_config: dict) -> Int4Scheme:
 
 
 def _compressed_tensors_scheme(quant_config: dict) -> Int4Scheme:
-    """compressed-tensors: one weight scheme, 4-bit integers packed, no activation quantization (W4A16),
-    on every Linear but the LM head."""
+    """compressed-tensors: one weight scheme, 4-bit integers packed, no activation quantization (W4A16)."""
     supported = "supported: the pack-quantized format, 4-bit int weights (W4A16), group or channel strategy"
     fmt = quant_config.get("format")
     groups = list((quant_config.get("config_groups") or {}).values())
@@ -96,10 +95,6 @@ def _compressed_tensors_scheme(quant_config: dict) -> Int4Scheme:
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise ValueError(f"compressed-tensors strategy {strategy!r} is not supported ({supported})")
-    ignored = [m for m in quant_config.get("ignore") or [] if "lm_head" not in m]
-    if ignored:
-        raise ValueError(f"compressed-tensors ignore {ignored}: unquantized decoder layers are not supported "
-                         "(only lm_head)")
     group = int(weights.get("group_size") or 0) if strategy == "group" else 0
     return Int4Scheme("compressed-tensors", group, weights.get("actorder") == "group", False)
 
