@@ -39,9 +39,10 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     # Linear layers whose weights stay quantized on the device: sorted (name, scheme) pairs, the scheme a GGUF
-    # type (("down_proj", "Q4_1"), ...: GGUF blocks, models/loader.py gguf_weight_quant) or "int4-g<group>"
-    # with "-actorder" when GPTQ's desc_act permutes the input rows (AWQ / GPTQ, int4_weight_quant; group 0:
-    # one group per output channel); () for dense weights.
+    # type (("down_proj", "Q4_1"), ...: GGUF blocks, models/loader.py gguf_weight_quant) or a checkpoint's
+    # (models/quant_loader.py weight_quant_of): "int4-g<group>[-actorder]" (AWQ, GPTQ, compressed-tensors
+    # W4A16; group 0: one group per output channel), "int8..." (jaxpaged/quantization/int8.py's names) or
+    # "fp8..." (fp8.py's); () for dense weights.
     weight_quant: tuple[tuple[str, str], ...] = ()
     # The KV pool's dtype: "auto" (the model's) or "fp8" (e4m3, with a k_scale and v_scale per layer, the
     # checkpoint's or 1.0; vLLM's --kv-cache-dtype).

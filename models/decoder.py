@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
 from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul
-from jaxpaged.quantization import fp8
+from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
 
 from .config import DecoderConfig, rope_inv_freq
@@ -176,6 +176,27 @@ class Fp8Linear(nn.Module):
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
 
 
+class Int8Linear(nn.Module):
+    """y = x @ W with W in int8 (jaxpaged/quantization/int8.py's device form): weight i8[N, K], weight_scale
+    f32[N, K/G], for asymmetric W8A16 weight_zero f32[N, K/G], for static W8A8 input_scale f32[]."""
+    features: int
+    in_features: int
+    scheme: int8.Int8Scheme
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        n, k, s = self.features, self.in_features, self.scheme
+        groups = k // (s.group_size or k)
+        weight = self.param("weight", nn.initializers.zeros, (n, k), jnp.int8)
+        weight_scale = self.param("weight_scale", nn.initializers.ones, (n, groups), jnp.float32)
+        zero = None if s.symmetric else self.param("weight_zero", nn.initializers.zeros, (n, groups), jnp.float32)
+        input_scale = self.param("input_scale", nn.initializers.ones, (), jnp.float32) if s.static_input else None
+        y = int8.int8_linear(x.astype(self.dtype), weight, weight_scale, zero, input_scale, s.activations)
+        return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
+
+
 def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.Module:
     qtype = cfg.quant_of("embed_tokens")
     if qtype is None:
@@ -186,13 +207,16 @@ def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.M
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
             options: RuntimeOptions) -> nn.Module:
     """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
-    (an "int4-g<group>[-actorder]" scheme), Fp8Linear (an "fp8..." scheme) or GGUFLinear (a GGUF type)."""
+    (an "int4-g<group>[-actorder]" scheme), Int8Linear (an "int8..." scheme), Fp8Linear (an "fp8..." scheme) or
+    GGUFLinear (a GGUF type)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
         return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
     if qtype.startswith("int4-g"):
         group, _, order = qtype[len("int4-g"):].partition("-")
         return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)
+    if qtype.startswith("int8"):
+        return Int8Linear(features, in_features, int8.parse_scheme_name(qtype), bias, dtype, name=name)
     if qtype.startswith("fp8"):
         static, block_cols = fp8.parse_scheme_name(qtype)
         return Fp8Linear(features, in_features, static, block_cols, bias, dtype, name=name)

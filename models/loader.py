@@ -25,8 +25,8 @@ from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
 from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_TABLE, LINEAR_MODULES,
                            TOP_TABLE)
-from .quant_loader import checkpoint_quantization, quantized_layer_params, quantized_tensor_names, \
-    quantize_online, weight_quant_of
+from .quant_loader import (CHECKPOINT_KINDS, checkpoint_quantization, quantize_online, quantized_layer_params,
+                           quantized_tensor_names, weight_quant_of)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "float": jnp.float32, "half": jnp.float16}
@@ -222,7 +222,7 @@ def _set(tree: dict, path: tuple, value) -> None:
 def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False,
                             quant_config: dict | None = None) -> Any:
     """The checkpoint's weights in the decoder's tree; linear layers that cfg keeps quantized come from the
-    GGUF file's blocks (GGUF), the folder's quantized tensors (int4 and fp8 checkpoints; quant_config is
+    GGUF file's blocks (GGUF), the folder's quantized tensors (int4, int8 and fp8 checkpoints; quant_config is
     config.json's quantization_config), or its dense weights quantized here (fp8 without quant_config)."""
     import numpy as np
     from safetensors import safe_open
@@ -230,7 +230,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     from jaxpaged.quantization.fp8 import read_fp8_tensor
     shapes = param_shapes(cfg, dtype)
     layer_parts: dict[tuple, list] = {}
-    gguf = any(not q.startswith(("int4", "fp8")) for _, q in cfg.weight_quant)
+    gguf = any(not q.startswith(CHECKPOINT_KINDS) for _, q in cfg.weight_quant)
     online = not gguf and cfg.weight_quant and quant_config is None
     quant_names = quantized_tensor_names(cfg, quant_config)
     quant_modules = {m for path, modules in LINEAR_MODULES.items() if cfg.quant_of(path[-1]) for m in modules}

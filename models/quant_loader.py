@@ -1,5 +1,6 @@
 """Which linear layers a checkpoint keeps quantized, and their tensors in the decoder's params: int4 (AWQ,
-GPTQ, compressed-tensors pack-quantized; jaxpaged/quantization/int4_formats.py) and fp8 (vLLM's fp8 format,
+GPTQ, compressed-tensors pack-quantized; jaxpaged/quantization/int4_formats.py), int8 (compressed-tensors W8A8
+and W8A16; int8.py) and fp8 (vLLM's fp8 format,
 compressed-tensors float-quantized, or a dense checkpoint quantized at load; jaxpaged/quantization/fp8.py).
 GGUF blocks are models/loader.py's (gguf_weight_quant, gguf_blocks)."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import QUANTIZATION_METHODS
-from jaxpaged.quantization import fp8
+from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.int4_formats import (INT4_METHODS, TENSORS, Int4Scheme, check_scheme, concat_outputs,
                                                 device_layout, from_checkpoint, int4_scheme)
 
@@ -20,6 +21,7 @@ from .config import DecoderConfig
 from .param_tables import LINEAR_MODULES
 
 FP8_TENSORS = ("weight", "weight_scale", "weight_scale_inv", "input_scale")   # one fp8 layer's tensors
+CHECKPOINT_KINDS = ("int4", "int8", "fp8")   # weight_quant prefixes of layers read from a checkpoint's tensors
 
 
 def linear_inputs(cfg: DecoderConfig) -> dict[str, int]:
@@ -73,6 +75,11 @@ def weight_quant_of(method: str, quant_config: dict | None, cfg: DecoderConfig) 
             raise ValueError(f"fp8 weight blocks of {f8.block[1]} columns do not divide the linear layers' "
                              f"inputs {sorted(set(inputs.values()))}")
         return tuple((linear, f8.name()) for linear in sorted(inputs))
+    if int8.is_int8(quant_config):
+        i8 = int8.int8_scheme(quant_config)
+        for linear, k in inputs.items():
+            int8.check_scheme(i8, linear, k)
+        return tuple((linear, i8.name()) for linear in sorted(inputs))
     scheme = int4_scheme(quant_config or {})
     name = f"int4-g{scheme.group_size}" + ("-actorder" if scheme.act_order else "")
     for linear, k in inputs.items():
@@ -86,6 +93,8 @@ def quantized_tensor_names(cfg: DecoderConfig, quant_config: dict | None) -> fro
     kinds = {q.split("-")[0] for _, q in cfg.weight_quant}
     if "int4" in kinds:
         return frozenset(sum(TENSORS[int4_scheme(quant_config or {}).method], ()))
+    if "int8" in kinds:
+        return frozenset(sum(int8.TENSORS[int8.int8_scheme(quant_config or {}).format], ()))
     if "fp8" in kinds and quant_config is not None:
         return frozenset(FP8_TENSORS)
     return frozenset()
@@ -98,11 +107,13 @@ def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderCon
     convert: Callable[[list[dict], list[str]], dict[str, np.ndarray]]
     if _is_fp8(quant_config.get("quant_method", ""), quant_config):
         convert = functools.partial(_fp8_layer, scheme=fp8.fp8_scheme(quant_config))
+    elif int8.is_int8(quant_config):
+        convert = functools.partial(_int8_layer, scheme=int8.int8_scheme(quant_config))
     else:
         convert = functools.partial(_int4_layer, scheme=int4_scheme(quant_config))
     out: dict[tuple, list] = {}
     for path, modules in LINEAR_MODULES.items():
-        if not (cfg.quant_of(path[-1]) or "").startswith(("int4", "fp8")):
+        if not (cfg.quant_of(path[-1]) or "").startswith(CHECKPOINT_KINDS):
             continue
         for i in range(cfg.num_layers):
             parts = [tensors.get((i, module), {}) for module in modules]
@@ -112,9 +123,10 @@ def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderCon
     return out
 
 
-# The params of quantized layers not in the model's dtype (scales and zeros of int4 layers are)
-_PARAM_DTYPES = {"qweight": jnp.int32, "perm": jnp.int32, "weight": fp8.F8, "weight_scale": jnp.float32,
-                 "input_scale": jnp.float32}
+# The params of quantized layers not in the model's dtype (scales and zeros of int4 layers are); a layer's
+# "weight" keeps the dtype its converter gives it (fp8 or int8)
+_PARAM_DTYPES = {"qweight": jnp.int32, "perm": jnp.int32, "weight": None, "weight_scale": jnp.float32,
+                 "weight_zero": jnp.float32, "input_scale": jnp.float32}
 
 
 def _require(parts: list[dict], where: list[str], names: tuple[str, ...], method: str) -> None:
@@ -127,6 +139,14 @@ def _int4_layer(parts: list[dict], where: list[str], scheme: Int4Scheme) -> dict
     _require(parts, where, TENSORS[scheme.method][0], scheme.method)
     weights = concat_outputs([from_checkpoint(t, scheme) for t in parts], where[0])
     return device_layout(weights, scheme.act_order)
+
+
+def _int8_layer(parts: list[dict], where: list[str], scheme: int8.Int8Scheme) -> dict[str, np.ndarray]:
+    required, _ = int8.TENSORS[scheme.format]
+    required += ("input_scale",) if scheme.static_input else ()
+    required += () if scheme.symmetric else ("weight_zero_point",)
+    _require(parts, where, required, "compressed-tensors int8")
+    return int8.concat_outputs([int8.from_checkpoint(t, scheme) for t in parts], scheme)
 
 
 def _fp8_layer(parts: list[dict], where: list[str], scheme: fp8.Fp8Scheme) -> dict[str, np.ndarray]:
@@ -145,7 +165,7 @@ def _fp8_layer(parts: list[dict], where: list[str], scheme: fp8.Fp8Scheme) -> di
         else:
             scales.append(np.broadcast_to(s.reshape(-1, 1), (n, 1)))
         weights.append(w)
-    out = {"weight": np.concatenate(weights), "weight_scale": np.concatenate(scales)}
+    out = {"weight": np.asarray(np.concatenate(weights), fp8.F8), "weight_scale": np.concatenate(scales)}
     if scheme.static_input:
         out["input_scale"] = np.asarray(max(float(np.max(t["input_scale"])) for t in parts), np.float32)
     return out
