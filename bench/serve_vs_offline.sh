@@ -15,8 +15,8 @@
 # (bench/pyspy_summary.py) $OUT/pyspy-summary.txt.
 # --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
 # checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
-# --api-server-counts N,M,...: steps 2-5 once per --api-server-count (default 1), a fresh server each; the
-# results of counts above 1 are named ...-apiN. --client-loops asyncio,uvloop: step 3 once per client event
+# --api-server-counts N,M,...: steps 2-5 once per --api-server-count, a fresh server each, the results named
+# ...-apiN (default: one server at its own default count, results unsuffixed). --client-loops asyncio,uvloop: step 3 once per client event
 # loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop;
 # each (count, loop) gets a fresh server. --client-processes K: step 3 sends from K processes (bench/serve.py
 # --client-processes), its results named ...-cpK.
@@ -26,7 +26,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
-SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=1; LOOPS=asyncio; CPROCS=1
+SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=default; LOOPS=asyncio; CPROCS=1
 SERVER_ARGS=""; C1_ONLY=0
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
@@ -59,7 +59,8 @@ client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$M
 # prefix cache.
 for N in ${COUNTS//,/ }; do
 for LOOP in ${LOOPS//,/ }; do
-SUFFIX=$([ "$N" = 1 ] || echo "-api$N")
+SUFFIX=$([ "$N" = default ] || echo "-api$N")
+APIFLAG=$([ "$N" = default ] || echo "--api-server-count $N")
 LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")$([ "$CPROCS" = 1 ] || echo "-cp$CPROCS")
 echo "== 2. server start-up (--api-server-count $N)"
 t0=$(ms)
@@ -69,14 +70,14 @@ if [ $PYSPY = 1 ]; then
   SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o /tmp/pyspy-server.json --)
 fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
-  --uvicorn-log-level warning --api-server-count "$N" $SERVER_ARGS > /tmp/server.log 2>&1 &
+  --uvicorn-log-level warning $APIFLAG $SERVER_ARGS > /tmp/server.log 2>&1 &
 SRV=$!
 until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
   if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server.log; exit 1; fi
   sleep 0.2
 done
 echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo warm))"
-grep -E "Run config|Compiled|engine core ready" /tmp/server.log | sed 's/^/   /'
+grep -E "Run config|Compiled|engine core ready|API server processes" /tmp/server.log | sed 's/^/   /'
 if [ $SOAK = 1 ]; then
   echo "== soak: bench/soak.py $SOAK_ARGS"
   # shellcheck disable=SC2086  # SOAK_ARGS is a list of flags
@@ -125,7 +126,7 @@ def load(name):
 o = load(f"throughput-{model}-sharegpt").get("output_tokens_per_second")
 print(f"   offline output tok/s {o}")
 for n in counts:
-    suffix = "" if n == "1" else f"-api{n}"
+    suffix = "" if n == "default" else f"-api{n}"
     for loop in loops:
         lsuffix = ("" if loop == "asyncio" else f"-{loop}") + cprocs
         inf = load(f"serve-{model}-sharegpt-rinf{suffix}{lsuffix}")
