@@ -5,14 +5,15 @@
 # fp8 weights quantized at load beside bf16 (dummy weights).
 # --fp8-kv: decode attention over a bf16 pool and the same pool in e4m3 (bench_kernels.py --fp8-cache).
 #   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv]
-#        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b]
+#        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b] [--fp8-rows 1,256,2048,8192]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
+FP8_ROWS=1,256,2048,8192
 while [ $# -gt 0 ]; do
   case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
-             --c1-models) C1_MODELS=$2; shift ;; esac
+             --c1-models) C1_MODELS=$2; shift ;; --fp8-rows) FP8_ROWS=$2; shift ;; esac
   shift
 done
 OUTDIR=${OUT:-/tmp/quant}
@@ -35,7 +36,7 @@ if [ $TABLE = 1 ]; then
 fi
 if [ $FP8 = 1 ]; then
   echo "== fp8 GEMM probe"
-  timeout 200 $PY "$REPO/bench/fp8_probe.py" --out "$OUTDIR" 2>&1 | tail -25
+  timeout 280 $PY "$REPO/bench/fp8_probe.py" --out "$OUTDIR" --rows "$FP8_ROWS" --budget-s 200 2>&1 | tail -25
 fi
 if [ $C1 = 1 ]; then
   cd "$ROOT" || exit 1
@@ -43,8 +44,8 @@ if [ $C1 = 1 ]; then
 fi
 if [ $FP8_KV = 1 ]; then
   echo "== decode attention, bf16 against fp8 cache (bench_kernels.py --fp8-cache)"
-  timeout 300 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode \
-    --fp8-cache --decode-shapes 256x4096,64x4096 --budget-s 240 2>&1 | grep -E "fp8_speedup|failed" | tail -8
+  timeout 260 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode \
+    --fp8-cache --decode-shapes 256x4096,64x4096 --budget-s 200 2>&1 | grep -E "fp8_speedup|failed" | tail -8
 fi
 if [ $FP8_TPUT = 1 ]; then
   for q in fp8 none; do
