@@ -75,7 +75,7 @@ def weight_quant_of(method: str, quant_config: dict | None, cfg: DecoderConfig) 
             raise ValueError(f"fp8 weight blocks of {f8.block[1]} columns do not divide the linear layers' "
                              f"inputs {sorted(set(inputs.values()))}")
         return tuple((linear, f8.name()) for linear in sorted(inputs))
-    if int8.is_int8(quant_config):
+    if quant_config is not None and int8.is_int8(quant_config):
         i8 = int8.int8_scheme(quant_config)
         for linear, k in inputs.items():
             int8.check_scheme(i8, linear, k)
@@ -142,7 +142,7 @@ def _int4_layer(parts: list[dict], where: list[str], scheme: Int4Scheme) -> dict
 
 
 def _int8_layer(parts: list[dict], where: list[str], scheme: int8.Int8Scheme) -> dict[str, np.ndarray]:
-    required, _ = int8.TENSORS[scheme.format]
+    required: tuple[str, ...] = int8.TENSORS[scheme.format][0]
     required += ("input_scale",) if scheme.static_input else ()
     required += () if scheme.symmetric else ("weight_zero_point",)
     _require(parts, where, required, "compressed-tensors int8")

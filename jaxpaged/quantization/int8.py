@@ -59,7 +59,7 @@ def parse_scheme_name(name: str) -> Int8Scheme:
 
 def is_int8(quant_config: dict | None) -> bool:
     """compressed-tensors whose weights are 8-bit integers."""
-    if (quant_config or {}).get("quant_method") != "compressed-tensors":
+    if quant_config is None or quant_config.get("quant_method") != "compressed-tensors":
         return False
     groups = (quant_config.get("config_groups") or {}).values()
     return any((g.get("weights") or {}).get("type", "int") == "int" and (g.get("weights") or {}).get("num_bits") == 8
@@ -110,6 +110,7 @@ def _bytes(words: np.ndarray) -> np.ndarray:
 def from_checkpoint(t: dict[str, np.ndarray], scheme: Int8Scheme) -> dict[str, np.ndarray]:
     """One linear layer's tensors (TENSORS[scheme.format] by name) -> the device form's arrays (weight_scale
     per output channel, zeros as floats)."""
+    out: dict[str, np.ndarray]
     if scheme.activations:
         weight = np.asarray(t["weight"], np.int8)
         n = weight.shape[0]

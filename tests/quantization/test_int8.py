@@ -6,7 +6,6 @@ of each linear layer's input."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
