@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from .rope import rope_scaling_of
 
 # architectures (config.json) -> family; every family runs through models/decoder.py with its flags.
 SUPPORTED_ARCHITECTURES = {
@@ -10,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -29,7 +31,7 @@ class DecoderConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: tuple | None          # sorted (key, value) pairs of HF's rope_scaling dict, hashable
+    rope_scaling: tuple | None          # sorted (key, value) pairs of HF's rope scaling, hashable (models/rope.py)
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool                      # Qwen2
@@ -67,26 +69,14 @@ def _get(cfg: dict, key: str, default=None):
     return default
 
 
-def _rope_scaling(cfg: dict) -> tuple | None:
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not rs:
-        return None
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
-        raise UnsupportedArchitectureError(f"rope_scaling type {rope_type!r} is not supported (supported: llama3)")
-    return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (dict, list))))
-
-
 def _sliding_window(cfg: dict, arch: str) -> int | None:
-    """The attention window, as HF transformers applies it: Mistral's `sliding_window` on every layer;
+    """The attention window, as HF transformers applies it: Mistral's and Phi-3's `sliding_window` on every layer;
     Qwen2/3's only with `use_sliding_window`, on the layers from `max_window_layers` on (or as
     `layer_types` lists them). The decoder takes one window for all layers or none: a mix is refused."""
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return window
     if cfg.get("layer_types"):
         kinds = set(cfg["layer_types"])
@@ -111,6 +101,9 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
             f"Model architectures {archs} are not supported by jaxpaged. "
             f"Supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}")
     family = SUPPORTED_ARCHITECTURES[arch]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"{arch} with hidden_act {cfg['hidden_act']!r} is not supported "
+                                           "(supported: silu)")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     eos = cfg.get("eos_token_id")
@@ -127,7 +120,7 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(_get(cfg, "rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(cfg),
+        rope_scaling=rope_scaling_of(cfg),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -137,23 +130,3 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
-
-
-def rope_inv_freq(cfg: DecoderConfig):
-    """Inverse frequencies f32[D/2] with Llama 3's scaling applied when configured (as HF computes them)."""
-    import numpy as np
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    if cfg.rope_scaling is None:
-        return inv_freq
-    rs = dict(cfg.rope_scaling)
-    factor = rs["factor"]
-    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
-    old_len = rs["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)

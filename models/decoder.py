@@ -19,7 +19,8 @@ from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
 
-from .config import DecoderConfig, rope_inv_freq
+from . import rope
+from .config import DecoderConfig
 
 
 @jax.tree_util.register_dataclass
@@ -312,7 +313,7 @@ class DecoderModel(nn.Module):
         c = self.cfg
         embed = _embed(c, self.dtype)
         h = embed(token_ids)
-        cos, sin = rope_cos_sin(c, meta.positions)
+        cos, sin = rope_cos_sin(c, meta)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
         (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
@@ -329,10 +330,16 @@ class DecoderModel(nn.Module):
         return logits, kv_cache, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head)
 
 
-def rope_cos_sin(cfg: DecoderConfig, positions):
-    """Rotary angles of each token's position -> (cos, sin) f32[T, D/2]."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
-    return jnp.cos(freqs), jnp.sin(freqs)
+def rope_cos_sin(cfg: DecoderConfig, meta: AttentionMetadata):
+    """Each token's rotation -> (cos, sin) f32[T, D/2] (models/rope.py; the dynamic scalings read the length of
+    the token's request after this step)."""
+    seq_lens = None
+    if rope.rope_type_of(cfg.rope_scaling) in rope.DYNAMIC_TYPES:
+        t, r = meta.positions.shape[0], meta.seq_lens.shape[0]
+        request = jnp.searchsorted(meta.query_start_loc[1:], jnp.arange(t), side="right")
+        seq_lens = meta.seq_lens[jnp.minimum(request, r - 1)]
+    return rope.cos_sin(cfg.rope_scaling, cfg.rope_theta, cfg.head_dim, cfg.max_position_embeddings,
+                        meta.positions, seq_lens)
 
 
 def head_weight(cfg: DecoderConfig, params) -> jax.Array:
@@ -371,10 +378,10 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
 # step at batch 256 on the H100). Per-layer dispatch keeps each layer's weights as their own arrays and runs
 # one compiled layer program L times, so nothing is sliced: embed -> layer x L -> head.
 
-def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, positions):
+def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, meta: AttentionMetadata):
     """-> (h [T, H], cos, sin f32[T, D/2])."""
     h = _embed(cfg, dtype, name=None).apply({"params": params["embed_tokens"]}, token_ids)
-    return (h, *rope_cos_sin(cfg, positions))
+    return (h, *rope_cos_sin(cfg, meta))
 
 
 def layer_phase(cfg: DecoderConfig, dtype, options: RuntimeOptions, layer_params, h, kv_cache, layer_idx,

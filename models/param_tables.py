@@ -27,6 +27,9 @@ LAYER_TABLE = {
     "mlp.gate_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (0, 2)),
     "mlp.up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (1, 2)),
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
+    # Phi-3 stores q/k/v and gate/up already fused, in the decoder's order
+    "self_attn.qkv_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, None),
+    "mlp.gate_up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, None),
     "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
     # an fp8 KV cache's per-layer scales (vLLM's names; compressed-tensors writes them on k_proj / v_proj)
@@ -43,12 +46,15 @@ TOP_TABLE = {
 }
 
 
+FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")   # (quantized checkpoints: separate modules)
+
+
 def _linear_modules() -> dict[tuple, list[str]]:
     """Each linear layer's param path under a layer -> its HF modules, in the order their outputs concatenate:
     ("self_attn", "qkv_proj") -> ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]."""
     parts: dict[tuple, dict[int, str]] = {}
     for name, (path, _, part) in LAYER_TABLE.items():
-        if path[-1] == "kernel":
+        if path[-1] == "kernel" and name not in FUSED:
             parts.setdefault(path[:-1], {})[(part or (0, 1))[0]] = name[:-len(".weight")]
     return {path: [modules[i] for i in sorted(modules)] for path, modules in parts.items()}
 

@@ -69,6 +69,14 @@ TINY_MODELS = {
     "mistral": ("MistralConfig", dict(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, sliding_window=40, tie_word_embeddings=False)),
+    # LongRoPE on its short factors (sequences here stay under original_max_position_embeddings; the switch to
+    # the long ones: tests/models/test_rope.py); its window longer than the requests
+    "phi3": ("Phi3Config", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, original_max_position_embeddings=256,
+        sliding_window=200, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                      "long_factor": [2.0 + i for i in range(8)]})),
 }
 
 

@@ -30,8 +30,7 @@ from jaxpaged.runner.step_inputs import fill_input_tokens, unpack
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype"))
 def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
     model_input, sampling = unpack(ints, floats, layout)
-    h, cos, sin = embed_phase(cfg, dtype, params, fill_input_tokens(model_input, prev_sampled),
-                              model_input.meta.positions)
+    h, cos, sin = embed_phase(cfg, dtype, params, fill_input_tokens(model_input, prev_sampled), model_input.meta)
     return h, cos, sin, model_input, sampling
 
 
@@ -70,7 +69,7 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
         model_input, sampling = unpack(ints, floats, layout)
 
         def forward(tokens, kv, meta):
-            h, cos, sin = embed_phase(cfg, dtype, params, tokens, meta.positions)
+            h, cos, sin = embed_phase(cfg, dtype, params, tokens, meta)
             h, kv = _layers(layer_params, h, kv, 0, meta, cos, sin, cfg=cfg, dtype=dtype, options=options)
             return head_phase(cfg, dtype, params, h, model_input.logits_indices)[0], kv
         return decode_steps(forward, kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)

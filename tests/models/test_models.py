@@ -115,7 +115,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
 
     rest, layers = split_layer_params(runner.params)
     assert len(layers) == cfg.num_layers
-    h, cos, sin = decoder.embed_phase(cfg, jnp.float32, rest, token_ids, meta.positions)
+    h, cos, sin = decoder.embed_phase(cfg, jnp.float32, rest, token_ids, meta)
     kv = runner.kv
     for i, lp in enumerate(layers):
         h, kv = decoder.layer_phase(cfg, jnp.float32, decoder.RuntimeOptions(), lp, h, kv, jnp.int32(i), meta, cos, sin)

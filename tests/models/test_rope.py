@@ -1,0 +1,66 @@
+"""The rope scalings vLLM handles (linear, dynamic NTK, YaRN, llama3, LongRoPE) against HF transformers: a tiny
+model's logits through the paged cache, the prompt in one step and then one token a step, equal HF's forward
+run the same way (its KV cache kept), past the length where the dynamic scalings change (dynamic NTK beyond
+max_position_embeddings, LongRoPE's long factors beyond original_max_position_embeddings)."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from jaxpaged.models import load_model
+from test_models import PagedRunner
+
+PROMPT, STEPS = 20, 24              # positions 0..43: across the 32 where the scalings below change
+
+SCALINGS = {
+    "linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.5})),
+    "dynamic": ("llama", dict(max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 3.0})),
+    "yarn": ("qwen2", dict(max_position_embeddings=128, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
+    "yarn-mscale": ("llama", dict(max_position_embeddings=128, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2})),
+    "longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32)),
+}
+
+
+def hf_incremental_logits(hf, ids: list[int]) -> np.ndarray:
+    """HF's logits for ids: one forward for the prompt, then one per token with its KV cache (HF's generate)."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:PROMPT]]), use_cache=True)
+        logits, cache = [out.logits[0]], out.past_key_values
+        for t in ids[PROMPT:]:
+            out = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0])
+            cache = out.past_key_values
+    return torch.cat(logits).numpy()
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_rope_scaling_equals_hf(name, tmp_path):
+    family, overrides = SCALINGS[name]
+    hf = save_tiny_model(family, tmp_path, **overrides)
+    loaded = load_model(tmp_path, dtype="float32")
+    assert dict(loaded.config.rope_scaling or ())["rope_type"] == name.split("-")[0]
+    runner = PagedRunner(loaded, num_blocks=64)
+    prompt = np.random.default_rng(0).integers(0, 320, PROMPT).tolist()
+    ids = list(prompt)
+    ours = [runner.step(prompt)]
+    for _ in range(STEPS - 1):
+        ids.append(int(np.argmax(ours[-1][-1])))
+        ours.append(runner.step([ids[-1]]))
+    got = np.concatenate(ours)
+    ref = hf_incremental_logits(hf, ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    assert rel < 1e-4, rel
+
+
+def test_unsupported_rope_is_refused():
+    from jaxpaged.models.config import decoder_config_from_hf
+    from jaxpaged.models.rope import UnsupportedRopeError
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(UnsupportedRopeError, match="rope_scaling type 'mrope' is not supported"):
+        decoder_config_from_hf({**base, "rope_scaling": {"rope_type": "mrope"}})
+    with pytest.raises(UnsupportedRopeError, match="partial_rotary_factor"):
+        decoder_config_from_hf({**base, "partial_rotary_factor": 0.5})
