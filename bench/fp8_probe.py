@@ -39,14 +39,17 @@ def scaled(y, sx, sw, dtype=jnp.float32):
     return (y.astype(dtype) * sx.astype(dtype) * sw[:, 0].astype(dtype)).astype(jnp.bfloat16)
 
 
+def f32_out(x, w, sw):
+    xq, sx = fp8.quantize_activations(x)
+    return (dot_nk(xq, w, jnp.float32) * sx * sw[:, 0]).astype(jnp.bfloat16)
+
+
 # way -> fn(x bf16[M, K], w f8[N, K] (i8 for the int8 ways), sw f32[N, 1]) -> bf16[M, N]
 WAYS = {
-    "engine (f8 dot -> f32)": lambda x, w, sw: fp8.fp8_linear(x, w, sw),
-    "f8 dot -> bf16, f32 scaling": lambda x, w, sw: (lambda xq, sx: scaled(dot_nk(xq, w, jnp.bfloat16), sx, sw))(
+    "engine": lambda x, w, sw: fp8.fp8_linear(x, w, sw),
+    "f8 dot -> f32, unpadded": f32_out,
+    "f8 dot -> bf16, unpadded": lambda x, w, sw: (lambda xq, sx: scaled(dot_nk(xq, w, jnp.bfloat16), sx, sw))(
         *fp8.quantize_activations(x)),
-    "f8 dot -> bf16, bf16 scaling": lambda x, w, sw: (lambda xq, sx: scaled(dot_nk(xq, w, jnp.bfloat16), sx, sw,
-                                                                          jnp.bfloat16))(*fp8.quantize_activations(x)),
-    "x quantization alone": lambda x, w, sw: fp8.quantize_activations(x)[0],
     "int8 W8A8 (engine)": lambda x, w, sw: int8.int8_linear(x, w, sw),
 }
 INT8_WAYS = {"int8 W8A8 (engine)"}
@@ -55,7 +58,7 @@ INT8_WAYS = {"int8 W8A8 (engine)"}
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--rows", default="1,16,64,256,1024,4096,8192")
+    p.add_argument("--rows", default="1,16,64,128,256,1024,4096,8192")
     p.add_argument("--models", default="llama3-8b")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this long")
     args = p.parse_args()

@@ -8,9 +8,9 @@ One device form for every source, per linear layer:
                                     output channel; a per-tensor scale repeated) or the checkpoint's block
     input_scale: f32[]              (static activation scales only) the checkpoint's scale for x
 The matmul (fp8_linear): with one scale per channel, x is quantized to e4m3 (per token, dynamically, or by
-the static input_scale) and the fp8 operands go straight into the dot with an f32 result, scales applied to
-the output: that is the form XLA lowers to cuBLASLt's fp8 GEMM on Hopper (bench/fp8_probe.py); converting the
-operands before the dot never is. Block-scaled weights (scales that vary along K) are expanded to the
+the static input_scale) and the fp8 operands go straight into the dot, its result in the compute dtype and the
+scales applied to it: that is the form XLA lowers to cuBLASLt's fp8 GEMM on Hopper (bench/fp8_probe.py), given
+a multiple of 16 rows (x is padded to one); converting the operands before the dot never is. Block-scaled weights (scales that vary along K) are expanded to the
 compute dtype in the program and multiply unquantized x (W8A16).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0            # the largest finite e4m3fn value
+FP8_GEMM_ROWS = 16        # x's rows are padded to a multiple of this for the fp8 GEMM
 _MIN_SCALE = 1e-12        # an all-zero row or tensor keeps a finite scale
 
 
@@ -110,8 +111,12 @@ def fp8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array, input_s
         w = dequantize(weight, weight_scale, block_cols, x.dtype)
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
     xq, sx = quantize_activations(x, input_scale)
-    y = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * sx * weight_scale[:, 0]).astype(x.dtype)
+    m = x.shape[0]
+    if m % FP8_GEMM_ROWS:        # cuBLASLt's fp8 GEMM takes multiples of 16 rows; XLA expands w otherwise
+        xq = jnp.pad(xq, ((0, -m % FP8_GEMM_ROWS), (0, 0)))
+    out = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    y = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())), preferred_element_type=out)[:m]
+    return (y.astype(jnp.float32) * sx * weight_scale[:, 0]).astype(x.dtype)
 
 
 def dequantize(weight: jax.Array, weight_scale: jax.Array, block_cols: int, dtype=jnp.float32) -> jax.Array:
