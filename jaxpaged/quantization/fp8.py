@@ -10,8 +10,9 @@ One device form for every source, per linear layer:
 The matmul (fp8_linear): with one scale per channel, x is quantized to e4m3 (per token, dynamically, or by
 the static input_scale) and the fp8 operands go straight into the dot, its result in the compute dtype and the
 scales applied to it: that is the form XLA lowers to cuBLASLt's fp8 GEMM on Hopper (bench/fp8_probe.py), given
-a multiple of 16 rows (x is padded to one); converting the operands before the dot never is. Block-scaled weights (scales that vary along K) are expanded to the
-compute dtype in the program and multiply unquantized x (W8A16).
+a multiple of 16 rows (x is padded to one); converting the operands before the dot never is. Block-scaled
+weights (scales that vary along K) are expanded to the compute dtype in the program and multiply unquantized x
+(W8A16).
 """
 from __future__ import annotations
 
