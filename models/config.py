@@ -12,7 +12,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}    # HF's name -> the decoder's
+FULL, SLIDING = "full_attention", "sliding_attention"              # HF's layer types
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -49,10 +53,30 @@ class DecoderConfig:
     # The KV pool's dtype: "auto" (the model's) or "fp8" (e4m3, with a k_scale and v_scale per layer, the
     # checkpoint's or 1.0; vLLM's --kv-cache-dtype).
     kv_cache_dtype: str = "auto"
+    # Gemma 2 / 3
+    hidden_act: str = "silu"                  # silu | gelu_tanh (HF's gelu_pytorch_tanh)
+    norm_plus_one: bool = False               # RMSNorm scales by (1 + w), in float32
+    sandwich_norms: bool = False              # four norms a layer: attention's and the MLP's outputs normed too
+    embed_scale: float | None = None          # embeddings times this (sqrt(hidden), rounded to the dtype)
+    query_scale: float | None = None          # attention's scale (None: head_dim ** -0.5)
+    attn_soft_cap: float | None = None        # scores -> cap * tanh(scores / cap)
+    final_soft_cap: float | None = None       # logits -> cap * tanh(logits / cap)
+    # Per-layer attention kinds when layers differ (FULL or SLIDING each; None: every layer alike, windowed
+    # when sliding_window is set), and the sliding layers' own rope (theta, scaling) where it differs (Gemma 3)
+    layer_types: tuple[str, ...] | None = None
+    local_rope: tuple[float, tuple | None] | None = None
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def layer_kinds(self) -> tuple[int, ...]:
+        """Per layer: 0 full attention, 1 sliding window (indexes attention_windows and the rope tables)."""
+        return tuple(int(t == SLIDING) for t in self.layer_types or ())
+
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The window of each layer kind: (None, sliding_window) when layers differ, else (sliding_window,)."""
+        return (None, self.sliding_window) if self.layer_types else (self.sliding_window,)
 
     def quant_of(self, linear: str) -> str | None:
         """The scheme a linear layer's weight is stored in, or None (dense)."""
@@ -69,28 +93,48 @@ def _get(cfg: dict, key: str, default=None):
     return default
 
 
-def _sliding_window(cfg: dict, arch: str) -> int | None:
-    """The attention window, as HF transformers applies it: Mistral's and Phi-3's `sliding_window` on every layer;
-    Qwen2/3's only with `use_sliding_window`, on the layers from `max_window_layers` on (or as
-    `layer_types` lists them). The decoder takes one window for all layers or none: a mix is refused."""
+def _layer_types(cfg: dict, arch: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) as HF transformers applies them: Mistral's and Phi-3's window on every
+    layer; Gemma 2's on alternate layers (the even ones), Gemma 3's on all but every sliding_window_pattern-th
+    (or as `layer_types` lists them); Qwen2/3's only with `use_sliding_window`, on the layers from
+    `max_window_layers` on. layer_types is None when every layer is alike."""
     window = cfg.get("sliding_window")
+    n = cfg["num_hidden_layers"]
     if window is None:
-        return None
+        return None, None
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
-        return window
+        return window, None
     if cfg.get("layer_types"):
-        kinds = set(cfg["layer_types"])
+        types = tuple(cfg["layer_types"])
+    elif arch == "Gemma2ForCausalLM":
+        types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(n))
+    elif arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(n))
     elif cfg.get("use_sliding_window", False):
         first = cfg.get("max_window_layers", 28)            # HF's Qwen2Config / Qwen3Config default
-        kinds = {"sliding_attention" if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"])}
+        types = tuple(SLIDING if i >= first else FULL for i in range(n))
     else:
-        return None
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return window
-    raise UnsupportedArchitectureError(
-        f"layers of both sliding-window and full attention ({sorted(kinds)}) are not supported")
+        return None, None
+    if set(types) - {FULL, SLIDING}:
+        raise UnsupportedArchitectureError(f"layer types {sorted(set(types) - {FULL, SLIDING})} are not supported")
+    if set(types) == {FULL}:
+        return None, None
+    return window, (None if set(types) == {SLIDING} else types)
+
+
+def _rope(cfg: dict) -> tuple[float, tuple | None, tuple[float, tuple | None] | None]:
+    """(rope_theta, scaling) of the (full-attention) layers, and the sliding layers' own (theta, scaling) when
+    they have one: Gemma 3's rope_parameters per layer type (transformers 5), or rope_local_base_freq (4.x)."""
+    params = cfg.get("rope_parameters") or {}
+    if FULL in params:                                         # one set of rope parameters per layer type
+        def one(p: dict):
+            return float(p.get("rope_theta", 10000.0)), rope_scaling_of({"rope_parameters": p})
+        full = one(params[FULL])
+        local = one(params[SLIDING]) if SLIDING in params else None
+        return full[0], full[1], (local if local != full else None)
+    local = (float(cfg["rope_local_base_freq"]), None) if cfg.get("rope_local_base_freq") else None
+    return float(_get(cfg, "rope_theta", 10000.0)), rope_scaling_of(cfg), local
 
 
 def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
@@ -101,14 +145,17 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
             f"Model architectures {archs} are not supported by jaxpaged. "
             f"Supported architectures: {sorted(SUPPORTED_ARCHITECTURES)}")
     family = SUPPORTED_ARCHITECTURES[arch]
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedArchitectureError(f"{arch} with hidden_act {cfg['hidden_act']!r} is not supported "
-                                           "(supported: silu)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"{arch} with activation {act!r} is not supported "
+                                           f"(supported: {', '.join(ACTIVATIONS)})")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    sliding = _sliding_window(cfg, arch)
+    sliding, layer_types = _layer_types(cfg, arch)
+    theta, scaling, local_rope = _rope(cfg)
+    gemma = family in ("gemma2", "gemma3")
     return DecoderConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -119,14 +166,23 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(_get(cfg, "rope_theta", 10000.0)),
-        rope_scaling=rope_scaling_of(cfg),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         sliding_window=sliding,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        hidden_act=ACTIVATIONS[act],
+        norm_plus_one=gemma,
+        sandwich_norms=gemma,
+        embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+        query_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
+        attn_soft_cap=cfg.get("attn_logit_softcapping") if gemma else None,
+        final_soft_cap=cfg.get("final_logit_softcapping") if gemma else None,
+        layer_types=layer_types,
+        local_rope=local_rope,
     )

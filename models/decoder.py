@@ -1,4 +1,5 @@
-"""One Flax decoder for the Llama, Qwen2 and Qwen3 families, reading and writing the paged KV cache.
+"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3), reading and
+writing the paged KV cache; a family is a set of DecoderConfig flags.
 
 Legend: T tokens, R requests, H hidden, N heads, K kv heads, D head dim, F MLP width, V vocab, L layers.
 Layers run under `nn.scan` over stacked weights, so compile time does not grow with depth; the whole KV
@@ -63,15 +64,29 @@ INT4_KERNEL_MAX_ROWS = 64
 
 
 class RMSNorm(nn.Module):
+    """HF's RMSNorm: Llama's scales the normed x after rounding it to x's dtype; Gemma's (plus_one) scales by
+    (1 + w) in float32 and rounds after."""
     eps: float
     dtype: Any
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * x32.astype(x.dtype)
+
+
+def _norm(cfg: DecoderConfig, dtype, name: str | None) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_plus_one, name=name)
+
+
+def soft_cap(x, cap: float | None):
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def _rotate(x, cos, sin):
@@ -233,7 +248,12 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
+        """cos, sin: f32[rope kinds, T, D/2] (rope_cos_sin); the layer takes its kind's."""
         c = self.cfg
+        kinds = c.layer_kinds()
+        kind = jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
+        rope_kind = kind if c.local_rope is not None else 0
+        cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)(x)
@@ -241,8 +261,8 @@ class Attention(nn.Module):
         k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = _norm(c, self.dtype, "q_norm")(q)
+            k = _norm(c, self.dtype, "k_norm")(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         backend = self.options.attn_backend
         opts = self.options
@@ -252,11 +272,18 @@ class Attention(nn.Module):
                          self.param("v_scale", nn.initializers.ones, (), jnp.float32))
         kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
                                            interpret=opts.interpret, kv_scales=kv_scales)
-        o = pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, scale=c.head_dim ** -0.5,
-                                     decode_only=opts.decode_only, in_loop=opts.in_loop,
-                                     sliding_window=c.sliding_window, backend=backend,
-                                     interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales)
+
+        def attend(window):
+            return pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
+                                            meta.query_start_loc, scale=c.query_scale or c.head_dim ** -0.5,
+                                            decode_only=opts.decode_only, in_loop=opts.in_loop,
+                                            sliding_window=window, soft_cap=c.attn_soft_cap, backend=backend,
+                                            interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales)
+        windows = c.attention_windows()
+        if len(windows) == 1:
+            o = attend(windows[0])
+        else:       # layers of both kinds: the layer index (traced under the scan) picks the window
+            o = jax.lax.switch(kind, [lambda w=w: attend(w) for w in windows])
         o = o.reshape(-1, c.num_heads * c.head_dim)
         return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
 
@@ -272,7 +299,8 @@ class MLP(nn.Module):
         gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)(x)
         gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
         down = _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj", opts)
-        return down(nn.silu(gate) * up)
+        act = nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return down(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -283,12 +311,16 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, meta: AttentionMetadata, cos, sin):
         h, kv_cache, layer_idx = carry
-        eps = self.cfg.rms_norm_eps
-        attn_out, kv_cache = Attention(self.cfg, self.dtype, self.options, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
-        h = h + attn_out
-        mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(h)
-        h = h + MLP(self.cfg, self.dtype, self.options, name="mlp")(mlp_in)
+        c, dtype = self.cfg, self.dtype
+        attn_out, kv_cache = Attention(c, dtype, self.options, name="self_attn")(
+            _norm(c, dtype, "input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
+        if c.sandwich_norms:        # Gemma: post_attention_layernorm norms attention's output
+            h = h + _norm(c, dtype, "post_attention_layernorm")(attn_out)
+            mlp_out = MLP(c, dtype, self.options, name="mlp")(_norm(c, dtype, "pre_feedforward_layernorm")(h))
+            h = h + _norm(c, dtype, "post_feedforward_layernorm")(mlp_out)
+        else:
+            h = h + attn_out
+            h = h + MLP(c, dtype, self.options, name="mlp")(_norm(c, dtype, "post_attention_layernorm")(h))
         return (h, kv_cache, layer_idx + 1), None
 
 
@@ -312,34 +344,42 @@ class DecoderModel(nn.Module):
                  prompt_head=None):
         c = self.cfg
         embed = _embed(c, self.dtype)
-        h = embed(token_ids)
+        h = _scale_embeddings(c, embed(token_ids))
         cos, sin = rope_cos_sin(c, meta)
         layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
         (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
             (h, kv_cache, jnp.int32(0)), meta, cos, sin)
-        norm = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")
+        norm = _norm(c, self.dtype, "norm")
         if c.tie_word_embeddings:
             head = embed.attend
         else:
             head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")
-        logits = head(norm(h[logits_indices])).astype(jnp.float32)
+        logits = soft_cap(head(norm(h[logits_indices])).astype(jnp.float32), c.final_soft_cap)
         if prompt_head is None:
             return logits, kv_cache, ()
         w = head_weight(c, self.variables["params"])
-        return logits, kv_cache, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head)
+        return logits, kv_cache, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, c.final_soft_cap)
+
+
+def _scale_embeddings(cfg: DecoderConfig, h):
+    """Gemma's embeddings times sqrt(hidden), the factor rounded to the dtype as HF rounds it."""
+    return h if cfg.embed_scale is None else h * jnp.asarray(cfg.embed_scale, h.dtype)
 
 
 def rope_cos_sin(cfg: DecoderConfig, meta: AttentionMetadata):
-    """Each token's rotation -> (cos, sin) f32[T, D/2] (models/rope.py; the dynamic scalings read the length of
-    the token's request after this step)."""
+    """Each token's rotation -> (cos, sin) f32[rope kinds, T, D/2]: one kind, or the full-attention layers' and
+    the sliding layers' (Gemma 3). models/rope.py; the dynamic scalings read the length of the token's
+    request after this step."""
+    ropes = [(cfg.rope_theta, cfg.rope_scaling)] + ([cfg.local_rope] if cfg.local_rope is not None else [])
     seq_lens = None
-    if rope.rope_type_of(cfg.rope_scaling) in rope.DYNAMIC_TYPES:
+    if any(rope.rope_type_of(scaling) in rope.DYNAMIC_TYPES for _, scaling in ropes):
         t, r = meta.positions.shape[0], meta.seq_lens.shape[0]
         request = jnp.searchsorted(meta.query_start_loc[1:], jnp.arange(t), side="right")
         seq_lens = meta.seq_lens[jnp.minimum(request, r - 1)]
-    return rope.cos_sin(cfg.rope_scaling, cfg.rope_theta, cfg.head_dim, cfg.max_position_embeddings,
-                        meta.positions, seq_lens)
+    tables = [rope.cos_sin(scaling, theta, cfg.head_dim, cfg.max_position_embeddings, meta.positions, seq_lens)
+              for theta, scaling in ropes]
+    return jnp.stack([cos for cos, _ in tables]), jnp.stack([sin for _, sin in tables])
 
 
 def head_weight(cfg: DecoderConfig, params) -> jax.Array:
@@ -353,7 +393,7 @@ def head_weight(cfg: DecoderConfig, params) -> jax.Array:
     return params["lm_head"]["kernel"]
 
 
-def prompt_head_in_chunks(h, w, targets, prompt_head):
+def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | None = None):
     """prompt_head(logits f32[C, V], targets i32[C]) over every row of h [T, H] (already normed), at most
     PROMPT_HEAD_CHUNK rows of logits at a time; outputs concatenated back to leading dim T."""
     t = h.shape[0]
@@ -364,7 +404,7 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
 
     def one(args):
         hc, tc = args
-        return prompt_head(jnp.dot(hc, w.astype(hc.dtype)).astype(jnp.float32), tc)
+        return prompt_head(soft_cap(jnp.dot(hc, w.astype(hc.dtype)).astype(jnp.float32), final_soft_cap), tc)
 
     out = jax.lax.map(one, (h, targets))
     # [chunks, chunk, ...] -> [T, ...], the leading size spelled out: -1 cannot be inferred when an output
@@ -380,7 +420,7 @@ def prompt_head_in_chunks(h, w, targets, prompt_head):
 
 def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, meta: AttentionMetadata):
     """-> (h [T, H], cos, sin f32[T, D/2])."""
-    h = _embed(cfg, dtype, name=None).apply({"params": params["embed_tokens"]}, token_ids)
+    h = _scale_embeddings(cfg, _embed(cfg, dtype, name=None).apply({"params": params["embed_tokens"]}, token_ids))
     return (h, *rope_cos_sin(cfg, meta))
 
 
@@ -394,12 +434,12 @@ def layer_phase(cfg: DecoderConfig, dtype, options: RuntimeOptions, layer_params
 
 def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targets=None, prompt_head=None):
     """Final norm and LM head -> (logits f32[R, V] at logits_indices, prompt head output or ())."""
-    norm = lambda x: RMSNorm(cfg.rms_norm_eps, dtype).apply({"params": params["norm"]}, x)
+    norm = lambda x: _norm(cfg, dtype, None).apply({"params": params["norm"]}, x)
     w = head_weight(cfg, params)
-    logits = jnp.dot(norm(h[logits_indices]), w.astype(dtype)).astype(jnp.float32)
+    logits = soft_cap(jnp.dot(norm(h[logits_indices]), w.astype(dtype)).astype(jnp.float32), cfg.final_soft_cap)
     if prompt_head is None:
         return logits, ()
-    return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head)
+    return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, cfg.final_soft_cap)
 
 
 def kv_cache_dtype(cfg: DecoderConfig, dtype):

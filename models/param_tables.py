@@ -32,6 +32,8 @@ LAYER_TABLE = {
     "mlp.gate_up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, None),
     "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
+    "pre_feedforward_layernorm.weight": (("pre_feedforward_layernorm", "scale"), False, None),   # Gemma 2/3
+    "post_feedforward_layernorm.weight": (("post_feedforward_layernorm", "scale"), False, None),
     # an fp8 KV cache's per-layer scales (vLLM's names; compressed-tensors writes them on k_proj / v_proj)
     "self_attn.k_scale": (("self_attn", "k_scale"), False, None),
     "self_attn.v_scale": (("self_attn", "v_scale"), False, None),

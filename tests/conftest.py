@@ -77,6 +77,20 @@ TINY_MODELS = {
         sliding_window=200, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(8)],
                       "long_factor": [2.0 + i for i in range(8)]})),
+    # windows shorter than the requests, on alternate layers (Gemma 2) or as layer_types lists them with the
+    # sliding layers' own rope (Gemma 3); soft caps the tiny models' scores and logits reach
+    "gemma2": ("Gemma2Config", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=256,
+        sliding_window=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=320, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        max_position_embeddings=256, sliding_window=24, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
 }
 
 

@@ -51,7 +51,7 @@ class PagedRunner:
         return np.asarray(logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_logits_match_hf(family, tmp_path):
     hf = save_tiny_model(family, tmp_path)
     loaded = load_model(tmp_path, dtype="float32")
