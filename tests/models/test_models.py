@@ -166,31 +166,36 @@ def test_float32_checkpoint_loads_as_bfloat16(tmp_path):
 
 
 def test_sliding_window_as_hf_applies_it():
-    """Mistral's window on every layer; Qwen's only with use_sliding_window and only from layer
-    max_window_layers on (all layers: the window; none: full attention; a mix: refused); Llama has none."""
+    """Mistral's and Phi-3's window on every layer; Qwen's only with use_sliding_window and only from layer
+    max_window_layers on; Gemma 2's on alternate layers, Gemma 3's on five of six (all layers windowed: one
+    window; none: full attention; a mix: the window and each layer's kind); Llama has none."""
     import transformers
 
-    from jaxpaged.models.config import UnsupportedArchitectureError, decoder_config_from_hf
+    from jaxpaged.models.config import decoder_config_from_hf
 
-    def window(config_class, legacy=False, **kw):
-        cfg = getattr(transformers, config_class)(num_hidden_layers=4, **kw).to_dict()
-        cfg["architectures"] = [config_class.replace("Config", "ForCausalLM")]
+    def window(config_class, legacy=False, layers=4, **kw):
+        cfg = getattr(transformers, config_class)(num_hidden_layers=layers, **kw).to_dict()
+        cfg["architectures"] = [config_class.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")]
         if legacy:      # as transformers 4 wrote config.json: no layer_types, the window kept as given
             del cfg["layer_types"]
             cfg["sliding_window"] = kw["sliding_window"]
-        return decoder_config_from_hf(cfg).sliding_window
+        dc = decoder_config_from_hf(cfg)
+        return dc.sliding_window, dc.layer_kinds()
 
-    assert window("MistralConfig", sliding_window=40) == 40
-    assert window("MistralConfig", sliding_window=None) is None
-    assert window("LlamaConfig") is None
+    assert window("MistralConfig", sliding_window=40) == (40, ())
+    assert window("MistralConfig", sliding_window=None) == (None, ())
+    assert window("Phi3Config", sliding_window=40) == (40, ())
+    assert window("LlamaConfig") == (None, ())
     for qwen in ("Qwen2Config", "Qwen3Config"):
         for legacy in (False, True):
             kw = dict(legacy=legacy, sliding_window=64)
-            assert window(qwen, **kw) is None
-            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=0) == 64
-            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=4) is None
-            with pytest.raises(UnsupportedArchitectureError, match="sliding-window and full attention"):
-                window(qwen, **kw, use_sliding_window=True, max_window_layers=2)
+            assert window(qwen, **kw) == (None, ())
+            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=0) == (64, ())
+            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=4) == (None, ())
+            assert window(qwen, **kw, use_sliding_window=True, max_window_layers=2) == (64, (0, 0, 1, 1))
+    for legacy in (False, True):
+        assert window("Gemma2Config", legacy, sliding_window=16) == (16, (1, 0, 1, 0))
+        assert window("Gemma3TextConfig", legacy, layers=7, sliding_window=16) == (16, (1, 1, 1, 1, 1, 0, 1))
 
 
 @pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
