@@ -27,6 +27,7 @@ class PagedRunner:
         # Physical blocks deliberately out of order; block 0 stays the null block.
         self.block_ids = list(np.random.default_rng(1).permutation(np.arange(1, num_blocks))[:16])
         self.model = DecoderModel(self.cfg, jnp.float32)
+        self.apply = jax.jit(self.model.apply)       # one compile per step shape (prefill, then decode)
         self.num_computed = 0
 
     def meta(self, n, start=0):
@@ -45,8 +46,8 @@ class PagedRunner:
         n = len(token_ids)
         meta = self.meta(n, self.num_computed)
         # logits at every token, to compare the whole prefill
-        logits, self.kv, _ = self.model.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
-                                              meta, jnp.arange(n, dtype=jnp.int32))
+        logits, self.kv, _ = self.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
+                                        meta, jnp.arange(n, dtype=jnp.int32))
         self.num_computed += n
         return np.asarray(logits)
 

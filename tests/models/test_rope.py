@@ -30,7 +30,7 @@ def hf_incremental_logits(hf, ids: list[int]) -> np.ndarray:
         out = hf(torch.tensor([ids[:PROMPT]]), use_cache=True)
         logits, cache = [out.logits[0]], out.past_key_values
         for t in ids[PROMPT:]:
-            out = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            out = hf(torch.tensor([[t]]), cache=cache, use_cache=True)
             logits.append(out.logits[0])
             cache = out.past_key_values
     return torch.cat(logits).numpy()
