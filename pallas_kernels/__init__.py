@@ -46,7 +46,7 @@ __all__ = ["BACKENDS", "FP8_CACHE_DTYPE", "attention", "is_hopper", "paged_decod
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
               decode_only: bool = False, in_loop: bool = False, sliding_window: int | None = None,
               soft_cap: float | None = None, backend: str = "xla", interpret: bool | None = None,
-              num_sms: int | None = None, kv_scales=None):
+              num_sms: int | None = None, kv_scales=None, alibi_slopes=None):
     """Attention of a flat ragged batch over the paged cache; see ragged_paged_attention.py for shapes.
 
     decode_only: static promise that every request has exactly one query token (T == R), which lets the
@@ -64,34 +64,39 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
     convert each tile to q's dtype. (The Mosaic GPU kernels take bf16/fp16 caches only: an e4m3 cache runs
     the Triton kernels.)
+    alibi_slopes: f32[N] or None: ALiBi's bias slope[n] * (key position - query position) on head n's
+    scores (the Mosaic GPU kernels have none: the Triton kernels run).
     """
     if kv_scales is None:
         return _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, scale=scale,
                           decode_only=decode_only, in_loop=in_loop, sliding_window=sliding_window,
-                          soft_cap=soft_cap, backend=backend, interpret=interpret, num_sms=num_sms)
+                          soft_cap=soft_cap, backend=backend, interpret=interpret, num_sms=num_sms,
+                          alibi_slopes=alibi_slopes)
     k_scale, v_scale = kv_scales
     out = _attention((q * k_scale).astype(q.dtype), kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
                      scale=scale, decode_only=decode_only, in_loop=in_loop, sliding_window=sliding_window,
-                     soft_cap=soft_cap, backend=backend, interpret=interpret, num_sms=num_sms)
+                     soft_cap=soft_cap, backend=backend, interpret=interpret, num_sms=num_sms,
+                     alibi_slopes=alibi_slopes)
     return (out * v_scale).astype(q.dtype)
 
 
 def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale, decode_only, in_loop,
-               sliding_window, soft_cap, backend, interpret, num_sms):
+               sliding_window, soft_cap, backend, interpret, num_sms, alibi_slopes):
     if backend == "reference":
         return ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens,
-                                                query_start_loc, scale=scale,
-                                                sliding_window=sliding_window, soft_cap=soft_cap)
+                                                query_start_loc, scale=scale, sliding_window=sliding_window,
+                                                soft_cap=soft_cap, alibi_slopes=alibi_slopes)
     if backend == "xla":
         return ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
-                                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                                          scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                          alibi_slopes=alibi_slopes)
     if backend in ("pallas", "mosaic"):
         # On the CPU "mosaic" runs the Triton kernels (interpreted) like "pallas": the Mosaic GPU
         # interpreter runs the kernel on its own (tests/kernels/test_mosaic_gpu.py), but inside the engine's
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        mosaic = backend == "mosaic" and not interpret
+        mosaic = backend == "mosaic" and not interpret and alibi_slopes is None
         if decode_only:
             if mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS:
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
@@ -100,7 +105,7 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
                                                        scale=scale, num_ctas=num_sms, interpret=False)
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap,
-                                          interpret=interpret, num_sms=num_sms)
+                                          alibi_slopes=alibi_slopes, interpret=interpret, num_sms=num_sms)
         if mosaic:
             # imported here: only this backend needs Mosaic GPU's Pallas module
             from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
@@ -112,7 +117,7 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
         return ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens,
                                              query_start_loc, scale=scale,
                                              sliding_window=sliding_window, soft_cap=soft_cap,
-                                             interpret=interpret)
+                                             alibi_slopes=alibi_slopes, interpret=interpret)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 

@@ -50,11 +50,12 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_ref, *lse_refs,
-                   scale, sliding_window, soft_cap, blocks_per_iter, group_pad):
+def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *lse_refs,
+                   scale, sliding_window, soft_cap, alibi, blocks_per_iter, group_pad):
     # layer_ref:        i32[1]
     # seq_lens_ref:     i32[R]
     # block_tables_ref: i32[R, M]
+    # slopes_ref:       f32[N]                ALiBi slopes (read only when alibi)
     # q_ref:            dtype[R, K, G, D]     rows G..Gp-1 of a tile are masked loads (zeros)
     # kv_ref:           dtype[L, 2, B, K, S, D]
     # one split (no lse_refs):
@@ -84,6 +85,9 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
+    if alibi:      # per row (query head) slope, in the base-2 domain of the scores
+        heads = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0)
+        slope = plgpu.load(slopes_ref.at[pl.ds(h * group, group_pad)], mask=heads < group, other=0.0) * _LOG2E
 
     def body(i, carry):
         block0 = first_block + i * blocks_per_iter
@@ -96,6 +100,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, q_ref, kv_ref, o_r
         if soft_cap is not None:
             s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
         pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (group_pad, tile), 1)
+        if alibi:
+            s = s + slope[:, None] * (pos - (seq_len - 1)).astype(jnp.float32)
         mask = pos < key_end
         if sliding_window is not None:
             mask &= pos >= seq_len - sliding_window
@@ -132,11 +138,12 @@ def choose_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, blocks_per_
     return int(min(max(want, 1), max_splits))
 
 
-def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_window, soft_cap,
+def _launch(q3, kv_cache, layer, seq_lens, block_tables, slopes, *, scale, sliding_window, soft_cap, alibi,
             num_splits, blocks_per_iter, group_pad, num_warps, num_stages, interpret):
     num_reqs, num_kv_heads, group, head_dim = q3.shape
     kernel = functools.partial(_decode_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, blocks_per_iter=blocks_per_iter, group_pad=group_pad)
+                               soft_cap=soft_cap, alibi=alibi, blocks_per_iter=blocks_per_iter,
+                               group_pad=group_pad)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads * group, head_dim), q3.dtype)
     else:
@@ -150,7 +157,7 @@ def _launch(q3, kv_cache, layer, seq_lens, block_tables, *, scale, sliding_windo
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(layer, seq_lens, block_tables, q3, kv_cache)
+    )(layer, seq_lens, block_tables, slopes, q3, kv_cache)
 
 
 def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
@@ -168,14 +175,15 @@ def validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens):
                                              "blocks_per_iter", "num_warps", "num_stages", "interpret",
                                              "num_sms"))
 def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           sliding_window: int | None = None, soft_cap: float | None = None, alibi_slopes=None,
                            num_splits: int | None = None, blocks_per_iter: int | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
                            interpret: bool | None = None, num_sms: int | None = None):
     """Decode attention over the paged cache: q dtype[R, N, D] -> dtype[R, N, D].
 
     kv_cache dtype[L, 2, B, K, S, D]; layer_idx i32[]; block_tables i32[R, M]; seq_lens i32[R]
-    (context including this step's token, 0 for padding requests, whose output is zeros).
+    (context including this step's token, 0 for padding requests, whose output is zeros); alibi_slopes f32[N]
+    or None (ragged_paged_attention.py).
     num_sms: the SM count the split count is fitted to (None: the device's, device_num_sms()).
     """
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
@@ -199,8 +207,12 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         num_warps = 2 if head_dim <= 64 else 4
     q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
-    res = _launch(q3, kv_cache, layer, seq_lens, block_tables, scale=scale,
-                  sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_splits,
+    alibi = alibi_slopes is not None
+    # one slope per query head, padded past the last kv head's group (the kernel's masked rows read it)
+    slopes = jnp.pad(alibi_slopes.astype(jnp.float32) if alibi else jnp.zeros((num_heads,), jnp.float32),
+                     (0, group_pad))
+    res = _launch(q3, kv_cache, layer, seq_lens, block_tables, slopes, scale=scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi, num_splits=num_splits,
                   blocks_per_iter=blocks_per_iter,
                   group_pad=group_pad, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if num_splits == 1:
@@ -213,7 +225,8 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
 
 
 def paged_decode_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
-                                     sliding_window: int | None = None, soft_cap: float | None = None):
+                                     sliding_window: int | None = None, soft_cap: float | None = None,
+                                     alibi_slopes=None):
     """Plain jnp, f32 math: q dtype[R, N, D] -> dtype[R, N, D]. Gathers every request's whole table."""
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[4]
@@ -228,6 +241,10 @@ def paged_decode_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     pos = jnp.arange(max_blocks * block_size)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        dist = (pos[None, :] - (seq_lens[:, None] - 1)).astype(jnp.float32)               # [R, M*S]
+        s = s + slopes[None, :, :, None] * dist[:, None, None, :]
     mask = pos[None, :] < seq_lens[:, None]
     if sliding_window is not None:
         mask &= pos[None, :] >= seq_lens[:, None] - sliding_window

@@ -12,6 +12,8 @@ Inputs shared by every implementation:
   block_tables:     i32[R, M]              logical -> physical block ids; padding entries are 0 (null block)
   seq_lens:         i32[R]                 tokens of context of each request, including this step's tokens
   query_start_loc:  i32[R + 1]             prefix sums of the query lengths; padded requests repeat the end
+  alibi_slopes:     f32[N] or None         ALiBi: slope[n] * (key position - query position) added to the
+                                           scaled (and soft-capped) scores of head n
 
 The new tokens' K/V are already in the cache (written by `write_kv` before attention, as vLLM does), so
 query token i of request r sits at position seq_lens[r] - q_len[r] + i and attends causally to cache
@@ -47,7 +49,7 @@ def _token_metadata(query_start_loc, seq_lens, num_tokens):
 
 def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
                                      *, scale: float, sliding_window: int | None = None,
-                                     soft_cap: float | None = None):
+                                     soft_cap: float | None = None, alibi_slopes=None):
     """Plain-jnp reference: gathers every token's whole block table. O(T * M * S) memory; for tests.
 
     Returns: dtype(q)[T, N, D].
@@ -68,6 +70,8 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, num_kv_heads, key_pos[None, :] - positions[:, None])
     mask = key_pos[None, :] <= positions[:, None]                 # causal, and inside seq_len
     if sliding_window is not None:
         mask &= key_pos[None, :] > positions[:, None] - sliding_window
@@ -81,10 +85,17 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
+def alibi_bias(alibi_slopes, num_kv_heads, distance):
+    """ALiBi's score bias slope[n] * (key position - query position): alibi_slopes f32[N], distance
+    i32[T, C] -> f32[T, K, G, C]."""
+    slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, -1)
+    return slopes[None, :, :, None] * distance.astype(jnp.float32)[:, None, None, :]
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "blocks_per_chunk"))
 def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                scale: float, sliding_window: int | None = None,
-                               soft_cap: float | None = None, blocks_per_chunk: int = 8):
+                               soft_cap: float | None = None, alibi_slopes=None, blocks_per_chunk: int = 8):
     """XLA path (CPU, and GPU fallback): online softmax over chunks of `blocks_per_chunk` blocks.
 
     A while loop runs only over the chunks the longest sequence needs, so cost follows the real context
@@ -114,6 +125,8 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        if alibi_slopes is not None:
+            s = s + alibi_bias(alibi_slopes, num_kv_heads, key_pos[None, :] - positions[:, None])
         mask = (key_pos[None, :] <= positions[:, None]) & valid[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > positions[:, None] - sliding_window

@@ -74,14 +74,15 @@ def _columns(head_dim):
 
 
 def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref, seq_lens_ref,
-                   block_tables_ref, q_ref, kv_ref, o_ref, *, scale, sliding_window, soft_cap,
-                   num_heads, group, block_rows, blocks_per_iter):
+                   block_tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *, scale, sliding_window, soft_cap,
+                   alibi, num_heads, group, block_rows, blocks_per_iter):
     # layer_ref:           i32[1]
     # tile_req_ref:        i32[NT]      request of each tile; R: bucket padding (written as zeros); -1: none
     # tile_start_ref:      i32[NT]      flat index of the tile's first query token
     # query_start_loc_ref: i32[R + 1]
     # seq_lens_ref:        i32[R]
     # block_tables_ref:    i32[R, M]
+    # slopes_ref:          f32[N]       ALiBi slopes (read only when alibi)
     # q_ref:               dtype[T * N, D]   q[T, N, D] viewed as rows (free reshape): row t * N + n
     # kv_ref:              dtype[L, 2, B, K, S, D]
     # o_ref:               dtype[T * N, D]   same rows; each written by exactly one tile
@@ -109,16 +110,19 @@ def _ragged_kernel(layer_ref, tile_req_ref, tile_start_ref, query_start_loc_ref,
         num_tokens = jnp.minimum(tokens_per_tile, q_end - q_start)      # valid tokens in this tile
         rows = rows_of(q_start, num_tokens)
         q = q_ref[rows.load, :]                                          # [BM, D]
+        # each row's query head's slope, in the base-2 domain of the scores
+        slope = slopes_ref[rows.load % num_heads] * _LOG2E if alibi else None
         out = _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer_ref[0], h,
-                      scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                      scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, slope=slope,
                       group=group, blocks_per_iter=blocks_per_iter)
         plgpu.store(o_ref.at[rows.store[:, None], _columns(head_dim)], out.astype(o_ref.dtype),
                     mask=rows.own[:, None])
 
 
 def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *, scale, sliding_window,
-            soft_cap, group, blocks_per_iter):
-    """Online-softmax attention of one tile's rows q f32/bf16[BM, D] over the request's paged keys."""
+            soft_cap, slope, group, blocks_per_iter):
+    """Online-softmax attention of one tile's rows q f32/bf16[BM, D] over the request's paged keys; slope
+    f32[BM] (ALiBi, already times log2(e)) or None."""
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     bm, bk = q.shape[0], blocks_per_iter * block_size
     kv_end = first_pos + num_tokens                                      # keys [.., kv_end) are needed
@@ -141,8 +145,10 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [BM, BK] f32
         if soft_cap is not None:
             s = (soft_cap * _LOG2E) * jnp.tanh(s / soft_cap)
+        key_pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+        if slope is not None:
+            s = s + slope[:, None] * (key_pos - row_pos).astype(jnp.float32)
         if masked:
-            key_pos = block0 * block_size + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
             mask = key_pos <= row_pos
             if sliding_window is not None:
                 mask &= key_pos > row_pos - sliding_window
@@ -181,13 +187,13 @@ def _tile_schedule(query_start_loc, num_tokens, tokens_per_tile):
     return (jnp.where(real, req, -1)[::-1], jnp.where(real, start, 0)[::-1], num_tiles)
 
 
-def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, *, scale,
-            sliding_window, soft_cap, num_heads, group, block_rows, blocks_per_iter,
+def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_lens, tables, slopes, *, scale,
+            sliding_window, soft_cap, alibi, num_heads, group, block_rows, blocks_per_iter,
             num_tiles, num_warps, num_stages, interpret):
     num_kv_heads = num_heads // group
     kernel = functools.partial(_ragged_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, num_heads=num_heads, group=group, block_rows=block_rows,
-                               blocks_per_iter=blocks_per_iter)
+                               soft_cap=soft_cap, alibi=alibi, num_heads=num_heads, group=group,
+                               block_rows=block_rows, blocks_per_iter=blocks_per_iter)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -195,7 +201,7 @@ def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(layer, tile_req, tile_start, query_start_loc, seq_lens, tables, q_rows, kv_cache)
+    )(layer, tile_req, tile_start, query_start_loc, seq_lens, tables, slopes, q_rows, kv_cache)
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
@@ -215,7 +221,7 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
                                              "block_k", "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                   scale: float, sliding_window: int | None = None,
-                                  soft_cap: float | None = None, block_m: int | None = None,
+                                  soft_cap: float | None = None, alibi_slopes=None, block_m: int | None = None,
                                   block_k: int | None = None, num_warps: int | None = None,
                                   num_stages: int | None = None, interpret: bool | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D].
@@ -243,9 +249,11 @@ def ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens
     # q and the output keep their [T, N, D] layout (viewed as [T * N, D] rows, no copy): a tile gathers
     # its rows itself, so no transpose or pad runs around the kernel.
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
+    alibi = alibi_slopes is not None
+    slopes = alibi_slopes.astype(jnp.float32) if alibi else jnp.zeros((num_heads,), jnp.float32)
     o_rows = _launch(q.reshape(num_tokens * num_heads, head_dim), kv_cache, layer, tile_req, tile_start,
-                     query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
-                     soft_cap=soft_cap, num_heads=num_heads, group=group,
+                     query_start_loc, seq_lens, block_tables, slopes, scale=scale, sliding_window=sliding_window,
+                     soft_cap=soft_cap, alibi=alibi, num_heads=num_heads, group=group,
                      block_rows=block_rows, blocks_per_iter=blocks_per_iter, num_tiles=num_tiles,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o_rows.reshape(num_tokens, num_heads, head_dim)

@@ -133,15 +133,17 @@ class Case:
     batch: DecodeBatch | RaggedBatch
     sliding_window: int | None = None
     soft_cap: float | None = None
+    alibi: bool = False             # ALiBi slopes, one per query head (spread 0.05 .. 0.6)
 
     @property
     def id(self) -> str:
         opts = "".join(f"-{k}{v}" for k, v in (("window", self.sliding_window), ("cap", self.soft_cap)) if v)
-        return f"{self.layout.id}-{self.batch.name}{opts}"
+        return f"{self.layout.id}-{self.batch.name}{opts}" + ("-alibi" if self.alibi else "")
 
     @property
     def opts(self) -> dict:
-        return dict(sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        slopes = jnp.linspace(0.05, 0.6, self.layout.num_heads, dtype=jnp.float32) if self.alibi else None
+        return dict(sliding_window=self.sliding_window, soft_cap=self.soft_cap, alibi_slopes=slopes)
 
     def rng(self) -> np.random.Generator:
         return seeded_rng(f"{type(self).__name__}/{self.id}")

@@ -33,6 +33,9 @@ CASES = [DecodeCase(layout=layout, batch=short_and_long(layout.block_size)) for 
 CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("3reqs", 12, (150, 7, 64)),
                      num_splits=(1, 4), sliding_window=window, soft_cap=cap)
           for window, cap in [(20, None), (None, 5.0), (37, 3.0)]]
+CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("3reqs", 12, (150, 7, 64)),
+                     num_splits=(1, 4), alibi=True),
+          DecodeCase(layout=Layout(8, 64, 4, 4, "bfloat16"), batch=short_and_long(8), sliding_window=30, alibi=True)]
 # Real sizes: the op's default configuration (split count fitted to the GPU), plain and windowed + capped.
 CASES += gpu_only(DecodeCase(layout=layout, batch=REAL_DECODE, num_splits=(None,), blocks_per_iter=None,
                              sliding_window=window, soft_cap=cap)

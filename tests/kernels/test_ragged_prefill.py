@@ -32,6 +32,8 @@ CASES = [RaggedCase(layout=layout, batch=mixed_batch(layout.block_size),
          for layout in SMALL_LAYOUTS]
 CASES += [RaggedCase(layout=Layout(8, 64, 8, 2, "float32"), batch=mixed_batch(8), sliding_window=window, soft_cap=cap)
           for window, cap in [(9, None), (None, 4.0), (20, 2.0)]]
+CASES += [RaggedCase(layout=Layout(8, 64, 8, 2, "float32"), batch=mixed_batch(8), alibi=True),
+          RaggedCase(layout=Layout(16, 64, 4, 4, "bfloat16"), batch=mixed_batch(16), sliding_window=20, alibi=True)]
 # Real sizes: the op's default tiles, plain and windowed + capped.
 CASES += gpu_only(RaggedCase(layout=layout, batch=REAL_RAGGED, block_m=None, block_k=None, chunked_reference=True,
                              sliding_window=window, soft_cap=cap)
@@ -51,6 +53,8 @@ class TestRaggedPrefill:
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.layout.dtype]
         assert (np.asarray(out[x.num_real_tokens:]) == 0).all()               # bucket padding -> zeros
+        if case.alibi:                                                        # the XLA path's bias too
+            assert rel_err(reference(pk.ragged_paged_attention_xla, *x.args, **kw), ref) <= TOL[case.layout.dtype]
 
     @pytest.mark.parametrize("bad", BAD_INPUTS)
     def test_rejects_bad_inputs(self, bad):
