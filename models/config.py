@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .rope import rope_scaling_of
 
@@ -14,7 +15,10 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "BaiChuanForCausalLM": "baichuan",       # Baichuan-7B
+    "BaichuanForCausalLM": "baichuan",       # Baichuan-13B, Baichuan2-7B / -13B
 }
+BAICHUAN2_VOCAB = 125696     # Baichuan2's vocabulary: its LM head is normalized (vLLM's test)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}    # HF's name -> the decoder's
 FULL, SLIDING = "full_attention", "sliding_attention"              # HF's layer types
 
@@ -65,6 +69,9 @@ class DecoderConfig:
     # when sliding_window is set), and the sliding layers' own rope (theta, scaling) where it differs (Gemma 3)
     layer_types: tuple[str, ...] | None = None
     local_rope: tuple[float, tuple | None] | None = None
+    # Baichuan: ALiBi instead of rope (the 13B models), and Baichuan2's LM head rows L2-normalized at load
+    alibi: bool = False
+    norm_head: bool = False
 
     @property
     def family(self) -> str:
@@ -73,6 +80,21 @@ class DecoderConfig:
     def layer_kinds(self) -> tuple[int, ...]:
         """Per layer: 0 full attention, 1 sliding window (indexes attention_windows and the rope tables)."""
         return tuple(int(t == SLIDING) for t in self.layer_types or ())
+
+    def alibi_slopes(self):
+        """ALiBi's per-head slopes f32[N] (Baichuan's: geometric from 2^(-8/n) for a power-of-two head count,
+        else that of the power of two below it and every other slope of the one above), or None."""
+        import numpy as np
+        if not self.alibi:
+            return None
+
+        def slopes(n: int) -> list[float]:
+            if math.log2(n).is_integer():
+                start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+                return [start * start ** i for i in range(n)]
+            below = 2 ** math.floor(math.log2(n))
+            return slopes(below) + slopes(2 * below)[0::2][:n - below]
+        return np.asarray(slopes(self.num_heads), np.float32)
 
     def attention_windows(self) -> tuple[int | None, ...]:
         """The window of each layer kind: (None, sliding_window) when layers differ, else (sliding_window,)."""
@@ -168,7 +190,7 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 2048,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "gemma3"),
@@ -185,4 +207,8 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         final_soft_cap=cfg.get("final_logit_softcapping") if gemma else None,
         layer_types=layer_types,
         local_rope=local_rope,
+        # vLLM's rules: Baichuan-7B's class uses rope, BaichuanForCausalLM does at hidden size 4096 (the 7B
+        # models) and ALiBi otherwise (the 13B ones)
+        alibi=arch == "BaichuanForCausalLM" and cfg["hidden_size"] != 4096,
+        norm_head=family == "baichuan" and cfg["vocab_size"] == BAICHUAN2_VOCAB,
     )

@@ -1,4 +1,4 @@
-"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3), reading and
+"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Baichuan), reading and
 writing the paged KV cache; a family is a set of DecoderConfig flags.
 
 Legend: T tokens, R requests, H hidden, N heads, K kv heads, D head dim, F MLP width, V vocab, L layers.
@@ -263,7 +263,9 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = _norm(c, self.dtype, "q_norm")(q)
             k = _norm(c, self.dtype, "k_norm")(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if not c.alibi:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        slopes = c.alibi_slopes()
         backend = self.options.attn_backend
         opts = self.options
         kv_scales = None
@@ -278,7 +280,8 @@ class Attention(nn.Module):
                                             meta.query_start_loc, scale=c.query_scale or c.head_dim ** -0.5,
                                             decode_only=opts.decode_only, in_loop=opts.in_loop,
                                             sliding_window=window, soft_cap=c.attn_soft_cap, backend=backend,
-                                            interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales)
+                                            interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales,
+                                            alibi_slopes=None if slopes is None else jnp.asarray(slopes))
         windows = c.attention_windows()
         if len(windows) == 1:
             o = attend(windows[0])

@@ -270,7 +270,11 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                         continue
                     if path[0] == "embed_tokens" and cfg.quant_of("embed_tokens"):
                         continue   # from the GGUF blocks
-                    t = f.get_tensor(name).astype(dtype)
+                    t = f.get_tensor(name)
+                    if path[0] == "lm_head" and cfg.norm_head:      # Baichuan2: rows of unit length
+                        t32 = t.astype(jnp.float32)
+                        t = t32 / jnp.maximum(jnp.linalg.norm(t32, axis=1, keepdims=True), 1e-12)
+                    t = t.astype(dtype)
                     _set(params, path, t.T if transpose else t)
     if quant_names:
         blocks = quantized_layer_params(quant_tensors, cfg, dtype, quant_config or {})

@@ -27,9 +27,10 @@ LAYER_TABLE = {
     "mlp.gate_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (0, 2)),
     "mlp.up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (1, 2)),
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
-    # Phi-3 stores q/k/v and gate/up already fused, in the decoder's order
+    # Phi-3 stores q/k/v and gate/up already fused, Baichuan q/k/v (W_pack), in the decoder's order
     "self_attn.qkv_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, None),
     "mlp.gate_up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, None),
+    "self_attn.W_pack.weight": (("self_attn", "qkv_proj", "kernel"), True, None),          # Baichuan
     "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
     "pre_feedforward_layernorm.weight": (("pre_feedforward_layernorm", "scale"), False, None),   # Gemma 2/3
@@ -48,7 +49,8 @@ TOP_TABLE = {
 }
 
 
-FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")   # (quantized checkpoints: separate modules)
+# (quantized checkpoints: separate modules)
+FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight", "self_attn.W_pack.weight")
 
 
 def _linear_modules() -> dict[tuple, list[str]]:

@@ -113,6 +113,86 @@ def save_tiny_model(name: str, path, **overrides):
     return model
 
 
+class AlibiLlama:
+    """HF's Llama computing what Baichuan's 13B models compute (transformers has no Baichuan class): no rope,
+    ALiBi's bias slope[h] * (key - query position) on the scaled scores, causal. Called like the HF model
+    (the patch holds only inside the call); .config, .to() and deepcopy reach the wrapped model."""
+
+    def __init__(self, hf, slopes):
+        self.hf, self.slopes = hf, slopes
+        self.config = hf.config
+
+    def to(self, dtype):
+        self.hf = self.hf.to(dtype)
+        return self
+
+    def named_buffers(self):
+        return self.hf.named_buffers()
+
+    def __call__(self, input_ids, **kwargs):
+        import torch
+        from transformers.models.llama import modeling_llama
+        slopes = torch.tensor(self.slopes)
+
+        def alibi_attention(module, q, k, v, attention_mask, scaling, dropout=0.0, **kw):
+            t, s = q.shape[2], k.shape[2]
+            k, v = (modeling_llama.repeat_kv(x, module.num_key_value_groups) for x in (k, v))
+            scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+            dist = (torch.arange(s)[None, :] - (s - t + torch.arange(t))[:, None]).to(scores.dtype)
+            scores = scores + slopes.to(scores.dtype)[:, None, None] * dist
+            scores = scores.masked_fill(dist > 0, float("-inf"))
+            p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            return torch.matmul(p, v).transpose(1, 2).contiguous(), p
+
+        original_rope, original_eager = modeling_llama.apply_rotary_pos_emb, modeling_llama.eager_attention_forward
+        modeling_llama.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: (q, k)
+        modeling_llama.eager_attention_forward = alibi_attention
+        try:
+            return self.hf(input_ids, **kwargs)
+        finally:
+            modeling_llama.apply_rotary_pos_emb, modeling_llama.eager_attention_forward = original_rope, \
+                original_eager
+
+
+def save_tiny_baichuan(path, alibi: bool, vocab_size: int = 320):
+    """A tiny Baichuan checkpoint, as Baichuan's remote-code classes save one: a random Llama (multi-head
+    attention) re-saved with q/k/v packed into W_pack and Baichuan's config.json. alibi: BaichuanForCausalLM
+    below hidden size 4096 (the 13B models' ALiBi), else BaiChuanForCausalLM (Baichuan-7B, rope). vocab_size
+    125696 makes it Baichuan2 (a normalized LM head). Returns HF's reference: the Llama, its LM head
+    normalized as Baichuan2's, under AlibiLlama when alibi."""
+    import json
+    import pathlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from jaxpaged.models.config import BAICHUAN2_VOCAB
+    path = pathlib.Path(path)
+    hf = save_tiny_llama(path, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2,
+                         tie_word_embeddings=False)
+    tensors = load_file(str(path / "model.safetensors"))
+    for i in range(2):
+        pre = f"model.layers.{i}.self_attn."
+        tensors[pre + "W_pack.weight"] = torch.cat([tensors.pop(pre + f"{x}_proj.weight") for x in "qkv"])
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "hidden_act", "rms_norm_eps", "bos_token_id",
+                               "eos_token_id", "tie_word_embeddings", "torch_dtype") if k in cfg}
+    cfg.update(architectures=["BaichuanForCausalLM" if alibi else "BaiChuanForCausalLM"], model_type="baichuan",
+               pad_token_id=0, **({"model_max_length": 256} if alibi else {"max_position_embeddings": 256}))
+    (path / "config.json").write_text(json.dumps(cfg))
+    if vocab_size == BAICHUAN2_VOCAB:
+        with torch.no_grad():
+            hf.lm_head.weight.copy_(torch.nn.functional.normalize(hf.lm_head.weight))
+    if not alibi:
+        return hf
+    hf.config._attn_implementation = "eager"
+    from jaxpaged.models.config import decoder_config_from_hf
+    return AlibiLlama(hf, decoder_config_from_hf(cfg).alibi_slopes())
+
+
 # ---- the server as a real process ------------------------------------------------------------------
 def free_port() -> int:
     import socket

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_MODELS, save_tiny_model
+from conftest import TINY_MODELS, save_tiny_baichuan, save_tiny_model
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.config import SUPPORTED_ARCHITECTURES
 
@@ -56,11 +56,22 @@ def tiny_case(tmp_path_factory, name: str) -> Case:
     hf = save_tiny_model(name, path, initializer_range=0.2)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(resolve_model_path(None), f), path)
+    return Case(str(path), hf, random_prompts(hf.config.vocab_size))
+
+
+def random_prompts(vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    vocab = hf.config.vocab_size
     prompts = [rng.integers(0, vocab, n).tolist() for n in (29, 24, 17, 21, 26)]
     prompts.insert(2, prompts[1][:2 * BLOCK_SIZE + 3] + rng.integers(0, vocab, 5).tolist())
-    return Case(str(path), hf, prompts)
+    return prompts
+
+
+def baichuan_case(tmp_path_factory) -> Case:
+    """A tiny Baichuan with ALiBi (the 13B models' attention; transformers has no Baichuan class, so HF's
+    reference is its Llama on the same weights computing Baichuan's attention: conftest.AlibiLlama)."""
+    path = tmp_path_factory.mktemp("baichuan")
+    hf = save_tiny_baichuan(path, alibi=True)
+    return Case(str(path), hf, random_prompts(hf.config.vocab_size))
 
 
 def smollm2_case(tmp_path_factory) -> Case:
@@ -85,6 +96,7 @@ def smollm2_case(tmp_path_factory) -> Case:
 # architecture or checkpoint format -> how to build its case (tiny Mistral's window is shorter than its requests)
 CASES = {
     **{name: lambda f, name=name: tiny_case(f, name) for name in TINY_MODELS},
+    "baichuan": baichuan_case,
     "smollm2-gguf": smollm2_case,
 }
 SETUPS = ["chunked", "prefix", "preempt"]
