@@ -139,15 +139,15 @@ class TestAttentionBackends:
         r, m = 128, 8                                                     # 128 requests x 1 kv head
         meta = AttentionMetadata(s((r,), jnp.int32), s((r,), jnp.int32), s((r, m), jnp.int32), s((r,), jnp.int32),
                                  s((r + 1,), jnp.int32))
-        h, cos, sin = s((r, 128), bf), s((r, 32), jnp.float32), s((r, 32), jnp.float32)
+        h, cos, sin = s((r, 128), bf), s((1, r, 32), jnp.float32), s((1, r, 32), jnp.float32)   # one rope kind
         pool = s((2, 2, 64, 1, 16, 64), bf)
 
         def calls(in_loop):
             options = RuntimeOptions("mosaic", True, in_loop=in_loop)
             params = jax.eval_shape(lambda: DecoderLayer(cfg, bf, options).init(
                 jax.random.PRNGKey(0), (jnp.zeros((r, 128), bf), jnp.zeros(pool.shape, bf), jnp.int32(0)),
-                jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), meta), jnp.zeros((r, 32)),
-                jnp.zeros((r, 32))))["params"]
+                jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), meta), jnp.zeros((1, r, 32)),
+                jnp.zeros((1, r, 32))))["params"]
             fn = lambda p, h, kv, meta, cos, sin: layer_phase(cfg, bf, options, p, h, kv, jnp.int32(0), meta, cos,
                                                               sin)
             return lowered_calls(fn, params, h, pool, meta, cos, sin, names=MOSAIC_AND_TRITON)
