@@ -122,8 +122,10 @@ class EngineCore:
         exec_root = str(envs.JAXPAGED_CACHE_ROOT / "executables") if run.executable_cache else None
         self.runner = ModelRunner(loaded, run, size.num_blocks, args.block_size, self.buckets, num_cpu_blocks,
                                   exec_root)
+        # a window on every layer frees the blocks behind it (layers of both kinds keep every block)
+        window = cfg.sliding_window if cfg.layer_types is None else None
         self.kv_manager = KVCacheManager(size.num_blocks, args.block_size, args.enable_prefix_caching,
-                                         num_cpu_blocks)
+                                         num_cpu_blocks, sliding_window=window)
         self.scheduler = Scheduler(SchedulerConfig(run.max_num_seqs, run.max_num_batched_tokens,
                                                    run.max_model_len, args.enable_chunked_prefill,
                                                    args.scheduling_policy, args.preemption_mode or "recompute",
@@ -151,7 +153,16 @@ class EngineCore:
         cfg = self.model_config
         return CoreInfo(self.model_path, cfg.architecture, self.dtype, cfg.vocab_size, tuple(cfg.eos_token_ids),
                         self.max_model_len, self.max_num_seqs, self.args.max_logprobs, self.block_size,
-                        self.num_blocks, self.num_scheduler_steps, self.run.summary(), self.startup_seconds)
+                        self.num_blocks, self.num_scheduler_steps, self.run.summary(), self.startup_seconds,
+                        self.kv_window_slots())
+
+    def kv_window_slots(self) -> int | None:
+        """Sliding window: a step's first token attends back window - 1 positions and the step computes up to
+        max_num_batched_tokens, so a request holds at most window + that + two partial blocks of slots."""
+        window = self.kv_manager.sliding_window
+        if window is None:
+            return None
+        return window + self.run.max_num_batched_tokens + 2 * self.block_size
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:

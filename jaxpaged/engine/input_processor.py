@@ -59,6 +59,8 @@ class InputProcessor:
         # Refuse what could never run, rather than admit it to wait or preempt itself forever: the slots it
         # must hold at once to finish have to fit in the whole pool.
         slots = max_kv_slots(n, params.max_tokens, max_model_len)
+        if info.kv_window_slots is not None:      # blocks behind a sliding window go back to the pool
+            slots = min(slots, info.kv_window_slots)
         num_blocks = info.num_blocks - 1
         if cdiv(slots, info.block_size) > num_blocks:
             limit = f"max_tokens={params.max_tokens}" if params.max_tokens is not None else \
@@ -87,6 +89,8 @@ class InputProcessor:
         prompt alone is too long."""
         info = self.info
         pool_tokens = (info.num_blocks - 1) * info.block_size
+        if info.kv_window_slots is not None and info.kv_window_slots <= pool_tokens:
+            return info.max_model_len - num_prompt_tokens      # the window's blocks are all it holds
         return min(info.max_model_len, pool_tokens + 1) - num_prompt_tokens
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,

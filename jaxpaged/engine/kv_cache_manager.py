@@ -1,5 +1,8 @@
 """Per-request block lists over the BlockPool: prefix-cache lookups, slot allocation, copy-on-write of a
-shared partly filled block (beam forks), swap to host memory, and memory-waste accounting. No jax."""
+shared partly filled block (beam forks), swap to host memory, and memory-waste accounting. With a sliding
+window on every layer (Mistral), blocks that fall wholly out of a request's window go back to the pool (the
+null block takes their place in its table) and a prefix-cache hit needs only the blocks inside the window,
+as vLLM's sliding-window manager does. No jax."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -18,8 +21,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0,
+                 sliding_window: int | None = None):
         self.block_size = block_size
+        self.sliding_window = sliding_window      # every layer's window, or None (full attention)
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -28,6 +33,7 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
         self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
+        self.num_dropped: dict[str, int] = {}     # leading blocks out of the window, nulled (sliding window)
         self.replaced: set[str] = set()        # requests whose earlier block ids changed (copy-on-write)
         self.prefix_cache_queries = 0          # tokens looked up in the prefix cache (count_prefix_lookup)
         self.prefix_cache_hits = 0             # tokens it served
@@ -48,12 +54,35 @@ class KVCacheManager:
         if not self._reads_prefix_cache(request):
             return ComputedBlocks([], 0)
         max_blocks = request.num_tokens // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hits(request, max_blocks)
         hits: list[KVCacheBlock] = []
         for h in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
             hits.append(block)
+        return ComputedBlocks(hits, self._hit_tokens(request, hits))
+
+    def _window_hits(self, request: Request, max_blocks: int) -> ComputedBlocks:
+        """The longest prefix of n blocks whose blocks inside the window of the next token to compute are
+        cached; the blocks before them may be gone (the null block stands in), as in vLLM.
+
+        # window 20, block size 8, blocks 0-1 evicted, 2-4 cached: 5 blocks hit (the next token, position
+        #   40, attends keys 21-40: blocks 2-4 and its own), returned as [null, null, b2, b3, b4]
+        """
+        found: list[KVCacheBlock | None] = [self.pool.get_cached_block(h) for h in request.block_hashes[:max_blocks]]
+        best, run = 0, 0                      # run: cached blocks ending at block i
+        for i, block in enumerate(found):
+            run = run + 1 if block is not None else 0
+            n = i + 1
+            next_pos = min(n * self.block_size, request.num_tokens - 1)
+            first_needed = max(0, next_pos - self.sliding_window + 1) // self.block_size
+            if run >= n - first_needed:
+                best = n
+        first_needed = max(0, min(best * self.block_size, request.num_tokens - 1) - self.sliding_window + 1) \
+            // self.block_size
+        hits = [self.pool.null_block] * first_needed + [b for b in found[first_needed:best] if b is not None]
         return ComputedBlocks(hits, self._hit_tokens(request, hits))
 
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
@@ -88,6 +117,7 @@ class KVCacheManager:
             return False
         if self.enable_caching and end // self.block_size > self.num_cached_blocks.get(request.request_id, 0):
             self._cache_full_blocks(request, blocks, end)
+        self._drop_out_of_window(request, blocks)
         return True
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -107,7 +137,7 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_new + int(cow) > self.pool.num_free_blocks - evictable_hits:
             return None
-        self.pool.touch(new_computed)
+        self.pool.touch([b for b in new_computed if b is not self.pool.null_block])
         blocks.extend(new_computed)
         if cow:
             self._copy_on_write(request, blocks)
@@ -115,7 +145,27 @@ class KVCacheManager:
         blocks.extend(fresh)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens
                                 + self._hit_tokens(request, new_computed) + num_new_tokens)
+        self._drop_out_of_window(request, blocks, self._hit_tokens(request, new_computed))
         return fresh
+
+    def _drop_out_of_window(self, request: Request, blocks: list[KVCacheBlock], num_new_hits: int = 0) -> None:
+        """Sliding window: the blocks whose every position precedes the window of this step's first token
+        (at num_computed_tokens, plus the prefix hits just attached) go back to the pool, the null block in
+        their place; a cached one stays in the prefix cache until it is evicted. The step reads the new
+        table (take_replaced)."""
+        if self.sliding_window is None:
+            return
+        first_pos = request.num_computed_tokens + num_new_hits
+        end = min(max(0, first_pos - self.sliding_window + 1) // self.block_size, len(blocks))
+        start = self.num_dropped.get(request.request_id, 0)
+        if end <= start:
+            return
+        dropped = [b for b in blocks[start:end] if b is not self.pool.null_block]
+        blocks[start:end] = [self.pool.null_block] * (end - start)
+        self.num_dropped[request.request_id] = end
+        if dropped:
+            self.pool.free_blocks(dropped)
+            self.replaced.add(request.request_id)
 
     def _needs_copy_on_write(self, request: Request, blocks: list[KVCacheBlock]) -> bool:
         idx = request.num_computed_tokens // self.block_size
@@ -138,7 +188,8 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self.num_cached_blocks.get(request.request_id, 0)
         for i in range(start, num_full):        # only the newly full ones: O(1) per step, not O(blocks)
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not self.pool.null_block:
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
         if num_full > start:
             self.num_cached_blocks[request.request_id] = num_full
 
@@ -148,10 +199,12 @@ class KVCacheManager:
         self.pool.touch(blocks)
         self.req_to_blocks[child.request_id] = blocks
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        self.num_dropped[child.request_id] = self.num_dropped.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_dropped.pop(request.request_id, None)
         self.replaced.discard(request.request_id)
         # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
         self.pool.free_blocks(reversed(blocks))
@@ -180,6 +233,7 @@ class KVCacheManager:
         """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
         blocks = self.req_to_blocks.pop(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_dropped.pop(request.request_id, None)      # (swapped back in whole: swap_in)
         self.replaced.discard(request.request_id)
         host = [self.free_cpu_blocks.pop() for _ in blocks]
         self.swapped[request.request_id] = host

@@ -106,6 +106,9 @@ class CoreInfo(msgspec.Struct, array_like=True, tag=True, gc=False):
     num_scheduler_steps: int
     run_summary: str                        # RunConfig.summary()
     startup_seconds: float
+    # With a sliding window on every layer: the most KV slots a request holds at once (its blocks behind the
+    # window go back to the pool), else None: every token it keeps
+    kv_window_slots: int | None = None
 
 
 class CoreFailure(msgspec.Struct, array_like=True, tag=True, gc=False):
