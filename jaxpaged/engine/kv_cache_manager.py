@@ -71,18 +71,22 @@ class KVCacheManager:
         # window 20, block size 8, blocks 0-1 evicted, 2-4 cached: 5 blocks hit (the next token, position
         #   40, attends keys 21-40: blocks 2-4 and its own), returned as [null, null, b2, b3, b4]
         """
-        found: list[KVCacheBlock | None] = [self.pool.get_cached_block(h) for h in request.block_hashes[:max_blocks]]
+        window = self.sliding_window
+        assert window is not None
+
+        def first_needed(n: int) -> int:
+            """The first block the next token attends to after a hit of n blocks."""
+            next_pos = min(n * self.block_size, request.num_tokens - 1)
+            return max(0, next_pos - window + 1) // self.block_size
+
+        found = [self.pool.get_cached_block(h) for h in request.block_hashes[:max_blocks]]
         best, run = 0, 0                      # run: cached blocks ending at block i
         for i, block in enumerate(found):
             run = run + 1 if block is not None else 0
-            n = i + 1
-            next_pos = min(n * self.block_size, request.num_tokens - 1)
-            first_needed = max(0, next_pos - self.sliding_window + 1) // self.block_size
-            if run >= n - first_needed:
-                best = n
-        first_needed = max(0, min(best * self.block_size, request.num_tokens - 1) - self.sliding_window + 1) \
-            // self.block_size
-        hits = [self.pool.null_block] * first_needed + [b for b in found[first_needed:best] if b is not None]
+            if run >= i + 1 - first_needed(i + 1):
+                best = i + 1
+        start = first_needed(best)
+        hits = [self.pool.null_block] * start + [b for b in found[start:best] if b is not None]
         return ComputedBlocks(hits, self._hit_tokens(request, hits))
 
     def count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
