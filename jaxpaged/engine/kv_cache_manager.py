@@ -31,7 +31,7 @@ class KVCacheManager:
         self.blocks_to_copy: list[tuple[int, int]] = []          # (src, dst) pending copy-on-write copies
         self.free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
         self.num_cpu_blocks = num_cpu_blocks
-        self.swapped: dict[str, list[int]] = {}                   # request -> host block ids
+        self.swapped: dict[str, list[int | None]] = {}            # request -> host block ids (None: null)
         self.num_cached_blocks: dict[str, int] = {}               # leading blocks already registered
         self.num_dropped: dict[str, int] = {}     # leading blocks out of the window, nulled (sliding window)
         self.replaced: set[str] = set()        # requests whose earlier block ids changed (copy-on-write)
@@ -212,7 +212,7 @@ class KVCacheManager:
         self.replaced.discard(request.request_id)
         # Tail first, so the LRU queue evicts a request's last blocks before its shared prefix.
         self.pool.free_blocks(reversed(blocks))
-        self.free_cpu_blocks.extend(self.swapped.pop(request.request_id, []))
+        self.free_cpu_blocks.extend(h for h in self.swapped.pop(request.request_id, []) if h is not None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -231,31 +231,35 @@ class KVCacheManager:
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
-        return len(self.req_to_blocks.get(request.request_id, [])) <= len(self.free_cpu_blocks)
+        held = [b for b in self.req_to_blocks.get(request.request_id, []) if b is not self.pool.null_block]
+        return len(held) <= len(self.free_cpu_blocks)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Free the request's device blocks; returns (device block, host block) pairs to copy first."""
+        """Free the request's device blocks; returns (device block, host block) pairs to copy first. Table
+        entries behind a sliding window (the null block) have no host block (None) and come back null."""
         blocks = self.req_to_blocks.pop(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
-        self.num_dropped.pop(request.request_id, None)      # (swapped back in whole: swap_in)
         self.replaced.discard(request.request_id)
-        host = [self.free_cpu_blocks.pop() for _ in blocks]
+        null = self.pool.null_block
+        host = [None if b is null else self.free_cpu_blocks.pop() for b in blocks]
         self.swapped[request.request_id] = host
-        mapping = [(b.block_id, h) for b, h in zip(blocks, host)]
+        mapping = [(b.block_id, h) for b, h in zip(blocks, host) if h is not None]
         self.pool.free_blocks(reversed(blocks))
         return mapping
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Device blocks for a swapped request; returns (host block, device block) pairs, or None."""
         host = self.swapped[request.request_id]
-        if len(host) > self.pool.num_free_blocks:
+        held = [h for h in host if h is not None]
+        if len(held) > self.pool.num_free_blocks:
             return None
-        blocks = self.pool.get_new_blocks(len(host))
+        fresh = iter(self.pool.get_new_blocks(len(held)))
+        blocks = [self.pool.null_block if h is None else next(fresh) for h in host]
         self.req_to_blocks[request.request_id] = blocks
         del self.swapped[request.request_id]
-        self.free_cpu_blocks.extend(host)
+        self.free_cpu_blocks.extend(held)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens)
-        return [(h, b.block_id) for h, b in zip(host, blocks)]
+        return [(h, b.block_id) for h, b in zip(host, blocks) if h is not None]
 
     # ---- accounting ---------------------------------------------------------------------------
     def slot_usage(self, requests) -> tuple[int, int]:

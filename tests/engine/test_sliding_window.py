@@ -83,3 +83,21 @@ def test_a_request_longer_than_the_pool_runs_within_its_window(tmp_path):
     assert gen == logits.argmax(-1).tolist()
     pool = llm.llm_engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_swapping_keeps_only_the_blocks_inside_the_window():
+    kv = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=6, num_cpu_blocks=4)
+    r = req("a", range(40))
+    step(kv, r, 8)
+    for _ in range(8):
+        step(kv, r, 2)                               # up to position 23: blocks 0-3 behind the window
+    ids = kv.get_block_ids("a")
+    held = [b for b in ids if b != 0]
+    assert kv.can_swap_out(r) and len(held) < len(ids)
+    out = kv.swap_out(r)
+    assert [d for d, _ in out] == held and kv.pool.num_free_blocks == 11
+    back = kv.swap_in(r)
+    ids_back = kv.get_block_ids("a")
+    assert len(back) == len(held) and [b == 0 for b in ids_back] == [b == 0 for b in ids]
+    kv.free(r)
+    assert kv.pool.num_free_blocks == 11 and len(kv.free_cpu_blocks) == 4
