@@ -45,9 +45,10 @@ def make_inputs(case: MatmulCase):
 
 CASES = [
     MatmulCase(1, 256, 128, 128),                   # one decode row (the GEMV kernel), one group per slab
-    MatmulCase(3, 256, 128, 32, num_splits=2),      # GEMV: four groups per slab, K split in two (f32 partials)
-    MatmulCase(4, 384, 64, 64, "bfloat16"),         # GEMV at its most rows, bf16, three slabs in one split
-    MatmulCase(2, 512, 128, 32, num_splits=1, slabs_per_iter=2),    # GEMV loading two slabs an iteration
+    MatmulCase(1, 256, 128, 32, num_splits=2),      # GEMV: four groups per slab, K split in two (f32 partials)
+    MatmulCase(1, 384, 64, 64, "bfloat16"),         # GEMV, bf16, three slabs in one split
+    MatmulCase(1, 512, 128, 32, num_splits=1, slabs_per_iter=2),    # GEMV loading two slabs an iteration
+    MatmulCase(3, 256, 128, 32, num_splits=2),      # the dot kernel from two rows: 3 in a 16-row tile, K split
     MatmulCase(20, 512, 192, 64, "bfloat16"),       # the dot kernel: rows past one 16-row tile, N not / 128
     MatmulCase(5, 256, 64, 256, num_splits=1),      # one group over all of K (per-channel)
 ]
