@@ -133,8 +133,10 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
 # the dot kernel. One: on the H100 (llama3-8b's qkv and o, bench_matmul.py) the GEMV kernel at 4 rows took
 # 39.3 / 25.1 us, the dot kernel at 16 rows 26.3 / 19.8.
 GEMV_MAX_ROWS = 1
-# Warps of the GEMV kernel: 8 took 19.8 / 13.2 us on those layers at one row, 4 took 22.6 / 15.7.
-GEMV_WARPS = 8
+# Warps of the GEMV kernel. 8 took 19.8 / 13.2 us on qkv and o at one row against 4 warps' 22.6 / 15.7, but
+# llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
+# included): 4.
+GEMV_WARPS = 4
 # The bits of the float 2**23: OR-ing a 4-bit q into its lowest mantissa bits gives the float 2**23 + q, so
 # subtracting 2**23 + zero leaves q - zero exactly, without an int -> float conversion (a slow instruction).
 _MAGIC_BITS = 0x4B000000

@@ -10,7 +10,7 @@ from conftest import save_tiny_model
 from jaxpaged.models import load_model
 from test_models import PagedRunner
 
-PROMPT, STEPS = 20, 24              # positions 0..43: across the 32 where the scalings below change
+PROMPT, STEPS = 20, 14              # positions 0..33: across the 32 where the scalings below change
 
 SCALINGS = {
     "linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.5})),
