@@ -1,5 +1,5 @@
-"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Baichuan), reading and
-writing the paged KV cache; a family is a set of DecoderConfig flags.
+"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Baichuan),
+reading and writing the paged KV cache; a family is a set of DecoderConfig flags.
 
 Legend: T tokens, R requests, H hidden, N heads, K kv heads, D head dim, F MLP width, V vocab, L layers.
 Layers run under `nn.scan` over stacked weights, so compile time does not grow with depth; the whole KV
@@ -252,7 +252,12 @@ class Attention(nn.Module):
         c = self.cfg
         kinds = c.layer_kinds()
         kind = jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
-        rope_kind = kind if c.local_rope is not None else 0
+        if c.local_rope is None:
+            rope_kind = 0
+        elif kinds:
+            rope_kind = kind
+        else:              # every layer alike: all sliding (the local rope) or all full
+            rope_kind = int(c.sliding_window is not None)
         cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

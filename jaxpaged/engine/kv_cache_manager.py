@@ -135,6 +135,8 @@ class KVCacheManager:
             return []
         new_computed = new_computed or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if not new_computed:    # blocks behind the window go first: the window and the step are all it holds
+            self._drop_out_of_window(request, blocks)
         num_new = self.num_blocks_needed(request, num_new_tokens, new_computed)
         cow = self._needs_copy_on_write(request, blocks) if not new_computed else False
         # Hits on free cached blocks take those blocks out of the free queue too.

@@ -62,8 +62,10 @@ def test_a_prefix_hit_needs_only_the_blocks_inside_the_window():
 
 
 def test_a_request_longer_than_the_pool_runs_within_its_window(tmp_path):
-    """Tiny Mistral (window 40) with 10 blocks of 8 tokens: a 130-token prompt and 32 more tokens (162 positions,
-    twice the pool) run in chunks of 16, and equal HF's greedy continuation."""
+    """Tiny Mistral (window 40) with 9 blocks of 8 tokens: a 130-token prompt and 32 more tokens (162 positions,
+    over twice the pool) run in chunks of 16, and equal HF's greedy continuation. 72 slots is what a windowed
+    request holds at most (the window, a chunk and two partial blocks): the blocks behind the window go back
+    before a step's new ones are taken."""
     from conftest import save_tiny_model
     from jaxpaged import LLM
     hf = save_tiny_model("mistral", tmp_path, initializer_range=0.2)
@@ -73,7 +75,7 @@ def test_a_request_longer_than_the_pool_runs_within_its_window(tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{resolve_model_path(None)}/{f}", tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=256, block_size=8, max_num_batched_tokens=16,
-              num_gpu_blocks_override=11, seed=0)
+              num_gpu_blocks_override=10, seed=0)
     prompt = np.random.default_rng(3).integers(0, 320, 130).tolist()
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
@@ -101,3 +103,15 @@ def test_swapping_keeps_only_the_blocks_inside_the_window():
     assert len(back) == len(held) and [b == 0 for b in ids_back] == [b == 0 for b in ids]
     kv.free(r)
     assert kv.pool.num_free_blocks == 11 and len(kv.free_cpu_blocks) == 4
+
+
+def test_blocks_behind_the_window_go_back_before_a_step_takes_new_ones():
+    """4 usable blocks, window 6, chunks of 8: the third chunk (positions 16-23) needs 2 new blocks, and only the
+    2 behind its window (positions 0-7) can give them."""
+    kv = KVCacheManager(num_blocks=5, block_size=BS, sliding_window=6)
+    r = req("a", range(24))
+    step(kv, r, 8)
+    step(kv, r, 8)
+    assert kv.pool.num_free_blocks == 0
+    step(kv, r, 8)
+    assert kv.get_block_ids("a")[:2] == [0, 0] and kv.pool.num_free_blocks == 0

@@ -52,9 +52,12 @@ class PagedRunner:
         return np.asarray(logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3-all-sliding"])
 def test_logits_match_hf(family, tmp_path):
-    hf = save_tiny_model(family, tmp_path)
+    """gemma3-all-sliding: every layer windowed (no layer_types kept), so every layer takes the local rope."""
+    overrides = {"layer_types": ["sliding_attention"] * 3} if family == "gemma3-all-sliding" else {}
+    family = family.split("-")[0]
+    hf = save_tiny_model(family, tmp_path, **overrides)
     loaded = load_model(tmp_path, dtype="float32")
     assert loaded.config.family == family
     runner = PagedRunner(loaded)
