@@ -62,13 +62,17 @@ class TestPagedDecode:
         with pytest.raises(ValueError):
             paged_decode_attention(q, pool, 0, tables, lens, scale=0.1, interpret=INTERPRET)
 
-    def test_lowers_to_triton(self):
-        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call."""
+    @pytest.mark.parametrize("alibi", [False, True])
+    def test_lowers_to_triton(self, alibi):
+        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call, ALiBi's slope
+        load included."""
         s = jax.ShapeDtypeStruct
-        decode = functools.partial(paged_decode_attention, scale=0.1, interpret=False, sliding_window=64,
-                                   soft_cap=30.0)
-        assert lowered_calls(decode, s((8, 14, 64), jnp.bfloat16), s((4, 2, 100, 2, 16, 64), jnp.bfloat16),
-                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32)) == (1,)
+        fn = functools.partial(paged_decode_attention, scale=0.1, interpret=False, sliding_window=64,
+                               soft_cap=None if alibi else 30.0)
+        op = (lambda *a: fn(*a[:-1], alibi_slopes=a[-1])) if alibi else fn
+        slopes = (s((14,), jnp.float32),) if alibi else ()
+        assert lowered_calls(op, s((8, 14, 64), jnp.bfloat16), s((4, 2, 100, 2, 16, 64), jnp.bfloat16),
+                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32), *slopes) == (1,)
 
     def test_split_count_fills_one_wave(self):
         """choose_splits: the most splits whose programs fit one wave (8 per SM on 132 SMs), each split at

@@ -62,9 +62,14 @@ class TestRaggedPrefill:
         with pytest.raises(ValueError):
             ragged_paged_attention_pallas(q, pool, 0, tables, lens, qsl, scale=0.1, interpret=INTERPRET)
 
-    def test_lowers_to_triton(self):
-        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call."""
+    @pytest.mark.parametrize("alibi", [False, True])
+    def test_lowers_to_triton(self, alibi):
+        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call, ALiBi's
+        per-row slope gather included."""
         s = jax.ShapeDtypeStruct
-        ragged = functools.partial(ragged_paged_attention_pallas, scale=0.1, interpret=False)
-        assert lowered_calls(ragged, s((256, 14, 64), jnp.bfloat16), s((4, 2, 100, 2, 16, 64), jnp.bfloat16),
-                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32), s((9,), jnp.int32)) == (1,)
+        fn = functools.partial(ragged_paged_attention_pallas, scale=0.1, interpret=False)
+        op = (lambda *a: fn(*a[:-1], alibi_slopes=a[-1])) if alibi else fn
+        slopes = (s((14,), jnp.float32),) if alibi else ()
+        assert lowered_calls(op, s((256, 14, 64), jnp.bfloat16), s((4, 2, 100, 2, 16, 64), jnp.bfloat16),
+                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32), s((9,), jnp.int32),
+                             *slopes) == (1,)
