@@ -50,8 +50,8 @@ class AsyncLLM:
         # it brings torch) and loads the tokenizer.
         self.client = CoreProcClient(args, core_target) if client is None else client
         try:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path(args.model))
+            from jaxpaged.engine.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(args.tokenizer or resolve_model_path(args.model))
             prepare_detokenizer(self.tokenizer)
             self.info = self.client.wait_ready()
         except BaseException:

@@ -27,10 +27,10 @@ def _from_core(name: str) -> property:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from transformers import AutoTokenizer
+        from jaxpaged.engine.tokenizer import load_tokenizer
         self.args = args
         self.core = core = EngineCore(args)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or core.model_path)
+        self.tokenizer = load_tokenizer(args.tokenizer or core.model_path)
         self.info = core.info()
         self.input_processor = InputProcessor(self.tokenizer, self.info, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
