@@ -66,7 +66,8 @@ class DecoderConfig:
     attn_soft_cap: float | None = None        # scores -> cap * tanh(scores / cap)
     final_soft_cap: float | None = None       # logits -> cap * tanh(logits / cap)
     # Per-layer attention kinds when layers differ (FULL or SLIDING each; None: every layer alike, windowed
-    # when sliding_window is set), and the sliding layers' own rope (theta, scaling) where it differs (Gemma 3)
+    # when sliding_window is set), and then the sliding layers' own rope (theta, scaling) where it differs
+    # (Gemma 3; with every layer alike, rope_theta / rope_scaling are the one they take)
     layer_types: tuple[str, ...] | None = None
     local_rope: tuple[float, tuple | None] | None = None
     # Baichuan: ALiBi instead of rope (the 13B models), and Baichuan2's LM head rows L2-normalized at load
@@ -177,6 +178,9 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     sliding, layer_types = _layer_types(cfg, arch)
     theta, scaling, local_rope = _rope(cfg)
+    if local_rope is not None and layer_types is None:     # every layer alike: the one rope they all take
+        theta, scaling = local_rope if sliding is not None else (theta, scaling)
+        local_rope = None
     gemma = family in ("gemma2", "gemma3")
     return DecoderConfig(
         architecture=arch,

@@ -252,12 +252,7 @@ class Attention(nn.Module):
         c = self.cfg
         kinds = c.layer_kinds()
         kind = jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
-        if c.local_rope is None:
-            rope_kind = 0
-        elif kinds:
-            rope_kind = kind
-        else:              # every layer alike: all sliding (the local rope) or all full
-            rope_kind = int(c.sliding_window is not None)
+        rope_kind = kind if c.local_rope is not None else 0      # (local_rope only when layers differ)
         cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -60,8 +60,15 @@ def _is_fp8(method: str, quant_config: dict | None) -> bool:
                                                   for g in groups.values())
 
 
+def _weight_kind(method: str, quant_config: dict | None) -> str:
+    """fp8, int8 or int4: what a quantized checkpoint's (or quantization="fp8"'s) linear weights are."""
+    if _is_fp8(method, quant_config):
+        return "fp8"
+    return "int8" if quant_config is not None and int8.is_int8(quant_config) else "int4"
+
+
 def weight_quant_of(method: str, quant_config: dict | None, cfg: DecoderConfig) -> tuple[tuple[str, str], ...]:
-    """DecoderConfig.weight_quant for an int4 or fp8 method: every linear layer in the checkpoint's scheme
+    """DecoderConfig.weight_quant for an int4, int8 or fp8 method: every linear layer in the checkpoint's scheme
     (quant_config None: a dense checkpoint that quantization="fp8" quantizes at load)."""
     inputs = linear_inputs(cfg)
     # modules a checkpoint leaves dense: AWQ's modules_to_not_convert, compressed-tensors' ignore
@@ -69,14 +76,15 @@ def weight_quant_of(method: str, quant_config: dict | None, cfg: DecoderConfig) 
     if any("lm_head" not in m for m in kept):
         raise ValueError(f"{method} checkpoint keeps {[m for m in kept if 'lm_head' not in m]} unquantized: "
                          "unquantized decoder layers are not supported (only lm_head)")
-    if _is_fp8(method, quant_config):
+    kind = _weight_kind(method, quant_config)
+    if kind == "fp8":
         f8 = fp8.fp8_scheme(quant_config)
         if f8.block is not None and any(k % f8.block[1] for k in inputs.values()):
             raise ValueError(f"fp8 weight blocks of {f8.block[1]} columns do not divide the linear layers' "
                              f"inputs {sorted(set(inputs.values()))}")
         return tuple((linear, f8.name()) for linear in sorted(inputs))
-    if quant_config is not None and int8.is_int8(quant_config):
-        i8 = int8.int8_scheme(quant_config)
+    if kind == "int8":
+        i8 = int8.int8_scheme(quant_config or {})
         for linear, k in inputs.items():
             int8.check_scheme(i8, linear, k)
         return tuple((linear, i8.name()) for linear in sorted(inputs))
@@ -105,9 +113,10 @@ def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderCon
     """A quantized checkpoint's tensors ((layer, HF module) -> {tensor name: numpy array}) -> (param path
     under a layer -> each layer's array) in the decoder's form, fused parts joined on the output dim."""
     convert: Callable[[list[dict], list[str]], dict[str, np.ndarray]]
-    if _is_fp8(quant_config.get("quant_method", ""), quant_config):
+    kind = _weight_kind(quant_config.get("quant_method", ""), quant_config)
+    if kind == "fp8":
         convert = functools.partial(_fp8_layer, scheme=fp8.fp8_scheme(quant_config))
-    elif int8.is_int8(quant_config):
+    elif kind == "int8":
         convert = functools.partial(_int8_layer, scheme=int8.int8_scheme(quant_config))
     else:
         convert = functools.partial(_int4_layer, scheme=int4_scheme(quant_config))

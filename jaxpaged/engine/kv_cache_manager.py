@@ -151,7 +151,8 @@ class KVCacheManager:
         blocks.extend(fresh)
         self._cache_full_blocks(request, blocks, request.num_computed_tokens
                                 + self._hit_tokens(request, new_computed) + num_new_tokens)
-        self._drop_out_of_window(request, blocks, self._hit_tokens(request, new_computed))
+        if new_computed:        # the hits' blocks behind the window of the first token after them
+            self._drop_out_of_window(request, blocks, self._hit_tokens(request, new_computed))
         return fresh
 
     def _drop_out_of_window(self, request: Request, blocks: list[KVCacheBlock], num_new_hits: int = 0) -> None:
