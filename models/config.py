@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .rope import rope_scaling_of
+from .rope import UnsupportedRopeError, rope_scaling_of
 
 # architectures (config.json) -> family; every family runs through models/decoder.py with its flags.
 SUPPORTED_ARCHITECTURES = {
@@ -17,10 +17,15 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "BaiChuanForCausalLM": "baichuan",       # Baichuan-7B
     "BaichuanForCausalLM": "baichuan",       # Baichuan-13B, Baichuan2-7B / -13B
+    "GlmForCausalLM": "glm",                 # GLM-4 in transformers' layout
+    "Glm4ForCausalLM": "glm4",               # GLM-4-0414: four norms a layer
+    "ChatGLMModel": "chatglm",               # ChatGLM2, ChatGLM3, GLM-4 as THUDM published them
+    "ChatGLMForConditionalGeneration": "chatglm",
 }
 BAICHUAN2_VOCAB = 125696     # Baichuan2's vocabulary: its LM head is normalized (vLLM's test)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}    # HF's name -> the decoder's
 FULL, SLIDING = "full_attention", "sliding_attention"              # HF's layer types
+PARTIAL_ROTARY_FAMILIES = ("phi3", "glm", "glm4", "chatglm")        # rotary on a head's first dims only
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -70,6 +75,10 @@ class DecoderConfig:
     # (Gemma 3; with every layer alike, rope_theta / rope_scaling are the one they take)
     layer_types: tuple[str, ...] | None = None
     local_rope: tuple[float, tuple | None] | None = None
+    # Rotary over the first rotary_dim dims of each head only (HF's partial_rotary_factor; None: all), and on
+    # adjacent pairs (GLM, ChatGLM) rather than rotate_half's two halves
+    rotary_dim: int | None = None
+    rope_interleaved: bool = False
     # Baichuan: ALiBi instead of rope (the 13B models), and Baichuan2's LM head rows L2-normalized at load
     alibi: bool = False
     norm_head: bool = False
@@ -77,6 +86,11 @@ class DecoderConfig:
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def rope_dim(self) -> int:
+        """The head dims the rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
 
     def layer_kinds(self) -> tuple[int, ...]:
         """Per layer: 0 full attention, 1 sliding window (indexes attention_windows and the rope tables)."""
@@ -146,6 +160,11 @@ def _layer_types(cfg: dict, arch: str) -> tuple[int | None, tuple[str, ...] | No
     return window, (None if set(types) == {SLIDING} else types)
 
 
+def _partial_rotary_factor(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+
+
 def _rope(cfg: dict) -> tuple[float, tuple | None, tuple[float, tuple | None] | None]:
     """(rope_theta, scaling) of the (full-attention) layers, and the sliding layers' own (theta, scaling) when
     they have one: Gemma 3's rope_parameters per layer type (transformers 5), or rope_local_base_freq (4.x)."""
@@ -160,8 +179,35 @@ def _rope(cfg: dict) -> tuple[float, tuple | None, tuple[float, tuple | None] | 
     return float(_get(cfg, "rope_theta", 10000.0)), rope_scaling_of(cfg), local
 
 
+def _chatglm_as_glm(cfg: dict) -> dict:
+    """ChatGLM2 / ChatGLM3 / GLM-4's own config.json (model_type "chatglm", read by their remote code) in
+    transformers' GlmConfig terms: the same model (RMSNorm, multi-query attention over multi_query_group_num
+    kv heads, q/k/v bias, gate and up fused, rotary on the first half of each head with base 10000 *
+    rope_ratio). ChatGLM-6B (the first one: LayerNorm, 2D positions) is refused."""
+    if (not cfg.get("rmsnorm") or cfg.get("apply_residual_connection_post_layernorm")
+            or not cfg.get("post_layer_norm", True) or cfg.get("add_bias_linear")):
+        raise UnsupportedArchitectureError(
+            "ChatGLM checkpoints are supported in ChatGLM2 / ChatGLM3 / GLM-4's layout only (rmsnorm, no bias on "
+            "the dense layers, a final norm, the residual before the norm); this config.json is not")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    return {
+        **{k: cfg[k] for k in ("architectures", "eos_token_id", "bos_token_id", "torch_dtype", "dtype") if k in cfg},
+        "vocab_size": cfg["padded_vocab_size"], "hidden_size": hidden, "intermediate_size": cfg["ffn_hidden_size"],
+        "num_hidden_layers": cfg["num_layers"], "num_attention_heads": heads,
+        "num_key_value_heads": cfg["multi_query_group_num"] if cfg.get("multi_query_attention") else heads,
+        "head_dim": cfg.get("kv_channels") or hidden // heads, "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
+        "rope_theta": 10000.0 * cfg.get("rope_ratio", 1.0), "partial_rotary_factor": 0.5,
+        "max_position_embeddings": cfg.get("seq_length", 2048), "attention_bias": bool(cfg.get("add_qkv_bias")),
+        "tie_word_embeddings": False,
+        # original_rope: false turns the halves (NeoX style) rather than adjacent pairs (vLLM's reading)
+        "rope_interleaved": cfg.get("original_rope", True),
+    }
+
+
 def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
     archs = cfg.get("architectures") or []
+    if set(archs) & {a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "chatglm"}:
+        cfg = _chatglm_as_glm(cfg)
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedArchitectureError(
@@ -182,6 +228,11 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         theta, scaling = local_rope if sliding is not None else (theta, scaling)
         local_rope = None
     gemma = family in ("gemma2", "gemma3")
+    glm = family in ("glm", "glm4", "chatglm")
+    rotary = int(head_dim * _partial_rotary_factor(cfg))
+    if rotary != head_dim and family not in PARTIAL_ROTARY_FAMILIES:
+        raise UnsupportedRopeError(f"partial_rotary_factor below 1 is supported for "
+                                   f"{', '.join(PARTIAL_ROTARY_FAMILIES)} only, as transformers applies it")
     return DecoderConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -204,13 +255,15 @@ def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         hidden_act=ACTIVATIONS[act],
         norm_plus_one=gemma,
-        sandwich_norms=gemma,
+        sandwich_norms=gemma or family == "glm4",
         embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
         query_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma and cfg.get("query_pre_attn_scalar") else None,
         attn_soft_cap=cfg.get("attn_logit_softcapping") if gemma else None,
         final_soft_cap=cfg.get("final_logit_softcapping") if gemma else None,
         layer_types=layer_types,
         local_rope=local_rope,
+        rotary_dim=rotary if rotary != head_dim else None,
+        rope_interleaved=bool(cfg.get("rope_interleaved", True)) if glm else False,
         # vLLM's rules: Baichuan-7B's class uses rope, BaichuanForCausalLM does at hidden size 4096 (the 7B
         # models) and ALiBi otherwise (the 13B ones)
         alibi=arch == "BaichuanForCausalLM" and cfg["hidden_size"] != 4096,

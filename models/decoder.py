@@ -1,4 +1,4 @@
-"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Baichuan),
+"""One Flax decoder for every family jaxpaged loads (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Baichuan, GLM),
 reading and writing the paged KV cache; a family is a set of DecoderConfig flags.
 
 Legend: T tokens, R requests, H hidden, N heads, K kv heads, D head dim, F MLP width, V vocab, L layers.
@@ -89,12 +89,21 @@ def soft_cap(x, cap: float | None):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def _rotate(x, cos, sin):
-    """HF's rotate_half RoPE. x: [T, N, D]; cos, sin: [T, D/2]."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
+def _rotate(x, cos, sin, interleaved: bool = False):
+    """RoPE on the first 2 * P dims of each head, the rest passed through. x: [T, N, D]; cos, sin: [T, P].
+    Pair i is (i, i + P), HF's rotate_half, or (2i, 2i + 1), GLM's interleaved."""
+    rot = 2 * cos.shape[-1]
+    x, rest = x[..., :rot], x[..., rot:]
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if interleaved:
+        pairs = x.reshape(*x.shape[:-1], rot // 2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
 
 
 def _blocks_shape(rows: int, row_len: int, qtype: str) -> tuple[int, int]:
@@ -248,7 +257,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
-        """cos, sin: f32[rope kinds, T, D/2] (rope_cos_sin); the layer takes its kind's."""
+        """cos, sin: f32[rope kinds, T, P] (rope_cos_sin); the layer takes its kind's."""
         c = self.cfg
         kinds = c.layer_kinds()
         kind = jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
@@ -264,7 +273,7 @@ class Attention(nn.Module):
             q = _norm(c, self.dtype, "q_norm")(q)
             k = _norm(c, self.dtype, "k_norm")(k)
         if not c.alibi:
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = _rotate(q, cos, sin, c.rope_interleaved), _rotate(k, cos, sin, c.rope_interleaved)
         slopes = c.alibi_slopes()
         backend = self.options.attn_backend
         opts = self.options
@@ -371,16 +380,16 @@ def _scale_embeddings(cfg: DecoderConfig, h):
 
 
 def rope_cos_sin(cfg: DecoderConfig, meta: AttentionMetadata):
-    """Each token's rotation -> (cos, sin) f32[rope kinds, T, D/2]: one kind, or the full-attention layers' and
-    the sliding layers' (Gemma 3). models/rope.py; the dynamic scalings read the length of the token's
-    request after this step."""
+    """Each token's rotation -> (cos, sin) f32[rope kinds, T, P], P = rope_dim / 2: one kind, or the
+    full-attention layers' and the sliding layers' (Gemma 3). models/rope.py; the dynamic scalings read the
+    length of the token's request after this step."""
     ropes = [(cfg.rope_theta, cfg.rope_scaling)] + ([cfg.local_rope] if cfg.local_rope is not None else [])
     seq_lens = None
     if any(rope.rope_type_of(scaling) in rope.DYNAMIC_TYPES for _, scaling in ropes):
         t, r = meta.positions.shape[0], meta.seq_lens.shape[0]
         request = jnp.searchsorted(meta.query_start_loc[1:], jnp.arange(t), side="right")
         seq_lens = meta.seq_lens[jnp.minimum(request, r - 1)]
-    tables = [rope.cos_sin(scaling, theta, cfg.head_dim, cfg.max_position_embeddings, meta.positions, seq_lens)
+    tables = [rope.cos_sin(scaling, theta, cfg.rope_dim, cfg.max_position_embeddings, meta.positions, seq_lens)
               for theta, scaling in ropes]
     return jnp.stack([cos for cos, _ in tables]), jnp.stack([sin for _, sin in tables])
 
@@ -422,7 +431,7 @@ def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | No
 # one compiled layer program L times, so nothing is sliced: embed -> layer x L -> head.
 
 def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, meta: AttentionMetadata):
-    """-> (h [T, H], cos, sin f32[T, D/2])."""
+    """-> (h [T, H], cos, sin f32[rope kinds, T, P])."""
     h = _scale_embeddings(cfg, _embed(cfg, dtype, name=None).apply({"params": params["embed_tokens"]}, token_ids))
     return (h, *rope_cos_sin(cfg, meta))
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
-from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_TABLE, LINEAR_MODULES,
-                           TOP_TABLE)
+from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_PREFIX, LAYER_TABLE,
+                           LINEAR_MODULES, TOP_TABLE, table_name)
 from .quant_loader import (CHECKPOINT_KINDS, checkpoint_quantization, quantize_online, quantized_layer_params,
                            quantized_tensor_names, weight_quant_of)
 
@@ -240,15 +240,16 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     for file in _safetensor_files(model_dir):
         # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
         with safe_open(str(file), framework="flax") as f:
-            for name in f.keys():
-                if name.startswith("model.layers."):
-                    rest = name[len("model.layers."):]
+            for stored in f.keys():
+                name = table_name(cfg.family, stored)
+                if name.startswith(LAYER_PREFIX):
+                    rest = name[len(LAYER_PREFIX):]
                     idx, sub = rest.split(".", 1)
                     module, _, leaf = sub.rpartition(".")
                     if leaf in quant_names and module in quant_modules:
-                        fp8_data = f.get_slice(name).get_dtype() == "F8_E4M3"
+                        fp8_data = f.get_slice(stored).get_dtype() == "F8_E4M3"
                         quant_tensors.setdefault((int(idx), module), {})[leaf] = (
-                            read_fp8_tensor(str(file), name) if fp8_data else np.asarray(f.get_tensor(name)))
+                            read_fp8_tensor(str(file), stored) if fp8_data else np.asarray(f.get_tensor(stored)))
                         continue
                     if sub not in LAYER_TABLE:
                         continue   # e.g. rotary_emb.inv_freq in old checkpoints
@@ -258,9 +259,9 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     if path[-1] in KV_SCALES:
                         if cfg.kv_cache_dtype != "fp8":
                             continue
-                        t = f.get_tensor(name).astype(jnp.float32).reshape(())
+                        t = f.get_tensor(stored).astype(jnp.float32).reshape(())
                     else:
-                        t = f.get_tensor(name).astype(dtype)
+                        t = f.get_tensor(stored).astype(dtype)
                     part_idx, num_parts = part or (0, 1)
                     slots = layer_parts.setdefault(path, [[None] * num_parts for _ in range(cfg.num_layers)])
                     slots[int(idx)][part_idx] = t.T if transpose else t
@@ -270,7 +271,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                         continue
                     if path[0] == "embed_tokens" and cfg.quant_of("embed_tokens"):
                         continue   # from the GGUF blocks
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(stored)
                     if path[0] == "lm_head" and cfg.norm_head:      # Baichuan2: rows of unit length
                         t32 = t.astype(jnp.float32)
                         t = t32 / jnp.maximum(jnp.linalg.norm(t32, axis=1, keepdims=True), 1e-12)

@@ -29,6 +29,7 @@ LAYER_TABLE = {
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
     # Phi-3 stores q/k/v and gate/up already fused, Baichuan q/k/v (W_pack), in the decoder's order
     "self_attn.qkv_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, None),
+    "self_attn.qkv_proj.bias": (("self_attn", "qkv_proj", "bias"), False, None),          # ChatGLM
     "mlp.gate_up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, None),
     "self_attn.W_pack.weight": (("self_attn", "qkv_proj", "kernel"), True, None),          # Baichuan
     "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
@@ -47,6 +48,40 @@ TOP_TABLE = {
     "model.norm.weight": (("norm", "scale"), False),
     "lm_head.weight": (("lm_head", "kernel"), True),
 }
+
+
+LAYER_PREFIX = "model.layers."
+
+# Other layouts' names -> the tables' names, per family: whole names, the prefix of a layer's names, and the
+# names within a layer.
+TOP_RENAMES = {"chatglm": {"transformer.embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                           "transformer.encoder.final_layernorm.weight": "model.norm.weight",
+                           "transformer.output_layer.weight": "lm_head.weight"}}
+LAYER_PREFIXES = {"chatglm": "transformer.encoder.layers."}
+LAYER_RENAMES = {
+    # GLM-4-0414's four norms are Gemma's under other names: its post_attention_layernorm is the MLP's input norm
+    "glm4": {"post_self_attn_layernorm.weight": "post_attention_layernorm.weight",
+             "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",
+             "post_mlp_layernorm.weight": "post_feedforward_layernorm.weight"},
+    # ChatGLM2 / ChatGLM3 / GLM-4 as THUDM published them: q, k, v fused (in that order), gate and up fused
+    "chatglm": {"self_attention.query_key_value.weight": "self_attn.qkv_proj.weight",
+                "self_attention.query_key_value.bias": "self_attn.qkv_proj.bias",
+                "self_attention.dense.weight": "self_attn.o_proj.weight",
+                "mlp.dense_h_to_4h.weight": "mlp.gate_up_proj.weight",
+                "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight"},
+}
+
+
+def table_name(family: str, name: str) -> str:
+    """A checkpoint tensor's name as the tables spell it ("model.layers.3.self_attn.o_proj.weight")."""
+    top = TOP_RENAMES.get(family, {})
+    if name in top:
+        return top[name]
+    prefix = LAYER_PREFIXES.get(family, LAYER_PREFIX)
+    if not name.startswith(prefix):
+        return name
+    idx, sub = name[len(prefix):].split(".", 1)
+    return f"{LAYER_PREFIX}{idx}.{LAYER_RENAMES.get(family, {}).get(sub, sub)}"
 
 
 # (quantized checkpoints: separate modules)

@@ -33,14 +33,13 @@ def rope_scaling_of(cfg: dict) -> tuple | None:
     if rope_type not in ROPE_TYPES:
         raise UnsupportedRopeError(f"rope_scaling type {rope_type!r} is not supported "
                                    f"(supported: {', '.join(ROPE_TYPES[1:])})")
-    if float(rs.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        raise UnsupportedRopeError("partial_rotary_factor below 1 is not supported")
     if rope_type == "default":
         return None
     if "original_max_position_embeddings" not in rs and cfg.get("original_max_position_embeddings"):
         rs["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     rs["rope_type"] = rope_type
     rs.pop("type", None)
+    rs.pop("partial_rotary_factor", None)        # the decoder's rotary_dim (models/config.py)
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rs.items()
                         if not isinstance(v, dict)))
 

@@ -91,6 +91,18 @@ TINY_MODELS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
+    # rotary on the first half of each head, on adjacent pairs; q/k/v bias; gate and up fused (GLM-4), and four
+    # norms a layer (GLM-4-0414)
+    "glm": ("GlmConfig", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5})),
+    "glm4": ("Glm4Config", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -191,6 +203,47 @@ def save_tiny_baichuan(path, alibi: bool, vocab_size: int = 320):
     hf.config._attn_implementation = "eager"
     from jaxpaged.models.config import decoder_config_from_hf
     return AlibiLlama(hf, decoder_config_from_hf(cfg).alibi_slopes())
+
+
+def save_tiny_chatglm(path, **overrides):
+    """A tiny ChatGLM2/3 / GLM-4 checkpoint as THUDM's remote code saves one (transformers has no class for
+    it): a random GlmForCausalLM (the same model) re-saved under ChatGLM's names, q/k/v fused into
+    query_key_value, with ChatGLM's config.json (rope_ratio 2: base 20000). Returns HF's reference, the Glm."""
+    import json
+    import pathlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    path = pathlib.Path(path)
+    hf = save_tiny_model("glm", path, **overrides)
+    c = hf.config
+    t = load_file(str(path / "model.safetensors"))
+    out = {"transformer.embedding.word_embeddings.weight": t.pop("model.embed_tokens.weight"),
+           "transformer.encoder.final_layernorm.weight": t.pop("model.norm.weight"),
+           "transformer.output_layer.weight": t.pop("lm_head.weight"),
+           "transformer.rotary_pos_emb.inv_freq": torch.ones(c.head_dim // 4)}    # in real files; unused
+    for i in range(c.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        for leaf in ("weight", "bias"):
+            out[dst + f"self_attention.query_key_value.{leaf}"] = torch.cat(
+                [t.pop(src + f"self_attn.{x}_proj.{leaf}") for x in "qkv"])
+        for a, b in (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
+                     ("self_attn.o_proj", "self_attention.dense"), ("mlp.gate_up_proj", "mlp.dense_h_to_4h"),
+                     ("mlp.down_proj", "mlp.dense_4h_to_h")):
+            out[dst + b + ".weight"] = t.pop(src + a + ".weight")
+    assert not t, sorted(t)
+    save_file(out, str(path / "model.safetensors"))
+    theta = c.rope_parameters["rope_theta"]
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["ChatGLMModel"], "model_type": "chatglm", "add_bias_linear": False, "add_qkv_bias": True,
+        "apply_query_key_layer_scaling": True, "apply_residual_connection_post_layernorm": False,
+        "attention_softmax_in_fp32": True, "ffn_hidden_size": c.intermediate_size, "hidden_size": c.hidden_size,
+        "kv_channels": c.head_dim, "layernorm_epsilon": c.rms_norm_eps, "multi_query_attention": True,
+        "multi_query_group_num": c.num_key_value_heads, "num_attention_heads": c.num_attention_heads,
+        "num_layers": c.num_hidden_layers, "original_rope": True, "padded_vocab_size": c.vocab_size,
+        "post_layer_norm": True, "rmsnorm": True, "rope_ratio": theta / 10000.0, "seq_length": 256,
+        "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"}))
+    return hf
 
 
 # ---- the server as a real process ------------------------------------------------------------------

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import save_tiny_chatglm, save_tiny_model
 from jaxpaged.models import AttentionMetadata, DecoderModel, kv_cache_shape, load_model
 
 
@@ -52,12 +52,16 @@ class PagedRunner:
         return np.asarray(logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3-all-sliding"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "phi3-partial", "gemma2", "gemma3",
+                                    "gemma3-all-sliding", "glm", "glm4", "chatglm"])
 def test_logits_match_hf(family, tmp_path):
-    """gemma3-all-sliding: every layer windowed (no layer_types kept), so every layer takes the local rope."""
-    overrides = {"layer_types": ["sliding_attention"] * 3} if family == "gemma3-all-sliding" else {}
+    """gemma3-all-sliding: every layer windowed (no layer_types kept), so every layer takes the local rope;
+    phi3-partial: rotary on the first 3/4 of each head (Phi-4-mini's partial_rotary_factor); chatglm: GLM's
+    weights under ChatGLM's names and config (conftest.save_tiny_chatglm), HF's reference the Glm."""
+    overrides = {"layer_types": ["sliding_attention"] * 3} if family == "gemma3-all-sliding" else \
+        {"partial_rotary_factor": 0.75, "rope_scaling": None} if family == "phi3-partial" else {}
     family = family.split("-")[0]
-    hf = save_tiny_model(family, tmp_path, **overrides)
+    hf = save_tiny_chatglm(tmp_path) if family == "chatglm" else save_tiny_model(family, tmp_path, **overrides)
     loaded = load_model(tmp_path, dtype="float32")
     assert loaded.config.family == family
     runner = PagedRunner(loaded)
