@@ -205,6 +205,23 @@ def save_tiny_baichuan(path, alibi: bool, vocab_size: int = 320):
     return AlibiLlama(hf, decoder_config_from_hf(cfg).alibi_slopes())
 
 
+def train_sentencepiece(folder, vocab_size: int, **options) -> None:
+    """folder/tokenizer.model: a SentencePiece BPE model of vocab_size pieces trained here on a small English
+    corpus (ids: <unk> 0, <s> 1, </s> 2), for the tokenizers that wrap one (Baichuan's, ChatGLM's)."""
+    import pathlib
+
+    import sentencepiece as spm
+    folder = pathlib.Path(folder)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(["The quick brown fox jumps over the lazy dog. Hello world, numbers 12345.",
+                                 "SentencePiece trains a tiny model; spaces  and tabs\tand new lines."] * 40))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=vocab_size,
+                                   model_type="bpe", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+                                   minloglevel=2, **options)
+    corpus.unlink()
+    (folder / "tokenizer.vocab").unlink()
+
+
 def save_tiny_chatglm(path, **overrides):
     """A tiny ChatGLM2/3 / GLM-4 checkpoint as THUDM's remote code saves one (transformers has no class for
     it): a random GlmForCausalLM (the same model) re-saved under ChatGLM's names, q/k/v fused into

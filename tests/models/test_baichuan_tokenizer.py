@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import save_tiny_baichuan
+from conftest import save_tiny_baichuan, train_sentencepiece
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.tokenizer import load_tokenizer
 
@@ -16,16 +16,8 @@ TEXTS = ["Hello world", " leading space", "The quick brown fox jumps.", "tabs\ta
 def write_baichuan_tokenizer(folder, add_bos: bool) -> None:
     """A SentencePiece BPE model of 120 pieces trained here (the tiny model's vocabulary) and
     tokenizer_config.json as Baichuan2's (its auto_map points at code the folder does not have)."""
-    import sentencepiece as spm
-    corpus = folder / "corpus.txt"
-    corpus.write_text("\n".join(["The quick brown fox jumps over the lazy dog. Hello world, numbers 12345.",
-                                 "SentencePiece trains a tiny model; spaces  and tabs\tand new lines."] * 40))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=120,
-                                   model_type="bpe", character_coverage=1.0, add_dummy_prefix=False, bos_id=1,
-                                   eos_id=2, unk_id=0, pad_id=-1, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False, minloglevel=2)
-    corpus.unlink()
-    (folder / "tokenizer.vocab").unlink()
+    train_sentencepiece(folder, 120, add_dummy_prefix=False, normalization_rule_name="identity",
+                        remove_extra_whitespaces=False)
     for f in ("tokenizer.json", "chat_template.jinja"):
         (folder / f).unlink(missing_ok=True)
     (folder / "tokenizer_config.json").write_text(json.dumps({
