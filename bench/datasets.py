@@ -168,12 +168,17 @@ def get_dataset(name: str, model: str | None = "qwen2-0.5b", num_prompts: int | 
 
     input_len / output_len override the fixed lengths of random, openqa and longalpaca.
     """
-    from bench.models import load_tokenizer, resolve_model, vocab_size
+    from bench.models import MODELS, load_tokenizer, resolve_model, vocab_size
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose from {DATASETS}")
     n = DEFAULT_NUM_PROMPTS[name] if num_prompts is None else num_prompts
     if name == "sharegpt":
         short = resolve_model(model)[1]
+        source = MODELS[short].sharegpt_from if short in MODELS else None
+        if source is not None:            # another model's samples: the same lengths, ids within this vocabulary
+            vocab = vocab_size(model)
+            return [SampleRequest(None, [t % vocab for t in r.prompt_token_ids], r.output_len)
+                    for r in get_dataset(name, source, num_prompts, seed, use_cache=use_cache)]
         path = _cache_path(name, short, n, seed)
         cached = load_cached(path) if use_cache else None
         if cached is not None:

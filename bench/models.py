@@ -66,6 +66,39 @@ TINY_LLAMA_CONFIG: dict[str, Any] = dict(
     LLAMA3_8B_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32")
 
+# The other families at their published sizes (config.json of mistralai/Mistral-7B-v0.1, google/gemma-2-9b,
+# THUDM/glm-4-9b in its own ChatGLM layout, baichuan-inc/Baichuan2-13B-Base), for dummy-weight runs
+# (bench/families.sh). Their ShareGPT workload is llama3-8b's (ModelSpec.sharegpt_from).
+MISTRAL_7B_CONFIG: dict[str, Any] = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 32000,
+}
+GEMMA_2_9B_CONFIG: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2, "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "intermediate_size": 14336,
+    "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "sliding_window": 4096, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 256000,
+}
+GLM_4_9B_CONFIG: dict[str, Any] = {
+    "architectures": ["ChatGLMModel"], "model_type": "chatglm", "add_bias_linear": False, "add_qkv_bias": True,
+    "apply_residual_connection_post_layernorm": False, "bos_token_id": 151329, "eos_token_id": 151329,
+    "ffn_hidden_size": 13696, "hidden_size": 4096, "kv_channels": 128, "layernorm_epsilon": 1.5625e-07,
+    "multi_query_attention": True, "multi_query_group_num": 2, "num_attention_heads": 32, "num_layers": 40,
+    "original_rope": True, "padded_vocab_size": 151552, "post_layer_norm": True, "rmsnorm": True,
+    "rope_ratio": 1, "seq_length": 8192, "torch_dtype": "bfloat16",
+}
+BAICHUAN2_13B_CONFIG: dict[str, Any] = {
+    "architectures": ["BaichuanForCausalLM"], "model_type": "baichuan", "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 13696, "model_max_length": 4096,
+    "num_attention_heads": 40, "num_hidden_layers": 40, "pad_token_id": 0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 125696,
+}
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -73,6 +106,9 @@ class ModelSpec:
     tokenizer: str | None               # key of _TOKENIZER_BUILDERS
     vocab_size: int                     # the config's (padded) vocabulary
     default_dtype: str                  # what the benchmarks run it in
+    # The model whose tokenized ShareGPT samples this one runs, ids taken modulo its vocabulary (the same
+    # lengths: a dummy-weight family compared with that model on the same workload); None: its own tokenizer's.
+    sharegpt_from: str | None = None
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -81,6 +117,10 @@ MODELS: dict[str, ModelSpec] = {
     "llama3-8b-awq": ModelSpec(LLAMA3_8B_AWQ_CONFIG, "llama3", 128256, "bfloat16"),
     "smollm2-135m": ModelSpec(None, None, 49152, "bfloat16"),
     "tiny-llama": ModelSpec(TINY_LLAMA_CONFIG, "llama3", 128256, "float32"),
+    "mistral-7b": ModelSpec(MISTRAL_7B_CONFIG, "llama3", 32000, "bfloat16", sharegpt_from="llama3-8b"),
+    "gemma-2-9b": ModelSpec(GEMMA_2_9B_CONFIG, "llama3", 256000, "bfloat16", sharegpt_from="llama3-8b"),
+    "glm-4-9b": ModelSpec(GLM_4_9B_CONFIG, "llama3", 151552, "bfloat16", sharegpt_from="llama3-8b"),
+    "baichuan2-13b": ModelSpec(BAICHUAN2_13B_CONFIG, "llama3", 125696, "bfloat16", sharegpt_from="llama3-8b"),
 }
 
 
