@@ -1,7 +1,8 @@
 """The tokenizer of a model folder: AutoTokenizer's, except where the folder's tokenizer_config.json names a class
-that ships only as remote code and is a SentencePiece model underneath: Baichuan's BaichuanTokenizer, read as
-SentencePieceTokenizer, and ChatGLM2 / ChatGLM3's ChatGLMTokenizer, read as ChatGLMTokenizer. Each encodes with
-the folder's tokenizer.model as that class does, so the model runs without executing code from the folder."""
+that ships only as remote code over a tokenizer.model the well-kept libraries read: Baichuan's
+BaichuanTokenizer and ChatGLM2 / ChatGLM3's ChatGLMTokenizer (SentencePiece models), and GLM-4's
+ChatGLM4Tokenizer (a tiktoken BPE file). Each encodes as that class does, so the model runs without executing
+code from the folder."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,10 @@ import os
 # tokenizer_config.json's tokenizer_class -> read as SentencePieceTokenizer
 SENTENCEPIECE_REMOTE_CLASSES = ("BaichuanTokenizer",)
 CHATGLM_REMOTE_CLASS = "ChatGLMTokenizer"
+CHATGLM4_REMOTE_CLASS = "ChatGLM4Tokenizer"
+# GLM-4's pre-tokenizer split (its tokenization_chatglm.py's pat_str)
+GLM4_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # ChatGLM2 / ChatGLM3's tokens after the SentencePiece vocabulary, in id order. sop and eop are spelled <sop> and
 # <eop>, as GLM-4 spells them, so that a chat template can place them while the word "sop" in a prompt stays text.
@@ -39,7 +44,41 @@ def load_tokenizer(path: str | os.PathLike):
             return _sentencepiece_tokenizer_class().from_pretrained(str(path))
         if tokenizer_class == CHATGLM_REMOTE_CLASS:
             return _chatglm_tokenizer(path, config)
+        if tokenizer_class == CHATGLM4_REMOTE_CLASS:
+            return _chatglm4_tokenizer(path, config)
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _chatglm4_tokenizer(path, config: dict):
+    """GLM-4's ChatGLM4Tokenizer: tokenizer.model is a tiktoken BPE file (a base64 token and its rank a line),
+    split by GLM4_PATTERN, read through transformers' TikTokenConverter (a byte-level BPE, as tiktoken encodes);
+    the special tokens are tokenizer_config.json's added_tokens_decoder, at their ids after the ranks; every
+    prompt starts [gMASK] <sop> (a pair: [gMASK] <sop> A B <eos>, as the class builds it). Converting the
+    merges of GLM-4's 151k ranks takes a few seconds."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    added = {int(i): t["content"] if isinstance(t, dict) else t
+             for i, t in config.get("added_tokens_decoder", {}).items()}
+    specials = [added[i] for i in sorted(added)]
+    backend = TikTokenConverter(vocab_file=os.path.join(path, "tokenizer.model"), pattern=GLM4_PATTERN,
+                                extra_special_tokens=specials).converted()
+    for i, token in added.items():
+        if backend.token_to_id(token) != i:
+            raise ValueError(f"{path}: special token {token!r} is id {i} in tokenizer_config.json, but follows the "
+                             f"tiktoken ranks at {backend.token_to_id(token)}")
+    eos = config.get("eos_token") or "<|endoftext|>"
+    eos = eos["content"] if isinstance(eos, dict) else eos
+    prefix = [(t, backend.token_to_id(t)) for t in CHATGLM_PREFIX]
+    backend.post_processor = processors.TemplateProcessing(
+        single="[gMASK] <sop> $A", pair=f"[gMASK] <sop> $A $B {eos}",
+        special_tokens=prefix + [(eos, backend.token_to_id(eos))])
+    pad = config.get("pad_token") or eos
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos,
+                                   pad_token=pad["content"] if isinstance(pad, dict) else pad,
+                                   chat_template=config.get("chat_template"), clean_up_tokenization_spaces=False,
+                                   model_max_length=config.get("model_max_length", 128000))
 
 
 def _sentencepiece_tokenizer_class():

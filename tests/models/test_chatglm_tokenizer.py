@@ -93,3 +93,51 @@ def test_chatglm_serves_from_its_folder(tmp_path):
     assert len(out.outputs[0].token_ids) == 4
     out = llm.generate(TEXTS[0], params, use_tqdm=False)[0]
     assert out.prompt_token_ids == [VOCAB + 1, VOCAB + 3] + sp.encode(TEXTS[0])
+
+
+GLM4_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                 "<|assistant|>", "<|observation|>"]
+GLM4_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_glm4_tokenizer(folder) -> dict[bytes, int]:
+    """GLM-4's tokenizer.model as published: a tiktoken BPE file (base64 token, rank); here the 256 bytes and a
+    few merges, the special tokens after them in tokenizer_config.json's added_tokens_decoder. Returns the
+    ranks."""
+    import base64
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in (b"th", b"he", b"the", b" t", b" the", b"ll", b"llo", b"He", b"Hello", b"or", b"ld", b" w",
+                  b" wor", b" world", b"12", b"123"):
+        ranks[merge] = len(ranks)
+    (folder / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    added = {str(len(ranks) + i): {"content": t, "special": True} for i, t in enumerate(GLM4_SPECIALS)}
+    for f in ("tokenizer.json", "chat_template.jinja"):
+        (folder / f).unlink(missing_ok=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "ChatGLM4Tokenizer", "added_tokens_decoder": added, "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "chat_template": GLM4_TEMPLATE, "padding_side": "left",
+        "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLM4Tokenizer", None]}}))
+    return ranks
+
+
+def test_glm4_tokenizer_is_its_tiktoken_file(tmp_path):
+    """GLM-4's ChatGLM4Tokenizer: ids as tiktoken encodes with GLM-4's pattern, [gMASK] <sop> before every
+    prompt, its chat template's role tokens at their ids."""
+    import tiktoken
+
+    from jaxpaged.engine.tokenizer import GLM4_PATTERN
+    ranks = write_glm4_tokenizer(tmp_path)
+    enc = tiktoken.Encoding("glm4-test", pat_str=GLM4_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    tok = load_tokenizer(tmp_path)
+    ids = {t: len(ranks) + i for i, t in enumerate(GLM4_SPECIALS)}
+    assert tok.convert_tokens_to_ids(GLM4_SPECIALS) == list(ids.values())
+    assert (tok.eos_token_id, tok.pad_token_id) == (ids["<|endoftext|>"],) * 2
+    for text in TEXTS + ["Hello world, the 12345th"]:
+        assert tok.encode(text) == [ids["[gMASK]"], ids["<sop>"]] + enc.encode(text)
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    want = [ids["[gMASK]"], ids["<sop>"]]
+    for m in MESSAGES:
+        want += [ids[f"<|{m['role']}|>"]] + enc.encode("\n" + m["content"])
+    assert tok.encode(text, add_special_tokens=False) == want + [ids["<|assistant|>"]]
