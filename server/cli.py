@@ -46,8 +46,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _model_flags(m) -> None:
     m.add_argument("--model", default=None,
-                   help="Local Hugging Face model folder. Omitted: the embedded SmolLM2-135M-Instruct.")
-    m.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: the model folder).")
+                   help="Local Hugging Face model folder, or a GGUF file (llama, qwen2, qwen3, gemma2, gemma3; "
+                        "converted once into the cache). Omitted: the embedded SmolLM2-135M-Instruct.")
+    m.add_argument("--tokenizer", default=None,
+                   help="Tokenizer folder (default: the model folder; a GGUF file's own tokenizer).")
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) the API accepts in the `model` field; the first is reported in "
                         "responses. Default: the --model argument (or SmolLM2-135M-Instruct).")
@@ -57,8 +59,8 @@ def _model_flags(m) -> None:
                    help="How to load weights; dummy gives random weights of the right shapes (benchmarks).")
     m.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
                    help="Weights kept quantized on the device. gguf: the weights stay in the blocks of the GGUF "
-                        "file the model was converted from (the default SmolLM2 as shipped: Q4_1 and Q8_0), "
-                        "expanded inside each step. Default: dense weights in --dtype.")
+                        "file the model was converted from (the default SmolLM2 as shipped: Q4_1 and Q8_0; a "
+                        "--model file.gguf's own), expanded inside each step. Default: dense weights in --dtype.")
     m.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="Context length (prompt + output). Default: the model's max_position_embeddings.")
     m.add_argument("--chat-template", default=None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -45,10 +46,14 @@ _FINISH = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINI
 
 
 def resolve_model_path(model: str | None) -> str:
-    """The model folder: the given one, or the embedded SmolLM2-135M-Instruct (converted on first use)."""
+    """The model folder: the given one; for a GGUF file (as vLLM's --model file.gguf), its HF folder in the
+    cache (converted on first use, its tokenizer from the file); or the embedded SmolLM2-135M-Instruct."""
     if model is None:
         from jaxpaged.models.gguf_convert import default_model_dir
         return str(default_model_dir(envs.JAXPAGED_CACHE_ROOT / "models"))
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from jaxpaged.models.gguf_convert import gguf_model_dir
+        return str(gguf_model_dir(model, envs.JAXPAGED_CACHE_ROOT / "models"))
     return model
 
 

@@ -1,0 +1,362 @@
+"""GGUF files beyond the default model: a tiny random-weight model of each architecture jaxpaged converts
+(llama with Llama 3's rope_freqs, qwen2, qwen3, gemma2, gemma3), written here as llama.cpp's
+convert_hf_to_gguf.py writes it (its metadata and tensor names, llama's q/k rows permuted, Gemma's norms + 1,
+linear weights and embeddings in Q8_0 blocks, norms in F32, a small vocabulary in tokenizer.ggml.*), then
+served with `LLM(model="file.gguf")` against HF transformers loading the same file (`gguf_file=`).
+
+HF's GGUF loader drops a few facts the file states and llama.cpp runs (Gemma 2's soft caps, Gemma 3's rope
+scaling, Llama 3's rope_freqs); the reference gets them as from_pretrained overrides (Family.hf_overrides).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from jaxpaged import LLM, SamplingParams, envs
+from jaxpaged.models.gguf_convert import convert_gguf_to_hf, gguf_model_dir
+
+WORDS = ["the", "cat", "sat", "on", "mat", "hello", "world", "and", "dog", "ran", "in", "park"]
+TEXTS = ["the cat sat on the mat and the dog ran in the park", " hello  world! the park",
+         "Ünïcode dog\nand 123 cat"]
+LOGPROB_ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    arch: str                  # general.architecture
+    config_class: str          # transformers' config class of the tiny model
+    config: dict               # its kwargs (vocab_size and token ids come from the vocabulary)
+    vocab: str                 # "bpe" (tokenizer.ggml.model gpt2, Qwen's pre-tokenizer) | "spm" | "gemma"
+    metadata: dict             # GGUFWriter.add_<key>(value) beyond the shapes every file states
+    hf_overrides: dict         # what HF's GGUF loader drops and llama.cpp runs
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, max_position_embeddings=256, initializer_range=0.2)
+FAMILIES = {
+    "llama": Family("llama", "LlamaConfig", dict(
+        SMALL, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+        rope_parameters=LLAMA3_ROPE), "spm", dict(rope_freq_base=10000.0, rope_dimension_count=32),
+        dict(rope_parameters=LLAMA3_ROPE)),
+    "qwen2": Family("qwen2", "Qwen2Config", dict(
+        SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_theta=1e6), "bpe", dict(rope_freq_base=1e6), {}),
+    # head_dim 128 (Qwen3's) unlike hidden / heads: HF's GGUF loader reads no key_length and takes 128
+    "qwen3": Family("qwen3", "Qwen3Config", dict(
+        SMALL, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        tie_word_embeddings=False), "bpe", dict(rope_freq_base=1e6, key_length=128, value_length=128), {}),
+    # head_dim 256 (the Gemmas'): llama.cpp's attention scale, HF's default query_pre_attn_scalar; windows
+    # shorter than the prompts; soft caps the tiny model's scores reach
+    "gemma2": Family("gemma2", "Gemma2Config", dict(
+        SMALL, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=6,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0), "gemma", dict(
+        rope_freq_base=10000.0, key_length=256, value_length=256, sliding_window=6, attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0), dict(attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    # six layers: five windowed with the local rope, one full with the global, linearly scaled rope
+    "gemma3": Family("gemma3", "Gemma3TextConfig", dict(
+        SMALL, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=6,
+        rope_parameters=GEMMA3_ROPE), "gemma", dict(
+        rope_freq_base=1e6, key_length=256, value_length=256, sliding_window=6,
+        rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=2.0), dict(rope_parameters=GEMMA3_ROPE)),
+}
+
+
+# ---- a GGUF file as llama.cpp writes one ------------------------------------------------------------
+def _merged(words: list[str], tokens: list[str], merges: list[str] | None = None) -> None:
+    """Append each word's left-to-right merges (and the merged tokens) not there yet."""
+    have = set(tokens)
+    for word in words:
+        cur = word[0]
+        for ch in word[1:]:
+            if cur + ch not in have:
+                tokens.append(cur + ch)
+                have.add(cur + ch)
+                if merges is not None:
+                    merges.append(f"{cur} {ch}")
+            cur += ch
+
+
+def vocabulary(kind: str) -> dict:
+    """tokens, token types, scores or merges and special ids of a tiny vocabulary over WORDS."""
+    if kind == "bpe":         # byte-level BPE as Qwen's: the 256 byte symbols, merges, control tokens
+        tokens = sorted(bytes_to_unicode().values(), key=ord)
+        merges: list[str] = []
+        _merged(WORDS + ["Ġ" + w for w in WORDS], tokens, merges)
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        eos = len(tokens)
+        return dict(model="gpt2", tokens=tokens + specials, types=[1] * len(tokens) + [3] * 3, merges=merges,
+                    ids=dict(eos=eos, pad=eos), add_bos=False)
+    # SentencePiece as llama.cpp writes it: control tokens, 256 byte tokens, pieces by descending score
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if kind == "gemma" else ["<unk>", "<s>", "</s>"]
+    pieces = ["▁"] + sorted(set("".join(WORDS)))
+    _merged(WORDS + ["▁" + w for w in WORDS], pieces)
+    types = [3] * len(specials) + [6] * 256 + [1] * len(pieces)
+    types[specials.index("<unk>")] = 2
+    ids = dict(pad=0, eos=1, bos=2, unk=3) if kind == "gemma" else dict(unk=0, bos=1, eos=2)
+    return dict(model="llama", tokens=specials + [f"<0x{i:02X}>" for i in range(256)] + pieces, types=types,
+                scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))], ids=ids,
+                add_bos=True)
+
+
+def tiny_model(family: Family, vocab: dict, **overrides):
+    ids = vocab["ids"]
+    config = getattr(transformers, family.config_class)(
+        vocab_size=len(vocab["tokens"]), bos_token_id=ids.get("bos"), eos_token_id=ids["eos"],
+        pad_token_id=ids.get("pad"), **{**family.config, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():          # norms and biases off their defaults, so every weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def llama_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: Llama 3's per-frequency divisors."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    orig, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def write_gguf(path, family: Family, model, vocab: dict, name: str) -> None:
+    c = model.config
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)         # llama.cpp's HF -> GGUF names
+    w = gguf.GGUFWriter(str(path), family.arch)
+    w.add_name(name)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for key, value in family.metadata.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tokenizer_model(vocab["model"])
+    if "merges" in vocab:
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_merges(vocab["merges"])
+    else:
+        w.add_token_scores(vocab["scores"])
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    for kind, token_id in vocab["ids"].items():
+        getattr(w, f"add_{kind}_token_id")(token_id)
+    w.add_add_bos_token(vocab["add_bos"])
+    for hf_name, p in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        module, _, suffix = hf_name.rpartition(".")
+        gguf_name = f"{names.get_name(module)}.{suffix}"
+        x = p.float().numpy()
+        if family.arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            x = llama_permute(x, c.num_attention_heads if ".attn_q." in gguf_name else c.num_key_value_heads)
+        if family.arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            x = x + 1                        # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w
+        if x.ndim == 2:
+            w.add_tensor(gguf_name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, x.astype(np.float32))
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, c.hidden_size // c.num_attention_heads))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# ---- the cases: each family's file, HF's model and tokenizer of it, jaxpaged's engines ------------------
+@dataclasses.dataclass
+class Case:
+    gguf_path: pathlib.Path
+    hf: torch.nn.Module
+    tokenizer: object
+    prompts: list[list[int]]
+
+
+class Cases:
+    """Each family's Case and engines (one per quantization), built on first use and shared by the module."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.built: dict = {}
+
+    def __call__(self, name: str) -> Case:
+        if name not in self.built:
+            family = FAMILIES[name]
+            folder = self.tmp_path_factory.mktemp(f"gguf-{name}")
+            vocab = vocabulary(family.vocab)
+            write_gguf(folder / f"tiny-{name}.gguf", family, tiny_model(family, vocab), vocab, f"Tiny {name}")
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                str(folder), gguf_file=f"tiny-{name}.gguf", dtype=torch.float32, **family.hf_overrides).eval()
+            tok = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=f"tiny-{name}.gguf")
+            self.built[name] = Case(folder / f"tiny-{name}.gguf", hf, tok, [tok.encode(t) for t in TEXTS[:2]])
+        return self.built[name]
+
+    def engine(self, name: str, quantization: str | None = None) -> LLM:
+        if (name, quantization) not in self.built:
+            self.built[name, quantization] = LLM(model=str(self(name).gguf_path), quantization=quantization,
+                                                 dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
+                                                 seed=0)
+        return self.built[name, quantization]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """The files convert into a cache root of the module's own (the user's cache keeps no test files)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path_factory.mktemp("cache"))
+        yield Cases(tmp_path_factory)
+
+
+def _run(llm: LLM, case: Case):
+    return llm.generate([list(p) for p in case.prompts], GREEDY, use_tqdm=False)
+
+
+def _chosen(logprobs, token_ids) -> np.ndarray:
+    return np.array([entry[t].logprob for entry, t in zip(logprobs, token_ids)])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_float32_equals_hf(cases, name):
+    """Prompt logprobs within 1e-4 of HF's on the same GGUF file, and HF's greedy tokens."""
+    case = cases(name)
+    llm = cases.engine(name)
+    assert llm.llm_engine.model_config.architecture == type(case.hf).__name__
+    for out in _run(llm, case):
+        prompt, gen = out.prompt_token_ids, out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = case.hf(torch.tensor([prompt + gen])).logits[0, :-1]
+        lps = torch.log_softmax(logits.double(), -1).numpy()
+        assert gen == lps[len(prompt) - 1:].argmax(-1).tolist()
+        np.testing.assert_allclose(_chosen(out.prompt_logprobs[1:], prompt[1:]),
+                                   lps[np.arange(len(prompt) - 1), prompt[1:]], rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tokenizer_is_hfs_from_the_file(cases, name):
+    case = cases(name)
+    tok = cases.engine(name).get_tokenizer()
+    for text in TEXTS:
+        assert tok.encode(text) == case.tokenizer.encode(text)
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == case.tokenizer.decode(
+            case.tokenizer.encode(text), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gguf_blocks_give_the_dense_run(cases, name):
+    """quantization="gguf": the linear layers and the embedding stay in the file's Q8_0 blocks (Qwen2's q/k/v,
+    which have a bias, dense) and compute what the dense float32 run computes."""
+    case = cases(name)
+    quant = cases.engine(name, "gguf")
+    linears = {"embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"} - ({"qkv_proj"} if name == "qwen2"
+                                                                                     else set())
+    assert dict(quant.llm_engine.model_config.weight_quant) == dict.fromkeys(linears, "Q8_0")
+    for d, q in zip(_run(cases.engine(name), case), _run(quant, case)):
+        assert q.outputs[0].token_ids == d.outputs[0].token_ids
+        np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], q.prompt_token_ids[1:]),
+                                   _chosen(d.prompt_logprobs[1:], d.prompt_token_ids[1:]), rtol=0, atol=LOGPROB_ATOL)
+        np.testing.assert_allclose(_chosen(q.outputs[0].logprobs, q.outputs[0].token_ids),
+                                   _chosen(d.outputs[0].logprobs, d.outputs[0].token_ids), rtol=0, atol=LOGPROB_ATOL)
+
+
+# ---- conversion alone ---------------------------------------------------------------------------
+def test_a_mistral_file_is_the_llama_network_named_mistral(cases, tmp_path):
+    """llama.cpp writes Mistral as arch llama; general.name tells it apart: MistralForCausalLM, no window
+    (llama.cpp runs none for arch llama), the same weights as the Llama file's."""
+    family, vocab = FAMILIES["llama"], vocabulary("spm")
+    write_gguf(tmp_path / "m.gguf", family, tiny_model(family, vocab), vocab, "Mistral-7B-Instruct-v0.3")
+    mistral = json.loads((convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "m") / "config.json").read_text())
+    llama = json.loads((convert_gguf_to_hf(cases("llama").gguf_path, tmp_path / "l") / "config.json").read_text())
+    assert (mistral.pop("architectures"), mistral.pop("model_type")) == (["MistralForCausalLM"], "mistral")
+    assert (llama.pop("architectures"), llama.pop("model_type")) == (["LlamaForCausalLM"], "llama")
+    assert mistral == llama and "sliding_window" not in mistral
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == (tmp_path / "l" / "model.safetensors").read_bytes()
+
+
+def test_llama3_rope_freqs_become_hfs_llama3_scaling(tmp_path):
+    """Llama 3.1's divisors (theta 500000, head_dim 128) give back its parameters, and HF's llama3 inverse
+    frequencies from them."""
+    from jaxpaged.models.gguf_convert import _llama3_scaling
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    got = _llama3_scaling(llama3_rope_freqs(rope, 128), 500000.0, 128)
+    assert got == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert _llama3_scaling(np.ones(64, np.float32), 500000.0, 128) is None
+    with pytest.raises(ValueError, match="does not hold Llama 3's rope scaling"):
+        _llama3_scaling(np.linspace(1, 8, 64).astype(np.float32) ** 2, 500000.0, 128)
+
+
+def _metadata_only_gguf(path, arch: str, tensors: dict[str, np.ndarray]) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in dict(context_length=64, embedding_length=32, block_count=1, feed_forward_length=64,
+                           head_count=2, head_count_kv=1, layer_norm_rms_eps=1e-6).items():
+        getattr(w, f"add_{key}")(value)
+    for name, x in tensors.items():
+        w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_architectures_and_tensors_are_refused_by_name(tmp_path):
+    _metadata_only_gguf(tmp_path / "phi2.gguf", "phi2", {"token_embd.weight": np.zeros((8, 32), np.float32)})
+    with pytest.raises(ValueError, match="architecture 'phi2' is not supported; supported: llama, qwen2, qwen3, "
+                                         "gemma2, gemma3"):
+        convert_gguf_to_hf(tmp_path / "phi2.gguf", tmp_path / "phi2")
+    _metadata_only_gguf(tmp_path / "qwen3.gguf", "qwen3", {"blk.0.attn_q.bias": np.zeros(32, np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected GGUF tensor blk.0.attn_q.bias for architecture qwen3; "
+                                         r"supported: token_embd, output_norm, output, blk.N.\{attn_norm, "):
+        convert_gguf_to_hf(tmp_path / "qwen3.gguf", tmp_path / "qwen3")
+    assert not (tmp_path / "phi2").exists() and not (tmp_path / "qwen3").exists()
+
+
+def test_a_gguf_file_converts_once_into_a_folder_keyed_by_the_file(cases, tmp_path):
+    """Same file, same folder (no second conversion); the file changed (its modification time), a new one."""
+    src = cases("qwen2").gguf_path
+    path = tmp_path / "copy.gguf"
+    path.write_bytes(src.read_bytes())
+    os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    first = gguf_model_dir(path, tmp_path / "cache")
+    assert first.name.startswith("copy-") and first.name.endswith("-v2")
+    assert (first / "CONVERTED_FROM").read_text().splitlines()[0] == str(path.resolve())
+    (first / "marker").write_text("")
+    assert gguf_model_dir(path, tmp_path / "cache") == first and (first / "marker").exists()
+    os.utime(path, ns=(1_700_000_001_000_000_000, 1_700_000_001_000_000_000))
+    assert gguf_model_dir(path, tmp_path / "cache") != first
