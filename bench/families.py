@@ -56,7 +56,7 @@ def table(models: list[str], results: Path) -> list[dict]:
         doc = json.loads(path.read_text())
         tps = doc["metrics"]["output_tokens_per_second"]
         row = {"model": m, "output_tok_s": tps, "weight_gib": step_weight_bytes(m) / 2**30,
-               "device": doc["meta"].get("device"), "revision": doc["meta"].get("git_rev")}
+               "device": doc["meta"].get("device"), "revision": doc["meta"].get("git_revision")}
         if m == BASE:
             base = row
         rows.append(row)
