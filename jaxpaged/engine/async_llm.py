@@ -46,12 +46,15 @@ class AsyncLLM:
         """client: this process's end of the core connection; by default a CoreProcClient, which starts the
         core (running core_target). An extra API process (--api-server-count) passes its CoreChannel."""
         self.args = args
+        # A GGUF file converts here, once, before the core reads its folder (both converting it would hold
+        # the dequantized weights twice); for a folder this returns at once.
+        model_path = resolve_model_path(args.model)
         # The core starts first: it loads and compiles while this process imports transformers (seconds:
         # it brings torch) and loads the tokenizer.
         self.client = CoreProcClient(args, core_target) if client is None else client
         try:
             from jaxpaged.engine.tokenizer import load_tokenizer
-            self.tokenizer = load_tokenizer(args.tokenizer or resolve_model_path(args.model))
+            self.tokenizer = load_tokenizer(args.tokenizer or model_path)
             prepare_detokenizer(self.tokenizer)
             self.info = self.client.wait_ready()
         except BaseException:

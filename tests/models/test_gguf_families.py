@@ -360,3 +360,24 @@ def test_a_gguf_file_converts_once_into_a_folder_keyed_by_the_file(cases, tmp_pa
     assert gguf_model_dir(path, tmp_path / "cache") == first and (first / "marker").exists()
     os.utime(path, ns=(1_700_000_001_000_000_000, 1_700_000_001_000_000_000))
     assert gguf_model_dir(path, tmp_path / "cache") != first
+
+
+def test_a_large_model_converts_into_shards_the_loader_reads(cases, tmp_path, monkeypatch):
+    """Files of at most _SHARD_BYTES (the converter holds one at a time), indexed as HF shards; the loaded
+    weights are the single file's."""
+    import jax
+
+    from jaxpaged.models import gguf_convert
+    from jaxpaged.models.loader import load_model
+    src = cases("qwen2").gguf_path
+    one = convert_gguf_to_hf(src, tmp_path / "one")
+    monkeypatch.setattr(gguf_convert, "_SHARD_BYTES", 40_000)
+    sharded = convert_gguf_to_hf(src, tmp_path / "sharded")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0].endswith(f"-of-{len(files):05d}.safetensors")
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == files
+    assert not (sharded / "model.safetensors").exists() and not list(one.glob("*.index.json"))
+    a, b = (load_model(folder, dtype="float32").params for folder in (one, sharded))
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()), a, b))
+
