@@ -244,7 +244,7 @@ def _hf_config(reader, arch_name: str, arch: _Arch, shapes: dict[str, list[int]]
         "hidden_act": "silu",
         "tie_word_embeddings": "lm_head.weight" not in shapes,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_token_ids(reader),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
     }
@@ -256,6 +256,17 @@ def _hf_config(reader, arch_name: str, arch: _Arch, shapes: dict[str, list[int]]
     if arch_name in ("gemma2", "gemma3"):
         config.update(_gemma_config(key, arch_name, hidden, num_heads, head_dim, num_layers))
     return config
+
+
+def _eos_token_ids(reader) -> int | list[int] | None:
+    """The file's EOS id, and its end-of-turn and end-of-message ids where it states them (llama.cpp ends a
+    generation at any of them): one id as an int, several as a list."""
+    ids: list[int] = []
+    for kind in ("eos", "eot", "eom"):
+        token_id = _field(reader, f"tokenizer.ggml.{kind}_token_id")
+        if token_id is not None and token_id not in ids:
+            ids.append(int(token_id))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def _gemma_config(key, arch_name: str, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict:

@@ -101,12 +101,13 @@ def vocabulary(kind: str) -> dict:
         return dict(model="gpt2", tokens=tokens + specials, types=[1] * len(tokens) + [3] * 3, merges=merges,
                     ids=dict(eos=eos, pad=eos), add_bos=False)
     # SentencePiece as llama.cpp writes it: control tokens, 256 byte tokens, pieces by descending score
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if kind == "gemma" else ["<unk>", "<s>", "</s>"]
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<end_of_turn>"] if kind == "gemma" else ["<unk>", "<s>", "</s>"]
     pieces = ["▁"] + sorted(set("".join(WORDS)))
     _merged(WORDS + ["▁" + w for w in WORDS], pieces)
     types = [3] * len(specials) + [6] * 256 + [1] * len(pieces)
     types[specials.index("<unk>")] = 2
-    ids = dict(pad=0, eos=1, bos=2, unk=3) if kind == "gemma" else dict(unk=0, bos=1, eos=2)
+    # Gemma's: an end-of-turn token as well (llama.cpp ends a generation at it)
+    ids = dict(pad=0, eos=1, bos=2, unk=3, eot=4) if kind == "gemma" else dict(unk=0, bos=1, eos=2)
     return dict(model="llama", tokens=specials + [f"<0x{i:02X}>" for i in range(256)] + pieces, types=types,
                 scores=[0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))], ids=ids,
                 add_bos=True)
@@ -258,6 +259,8 @@ def test_float32_equals_hf(cases, name):
     case = cases(name)
     llm = cases.engine(name)
     assert llm.llm_engine.model_config.architecture == type(case.hf).__name__
+    # the file's EOS, and Gemma's end-of-turn token (tokenizer.ggml.eot_token_id), end a request
+    assert set(llm.llm_engine.eos_token_ids) == {case.tokenizer.eos_token_id} | ({4} if "gemma" in name else set())
     for out in _run(llm, case):
         prompt, gen = out.prompt_token_ids, out.outputs[0].token_ids
         with torch.no_grad():
