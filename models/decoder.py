@@ -118,18 +118,21 @@ def _dot_t(x, w, dtype):
 
 
 class GGUFLinear(nn.Module):
-    """y = x @ W.T with W kept in GGUF blocks (uint8[features, blocks of the input dim]) and expanded inside
-    the program (jaxpaged/quantization/gguf_blocks.py): the device holds the file's bytes."""
+    """y = x @ W.T (+ b) with W kept in GGUF blocks (uint8[features, blocks of the input dim]) and expanded
+    inside the program (jaxpaged/quantization/gguf_blocks.py): the device holds the file's bytes. The bias
+    (Qwen2's q/k/v) is dense."""
     features: int
     in_features: int
     qtype: str
     dtype: Any
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x):
         qweight = self.param("qweight", nn.initializers.zeros,
                              _blocks_shape(self.features, self.in_features, self.qtype), jnp.uint8)
-        return _dot_t(x, dequantize(qweight, self.qtype), self.dtype)
+        y = _dot_t(x, dequantize(qweight, self.qtype), self.dtype)
+        return y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype) if self.use_bias else y
 
 
 class GGUFEmbed(nn.Module):
@@ -245,9 +248,7 @@ def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bo
     if qtype.startswith("fp8"):
         static, block_cols = fp8.parse_scheme_name(qtype)
         return Fp8Linear(features, in_features, static, block_cols, bias, dtype, name=name)
-    if bias:
-        raise ValueError(f"{name}: GGUF-quantized linear layers with a bias are not supported")
-    return GGUFLinear(features, in_features, qtype, dtype, name=name)
+    return GGUFLinear(features, in_features, qtype, dtype, bias, name=name)
 
 
 class Attention(nn.Module):

@@ -81,23 +81,18 @@ def _gguf_reader(model_dir: os.PathLike):
 
 def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     """(linear name, GGUF type) for each linear layer whose tensors are quantized blocks of one supported
-    type in every layer. Float tensors stay dense, and so does a linear layer with a bias (Qwen2's q/k/v:
-    the decoder's GGUFLinear has none); anything else is refused, naming what is supported."""
+    type in every layer (a bias, Qwen2's q/k/v, stays dense beside the blocks). Float tensors stay dense;
+    anything else is refused, naming what is supported."""
     from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES
     types: dict[str, set] = {}
-    biased: set[str] = set()
     for t in reader.tensors:
         parts = t.name.split(".")
         name = "embed_tokens" if t.name == GGUF_EMBEDDING else \
             GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
-        if name is not None and parts[-1] == "bias":
-            biased.add(name)
-        elif name is not None:
+        if name is not None and parts[-1] != "bias":
             types.setdefault(name, set()).add(t.tensor_type.name)
     out = []
     for linear, found in sorted(types.items()):
-        if linear in biased:
-            continue
         if len(found) > 1:
             raise ValueError(f"GGUF {linear}: its tensors come in several types ({', '.join(sorted(found))}); "
                              "one type per linear layer is supported")

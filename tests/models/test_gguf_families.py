@@ -283,12 +283,11 @@ def test_tokenizer_is_hfs_from_the_file(cases, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gguf_blocks_give_the_dense_run(cases, name):
-    """quantization="gguf": the linear layers and the embedding stay in the file's Q8_0 blocks (Qwen2's q/k/v,
-    which have a bias, dense) and compute what the dense float32 run computes."""
+    """quantization="gguf": the linear layers and the embedding stay in the file's Q8_0 blocks (Qwen2's q/k/v
+    with their dense bias beside) and compute what the dense float32 run computes."""
     case = cases(name)
     quant = cases.engine(name, "gguf")
-    linears = {"embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"} - ({"qkv_proj"} if name == "qwen2"
-                                                                                     else set())
+    linears = {"embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert dict(quant.llm_engine.model_config.weight_quant) == dict.fromkeys(linears, "Q8_0")
     for d, q in zip(_run(cases.engine(name), case), _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
