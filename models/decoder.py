@@ -255,13 +255,18 @@ class Attention(nn.Module):
     cfg: DecoderConfig
     dtype: Any
     options: RuntimeOptions
+    # The layer's kind (config.layer_kinds) when the program knows it (per-layer and unrolled dispatch), else
+    # None: read at the traced layer index, the window then picked by lax.switch (the layer scan). A switch on
+    # the GPU reads its index back to the host before it branches, so the host waits for the device at every
+    # layer; a known kind compiles one branch.
+    kind: int | None = None
 
     @nn.compact
     def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
         """cos, sin: f32[rope kinds, T, P] (rope_cos_sin); the layer takes its kind's."""
         c = self.cfg
         kinds = c.layer_kinds()
-        kind = jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
+        kind = self.kind if self.kind is not None else jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
         rope_kind = kind if c.local_rope is not None else 0      # (local_rope only when layers differ)
         cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
@@ -295,6 +300,8 @@ class Attention(nn.Module):
         windows = c.attention_windows()
         if len(windows) == 1:
             o = attend(windows[0])
+        elif isinstance(kind, int):
+            o = attend(windows[kind])
         else:       # layers of both kinds: the layer index (traced under the scan) picks the window
             o = jax.lax.switch(kind, [lambda w=w: attend(w) for w in windows])
         o = o.reshape(-1, c.num_heads * c.head_dim)
@@ -320,12 +327,13 @@ class DecoderLayer(nn.Module):
     cfg: DecoderConfig
     dtype: Any
     options: RuntimeOptions
+    kind: int | None = None         # Attention's
 
     @nn.compact
     def __call__(self, carry, meta: AttentionMetadata, cos, sin):
         h, kv_cache, layer_idx = carry
         c, dtype = self.cfg, self.dtype
-        attn_out, kv_cache = Attention(c, dtype, self.options, name="self_attn")(
+        attn_out, kv_cache = Attention(c, dtype, self.options, self.kind, name="self_attn")(
             _norm(c, dtype, "input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
         if c.sandwich_norms:        # Gemma: post_attention_layernorm norms attention's output
             h = h + _norm(c, dtype, "post_attention_layernorm")(attn_out)
@@ -438,9 +446,10 @@ def embed_phase(cfg: DecoderConfig, dtype, params, token_ids, meta: AttentionMet
 
 
 def layer_phase(cfg: DecoderConfig, dtype, options: RuntimeOptions, layer_params, h, kv_cache, layer_idx,
-                meta: AttentionMetadata, cos, sin):
-    """One decoder layer on its own weights -> (h, kv_cache)."""
-    (h, kv_cache, _), _ = DecoderLayer(cfg, dtype, options).apply(
+                meta: AttentionMetadata, cos, sin, kind: int | None = None):
+    """One decoder layer on its own weights -> (h, kv_cache). kind: the layer's (config.layer_kinds), when
+    known where the program is traced."""
+    (h, kv_cache, _), _ = DecoderLayer(cfg, dtype, options, kind).apply(
         {"params": layer_params}, (h, kv_cache, layer_idx), meta, cos, sin)
     return h, kv_cache
 

@@ -34,22 +34,31 @@ def _pre(params, prev_sampled, ints, floats, *, layout, cfg, dtype):
     return h, cos, sin, model_input, sampling
 
 
-def _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype, options: RuntimeOptions):
-    """The layers first_idx, first_idx + 1, ... on their own weights (a tuple of per-layer trees), unrolled."""
+def _layers(group_params, h, kv_cache, first_idx, meta, cos, sin, *, cfg, dtype, options: RuntimeOptions,
+            kinds: tuple[int, ...] | None = None):
+    """The layers first_idx, first_idx + 1, ... on their own weights (a tuple of per-layer trees), unrolled.
+    kinds: each layer's kind (config.layer_kinds) where the layers differ, so each compiles its own window
+    (no switch on the device)."""
     for j, lp in enumerate(group_params):
-        h, kv_cache = layer_phase(cfg, dtype, options, lp, h, kv_cache, first_idx + j, meta, cos, sin)
+        h, kv_cache = layer_phase(cfg, dtype, options, lp, h, kv_cache, first_idx + j, meta, cos, sin,
+                                  None if kinds is None else kinds[j])
     return h, kv_cache
 
 
-_layers_jit = jax.jit(_layers, static_argnames=("cfg", "dtype", "options"), donate_argnames=("h", "kv_cache"))
+_layers_jit = jax.jit(_layers, static_argnames=("cfg", "dtype", "options", "kinds"),
+                      donate_argnames=("h", "kv_cache"))
 
 
-def group_layers(layer_params: list, layer_ids: list, group: int) -> list[tuple]:
-    """[(a group's per-layer trees as a tuple, its first layer's device index)], `group` layers each (the
-    last may be smaller); built once, so a step only walks the list."""
+def group_layers(layer_params: list, layer_ids: list, group: int,
+                 layer_kinds: tuple[int, ...] = ()) -> list[tuple]:
+    """[(a group's per-layer trees as a tuple, its first layer's device index, its layers' kinds or None)],
+    `group` layers each (the last may be smaller); built once, so a step only walks the list. layer_kinds:
+    the model's (config.layer_kinds; () when its layers are alike). Groups of one size and kinds run one
+    program."""
     if group < 1:        # range(0, L, -1) would run no layer at all
         raise ValueError(f"layers per dispatch must be at least 1, got {group}")
-    return [(tuple(layer_params[first:first + group]), layer_ids[first])
+    return [(tuple(layer_params[first:first + group]), layer_ids[first],
+             tuple(layer_kinds[first:first + group]) or None)
             for first in range(0, len(layer_params), group)]
 
 
@@ -70,13 +79,14 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
 
         def forward(tokens, kv, meta):
             h, cos, sin = embed_phase(cfg, dtype, params, tokens, meta)
-            h, kv = _layers(layer_params, h, kv, 0, meta, cos, sin, cfg=cfg, dtype=dtype, options=options)
+            h, kv = _layers(layer_params, h, kv, 0, meta, cos, sin, cfg=cfg, dtype=dtype, options=options,
+                            kinds=cfg.layer_kinds() or None)
             return head_phase(cfg, dtype, params, h, model_input.logits_indices)[0], kv
         return decode_steps(forward, kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)
     h, cos, sin, model_input, sampling = _pre.__wrapped__(params, prev_sampled, ints, floats, layout=layout,
                                                           cfg=cfg, dtype=dtype)
     h, kv_cache = _layers(layer_params, h, kv_cache, 0, model_input.meta, cos, sin, cfg=cfg, dtype=dtype,
-                          options=options)
+                          options=options, kinds=cfg.layer_kinds() or None)
     sampled_buf, result = _post.__wrapped__(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
                                             flags=flags)
     return kv_cache, sampled_buf, result
@@ -97,7 +107,7 @@ class GroupedStep:
         """The step -> (kv_cache, sampled_buf, results), as step.packed_step."""
         h, cos, sin, model_input, sampling = self.pre(params, prev_sampled, ints, floats)
         meta = model_input.meta
-        for (group_params, first_idx), layers in zip(layer_groups, self.layers):
+        for (group_params, first_idx, _), layers in zip(layer_groups, self.layers):
             h, kv_cache = layers(group_params, h, kv_cache, first_idx, meta, cos, sin)
         sampled_buf, result = self.post(params, h, prev_sampled, model_input, sampling)
         return kv_cache, sampled_buf, result
@@ -116,14 +126,16 @@ def program_keys(layer_groups, *, layout, options: RuntimeOptions, flags: Sample
     """What tells each program of a step apart (the executable cache's keys): which program it is, the
     step's input layout, and the static arguments it takes. A group's key names its size, not its place:
     groups of one size run one program, and so do the embeddings (heads) of buckets with one layout."""
-    return GroupedStep(("pre", layout), tuple(("layers", len(g), layout, options) for g, _ in layer_groups),
+    return GroupedStep(("pre", layout), tuple(("layers", len(g), kinds, layout, options)
+                                              for g, _, kinds in layer_groups),
                        ("post", layout, flags))
 
 
 def jitted(layer_groups, *, layout, cfg, dtype, options: RuntimeOptions, flags: SamplerFlags) -> GroupedStep:
     """The step's programs as jitted functions."""
-    layers = functools.partial(_layers_jit, cfg=cfg, dtype=dtype, options=options)
-    return GroupedStep(functools.partial(_pre, layout=layout, cfg=cfg, dtype=dtype), (layers,) * len(layer_groups),
+    layers = tuple(functools.partial(_layers_jit, cfg=cfg, dtype=dtype, options=options, kinds=kinds)
+                   for _, _, kinds in layer_groups)
+    return GroupedStep(functools.partial(_pre, layout=layout, cfg=cfg, dtype=dtype), layers,
                        functools.partial(_post, cfg=cfg, dtype=dtype, flags=flags))
 
 
@@ -138,7 +150,7 @@ def program_specs(params, layer_groups, kv_cache, prev_sampled, ints, floats, *,
     return GroupedStep(
         ProgramSpec(_pre, (params, prev_sampled, ints, floats), dict(layout=layout, cfg=cfg, dtype=dtype), ()),
         tuple(ProgramSpec(_layers_jit, (group_params, h, kv_cache, first_idx, model_input.meta, cos, sin),
-                          layers_kw, (1, 2)) for group_params, first_idx in layer_groups),
+                          dict(layers_kw, kinds=kinds), (1, 2)) for group_params, first_idx, kinds in layer_groups),
         ProgramSpec(_post, (params, h, prev_sampled, model_input, sampling), dict(cfg=cfg, dtype=dtype, flags=flags),
                     (2,)))
 

@@ -50,7 +50,8 @@ class StepPrograms:
             self.params = {k: v for k, v in params.items() if k != "layers"}
             layer_ids = [jnp.asarray(i, jnp.int32) for i in range(len(layer_params))]
             self.layer_groups = layerwise.group_layers(layer_params, layer_ids,
-                                                       run.layers_per_dispatch or len(layer_params))
+                                                       run.layers_per_dispatch or len(layer_params),
+                                                       cfg.layer_kinds())
         else:
             self.params, self.layer_groups = params, None
         self.host_inputs = HostInputs()
@@ -59,7 +60,8 @@ class StepPrograms:
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
-            shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, self.layer_groups))
+            groups = None if self.layer_groups is None else [g[:2] for g in self.layer_groups]   # the arrays
+            shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, groups))
             self.exec_cache = ExecutableCache(pathlib.Path(exec_cache_root), fingerprint(
                 cfg, str(jnp.dtype(dtype)), run.attention_backend, (run.layer_dispatch, "pinned inputs"),
                 kv_cache_shape, max_blocks_per_req, max_rows, shapes))
@@ -161,7 +163,7 @@ class StepPrograms:
         n = min(self.run.lowering_processes, len(missing))
         positions = [tuple(order.index(k) for k in new) for _, order, new in missing]
         shares = [list(range(first, len(missing), n)) for first in range(n)]
-        layers = None if self.layer_groups is None else [lp for group, _ in self.layer_groups for lp in group]
+        layers = None if self.layer_groups is None else [lp for group, *_ in self.layer_groups for lp in group]
         params = abstract(self.params if layers is None else dict(self.params, layers=layers))
         jobs = [LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,
                             self.max_blocks_per_req, self.max_rows, params, jax.devices()[0].device_kind,

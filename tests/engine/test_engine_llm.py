@@ -130,11 +130,11 @@ def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory):
                     num_key_value_heads=1, initializer_range=0.2)
     scan = make_llm((str(d),), layer_dispatch="scan")
     grouped = make_llm((str(d),), layer_dispatch="per_layer")
-    assert [len(g) for g, _ in grouped.llm_engine.runner.programs.layer_groups] == [4, 1]
+    assert [len(g) for g, *_ in grouped.llm_engine.runner.programs.layer_groups] == [4, 1]
     want = [o.outputs[0].token_ids for o in scan.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in grouped.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     unrolled = make_llm((str(d),), layer_dispatch="unrolled")
-    assert [len(g) for g, _ in unrolled.llm_engine.runner.programs.layer_groups] == [5]
+    assert [len(g) for g, *_ in unrolled.llm_engine.runner.programs.layer_groups] == [5]
     assert [o.outputs[0].token_ids for o in unrolled.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     with pytest.raises(ValueError, match="layer_dispatch must be one of scan, per_layer, unrolled"):
         make_llm((str(d),), layer_dispatch="layerwise")

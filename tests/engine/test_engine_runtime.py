@@ -159,7 +159,7 @@ def test_per_layer_programs_compile_in_parallel_once_and_load_warm(tmp_path_fact
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(jax.stages.Lowered, "compile", compile_)
         cold = LLM(**kw)
-    assert [len(g) for g, _ in cold.llm_engine.runner.programs.layer_groups] == [4, 1]
+    assert [len(g) for g, *_ in cold.llm_engine.runner.programs.layer_groups] == [4, 1]
     buckets = cold.llm_engine.buckets.all_buckets()
     layouts = {(b.padded_num_tokens, b.padded_num_reqs) for b in buckets}
     assert len(buckets) == 4 and len(layouts) == 3

@@ -105,9 +105,11 @@ def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
     np.testing.assert_allclose(np.asarray(lp), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
 def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
-    """embed -> layer x L (each on its own weights) -> head gives the scanned model's logits and cache."""
+    """embed -> layer x L (each on its own weights) -> head gives the scanned model's logits and cache.
+    Gemma 2's layers differ (windowed and full): each layer program is given its kind and compiles that
+    layer's attention alone, no switch on the layer index (the scan's)."""
     from jaxpaged.models import decoder
 
     save_tiny_model(family, tmp_path)
@@ -125,8 +127,14 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     assert len(layers) == cfg.num_layers
     h, cos, sin = decoder.embed_phase(cfg, jnp.float32, rest, token_ids, meta)
     kv = runner.kv
+    kinds = cfg.layer_kinds() or (None,) * cfg.num_layers
+    assert (family == "gemma2") == (kinds[0] is not None)
     for i, lp in enumerate(layers):
-        h, kv = decoder.layer_phase(cfg, jnp.float32, decoder.RuntimeOptions(), lp, h, kv, jnp.int32(i), meta, cos, sin)
+        phase = jax.jit(lambda *a, kind=kinds[i]: decoder.layer_phase(cfg, jnp.float32, decoder.RuntimeOptions(),
+                                                                      *a, kind=kind))
+        args = (lp, h, kv, jnp.int32(i), meta, cos, sin)
+        assert "stablehlo.case" not in phase.lower(*args).as_text()
+        h, kv = phase(*args)
     got, _ = decoder.head_phase(cfg, jnp.float32, rest, h, idx)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(kv), np.asarray(want_kv), rtol=1e-5, atol=1e-6)
