@@ -142,6 +142,22 @@ def test_layer_groups_that_do_not_divide_the_layers(tmp_path_factory):
         group_layers([{}] * 5, list(range(5)), 0)
 
 
+def test_layer_groups_of_differing_layers(tmp_path_factory):
+    """Gemma 2's layers alternate windowed and full attention (window 24, shorter than the requests): per-layer
+    groups of 4 and 1 layers, and all 5 unrolled, each compile their layers' own windows, and give the layer
+    scan's greedy tokens (the scan picks each layer's window with a switch on the layer index)."""
+    from conftest import save_tiny_model
+    d = tmp_path_factory.mktemp("tiny_gemma2_5")
+    save_tiny_model("gemma2", d, num_hidden_layers=5, initializer_range=0.2)
+    prompts = [{"prompt_token_ids": RNG.integers(3, 320, n).tolist()} for n in (30, 41, 7)]
+    scan = make_llm((str(d),), layer_dispatch="scan")
+    want = [o.outputs[0].token_ids for o in scan.generate(prompts, GREEDY, use_tqdm=False)]
+    for dispatch, groups in (("per_layer", [(1, 0, 1, 0), (1,)]), ("unrolled", [(1, 0, 1, 0, 1)])):
+        llm = make_llm((str(d),), layer_dispatch=dispatch)
+        assert [kinds for *_, kinds in llm.llm_engine.runner.programs.layer_groups] == groups
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
 def test_prefix_cache_reports_cached_tokens(llm):
     outs = llm.generate([PROMPTS[2], PROMPTS[2]], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
