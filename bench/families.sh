@@ -13,7 +13,7 @@ for m in $MODELS; do
   echo "== $m"
   t0=$(date +%s)
   $PY "$REPO/bench/throughput.py" --no-tqdm --dataset sharegpt --model "$m" --max-model-len 4096 \
-      --result-name "families-$m" 2>&1 | grep -E "Throughput|Run config|startup|Error|error|WARNING" | tail -8
+      --result-name "families-$m" 2>&1 | grep -E "Throughput|Run config|KV cache:|startup|Error|error|WARNING" | tail -9
   echo "   ($(( $(date +%s) - t0 )) s)"
 done
 $PY "$REPO/bench/families.py" --models "$(echo $MODELS | tr ' ' ',')" --results "$REPO/bench/results" 2>&1 | tail -15 || true
