@@ -78,6 +78,12 @@ def test_real_sharegpt_sample(tmp_path, monkeypatch):
     # cached: the GPU image replays the identical sample without the dataset package
     cached = ds.load_cached(ds._cache_path("sharegpt", "llama3-8b", 1000, 0))
     assert cached == reqs
+    # the families (bench/families.sh) run llama3-8b's sample: its lengths, ids within their own vocabulary
+    for model, vocab in (("mistral-7b", 32000), ("gemma-2-9b", 256000)):
+        fam = get_dataset("sharegpt", model, num_prompts=1000, seed=0)
+        assert [(len(f.prompt_token_ids), f.output_len) for f in fam] == \
+            [(len(r.prompt_token_ids), r.output_len) for r in reqs]
+        assert [f.prompt_token_ids for f in fam] == [[t % vocab for t in r.prompt_token_ids] for r in reqs]
 
 
 def test_tokenizers_match_tiktoken():
