@@ -133,6 +133,10 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
 # the dot kernel. One: on the H100 (llama3-8b's qkv and o, bench_matmul.py) the GEMV kernel at 4 rows took
 # 39.3 / 25.1 us, the dot kernel at 16 rows 26.3 / 19.8.
 GEMV_MAX_ROWS = 1
+# Warps of the GEMV kernel. 8 took 19.8 / 13.2 us on qkv and o at one row against 4 warps' 22.6 / 15.7, but
+# llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
+# included): 4.
+GEMV_WARPS = 4
 # The bits of the float 2**23: OR-ing a 4-bit q into its lowest mantissa bits gives the float 2**23 + q, so
 # subtracting 2**23 + zero leaves q - zero exactly, without an int -> float conversion (a slow instruction).
 _MAGIC_BITS = 0x4B000000
@@ -207,13 +211,12 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
                                              "num_stages", "interpret"))
 def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_n: int | None = None,
-                num_splits: int | None = None, slabs_per_iter: int = 1, num_warps: int = 4, num_stages: int = 3,
-                interpret: bool | None = None) -> jax.Array:
+                num_splits: int | None = None, slabs_per_iter: int = 1, num_warps: int | None = None,
+                num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N], scales and zeros dtype[K/G, N]
-    (the layout in the module docstring). Tiling None: choose_int4_tiling's. slabs_per_iter (GEMV kernel):
-    slabs loaded per loop iteration; it must divide each split's slabs. num_warps: 4 for both kernels; on the
-    H100 8 made the GEMV kernel faster on qkv and o at one row (19.8 / 13.2 against 22.6 / 15.7 us) but
-    llama3-8b's one-request decode slower (4.65 against 4.38 ms a token, the MLP's larger layers included)."""
+    (the layout in the module docstring). Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the
+    GEMV kernel, 4 for the dot kernel. slabs_per_iter (GEMV kernel):
+    slabs loaded per loop iteration; it must divide each split's slabs."""
     m, k = x.shape
     k8, n = qweight.shape
     if x.ndim != 2 or k8 * 8 != k or qweight.dtype != jnp.int32:
@@ -232,6 +235,8 @@ def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_
     slabs = k // PACK_ROWS
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
+    if num_warps is None:
+        num_warps = GEMV_WARPS if m <= GEMV_MAX_ROWS else 4
     if m <= GEMV_MAX_ROWS:
         if (slabs // num_splits) % slabs_per_iter:
             raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
