@@ -46,7 +46,7 @@ if [ $FP8_KV = 1 ]; then
   echo "== decode attention, bf16 against fp8 cache (bench_kernels.py --fp8-cache)"
   timeout 260 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode \
     --fp8-cache --decode-shapes 256x4096,64x4096 --budget-s 200 2>&1 | grep -E "fp8_speedup|failed" \
-    | grep -oE '"layout"[^,]*, "seqs"[^,]*, "ctx"[^,]*|"default_us"[^,]*|"fp8_[a-z_]*(\[[0-9x]*\])?": [^,}]*|failed.*' \
+    | grep -oE '"layout"[^,]*, "seqs"[^,]*, "ctx"[^,]*|"default_us"[^,]*|"fp8_[a-z0-9_]*(\[[0-9x]*\])?": [^,}]*|failed.*' \
     | tr '\n' ' ' | sed 's/"layout"/\n"layout"/g'; echo
 fi
 if [ $FP8_TPUT = 1 ]; then

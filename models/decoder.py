@@ -464,9 +464,14 @@ def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targ
     return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, cfg.final_soft_cap)
 
 
-def kv_cache_dtype(cfg: DecoderConfig, dtype):
-    """The pool's dtype: the model's, or e4m3 with --kv-cache-dtype fp8."""
-    return pallas_kernels.FP8_CACHE_DTYPE if cfg.kv_cache_dtype == "fp8" else dtype
+def kv_cache_dtype(cfg: DecoderConfig, dtype, platform: str):
+    """The pool's dtype: the model's, or e4m3 with --kv-cache-dtype fp8 (held as bytes); on the CPU a bf16
+    pool holds its values' bits (pallas_kernels.CPU_BF16_CACHE_DTYPE)."""
+    if cfg.kv_cache_dtype == "fp8":
+        return pallas_kernels.FP8_CACHE_DTYPE
+    if platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16:
+        return pallas_kernels.CPU_BF16_CACHE_DTYPE
+    return dtype
 
 
 def kv_cache_shape(cfg: DecoderConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

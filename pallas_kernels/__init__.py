@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 
-from ._checks import FP8_CACHE_DTYPE, is_hopper
+from ._checks import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, cache_values_dtype, is_hopper
 from .kv_write import write_kv_pallas, write_kv_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
@@ -38,9 +38,9 @@ BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # 32 pairs).
 MOSAIC_DECODE_MIN_PAIRS = 128
 
-__all__ = ["BACKENDS", "FP8_CACHE_DTYPE", "attention", "is_hopper", "paged_decode_attention",
-           "paged_decode_attention_reference", "ragged_paged_attention_reference", "ragged_paged_attention_xla",
-           "write_kv", "write_kv_reference"]
+__all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype", "is_hopper",
+           "paged_decode_attention", "paged_decode_attention_reference", "ragged_paged_attention_reference",
+           "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
 
 
 def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
@@ -62,8 +62,8 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     lower for a GPU from a process without one (the engine's lowering workers) name both.
     kv_scales: (k_scale, v_scale) f32[] for an e4m3 cache (FP8_CACHE_DTYPE), whose K/V hold k / k_scale and
     v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
-    convert each tile to q's dtype. (The Mosaic GPU kernels take bf16/fp16 caches only: an e4m3 cache runs
-    the Triton kernels.)
+    convert each tile as they load it (to float16 beside a 16-bit q: _checks.dot_dtype). (The Mosaic GPU
+    kernels take bf16/fp16 caches only: an e4m3 cache runs the Triton kernels.)
     alibi_slopes: f32[N] or None: ALiBi's bias slope[n] * (key position - query position) on head n's
     scores (the Mosaic GPU kernels have none: the Triton kernels run).
     """

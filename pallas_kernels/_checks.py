@@ -8,16 +8,41 @@ import jax.numpy as jnp
 # and reinterpreted where read. Why bytes: XLA's CPU backend widens every op on an e4m3 (or bf16) array to
 # f32, so each step's scatter into an e4m3 pool converted and copied the whole pool (~1 s a layer on a
 # 0.5 GiB pool; a uint8 scatter is in place); on the GPU the reinterpretation is free. Each K/V tile is
-# converted to q's dtype as it is loaded; the per-layer scales are the caller's (pallas_kernels.attention).
+# converted as it is loaded, to the dots' dtype (dot_dtype); the per-layer scales are the caller's
+# (pallas_kernels.attention).
 FP8_CACHE_DTYPE = jnp.uint8
 FP8_MAX = 448.0          # e4m3fn's largest finite value: writes saturate there
+# A bf16 pool on the CPU, for the same reason: its bf16 values held as their bits (uint16). XLA:CPU widens a
+# scatter into a bf16 pool, or a gather from it, to f32 over the whole pool; on GPUs the pool is bf16.
+CPU_BF16_CACHE_DTYPE = jnp.uint16
+
+
+def cache_values_dtype(cache_dtype):
+    """The dtype of the values a pool of cache_dtype holds (its own, or what its bytes or bits stand for)."""
+    held = {jnp.dtype(FP8_CACHE_DTYPE): jnp.dtype(jnp.float8_e4m3fn),
+            jnp.dtype(CPU_BF16_CACHE_DTYPE): jnp.dtype(jnp.bfloat16)}
+    return held.get(jnp.dtype(cache_dtype), jnp.dtype(cache_dtype))
 
 
 def from_cache(x, dtype):
-    """Cache values (a loaded tile, or gathered blocks) in dtype: e4m3 bytes are reinterpreted first."""
+    """Cache values (a loaded tile, or gathered blocks) in dtype: e4m3 bytes and bf16 bits are reinterpreted
+    first."""
     if x.dtype == FP8_CACHE_DTYPE:
         x = jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
+    elif x.dtype == CPU_BF16_CACHE_DTYPE:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
     return x.astype(dtype)
+
+
+def dot_dtype(q_dtype, cache_dtype):
+    """The dtype the Triton kernels' dots take: q's, but float16 over an e4m3 cache when q is 16-bit.
+    On Hopper one instruction converts two e4m3 values to float16 (cvt.rn.f16x2.e4m3x2); to bfloat16 they go
+    through float16 and then each value on its own, and over an e4m3 pool the decode kernel is bound by
+    those conversions, not by the halved bytes. float16 holds e4m3's values exactly and q and the
+    probabilities well inside its range, with more mantissa than bfloat16; the dots accumulate in float32."""
+    if cache_dtype == FP8_CACHE_DTYPE and jnp.dtype(q_dtype).itemsize == 2:
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(q_dtype)
 
 
 def to_cache(x, cache_dtype):
@@ -25,6 +50,8 @@ def to_cache(x, cache_dtype):
     if cache_dtype == FP8_CACHE_DTYPE:
         x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
         return jax.lax.bitcast_convert_type(x, FP8_CACHE_DTYPE)
+    if cache_dtype == CPU_BF16_CACHE_DTYPE:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), CPU_BF16_CACHE_DTYPE)
     return x.astype(cache_dtype)
 
 

@@ -1,6 +1,7 @@
 """KV writes: scatter this step's new K/V into the block pool by slot mapping.
 
-  kv_cache:     dtype[L, 2, B, K, S, D]   (or e4m3 bytes, FP8_CACHE_DTYPE: values saturate at +-448)
+  kv_cache:     dtype[L, 2, B, K, S, D]   (or e4m3 bytes, FP8_CACHE_DTYPE: values saturate at +-448; or bf16
+                                         bits on the CPU, CPU_BF16_CACHE_DTYPE)
   k, v:         dtype[T, K, D]
   slot_mapping: i32[T]     slot = block_id * S + offset; padding tokens use slot 0..S-1 (the null block)
 

@@ -115,8 +115,9 @@ class EngineCore:
         from jaxpaged.runner.buckets import BucketPolicy
         from jaxpaged.runner.model_runner import ModelRunner
         from jaxpaged.models import kv_cache_dtype
+        from jaxpaged.pallas_kernels import cache_values_dtype
         args, cfg = self.args, loaded.config
-        pool_dtype = kv_cache_dtype(cfg, loaded.dtype)
+        pool_dtype = kv_cache_dtype(cfg, loaded.dtype, run.platform)
         per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, pool_dtype)
         activations = self._activation_estimate(cfg, run.max_num_batched_tokens, run.max_num_seqs)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
@@ -139,7 +140,7 @@ class EngineCore:
         self.kv_cache_tokens = tokens = (size.num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s), %d tokens of context; maximum concurrency "
                     "for %d tokens per request: %.2fx", size.num_blocks - 1, args.block_size,
-                    size.num_blocks * per_block / 2**30, np.dtype(pool_dtype).name, tokens, run.max_model_len,
+                    size.num_blocks * per_block / 2**30, cache_values_dtype(pool_dtype).name, tokens, run.max_model_len,
                     tokens / run.max_model_len)
         if tokens < run.max_model_len:      # vLLM refuses to start here; this engine refuses such requests
             logger.warning("The KV cache holds %d tokens, fewer than max_model_len=%d: a request needing more "

@@ -22,7 +22,8 @@ def _serve(job: LoweringJob, out) -> None:
     dtype = jnp.dtype(job.dtype)
     programs = StepPrograms(job.params, job.cfg, dtype, job.run, job.pool_shape, job.max_blocks_per_req,
                             job.max_rows, None)
-    state = types.SimpleNamespace(kv_cache=jax.ShapeDtypeStruct(job.pool_shape, kv_cache_dtype(job.cfg, dtype)),
+    pool_dtype = kv_cache_dtype(job.cfg, dtype, job.run.platform)
+    state = types.SimpleNamespace(kv_cache=jax.ShapeDtypeStruct(job.pool_shape, pool_dtype),
                                   prev_sampled=jax.ShapeDtypeStruct((job.max_rows,), jnp.int32))
     platform = export_platform(job.run)
     with _target_device(job):

@@ -50,7 +50,7 @@ class ModelRunner:
         self.buckets = buckets
         self.max_rows = buckets.max_rows
         self._pool_shape = kv_cache_shape(self.cfg, num_blocks, block_size)
-        self.pool_dtype = kv_cache_dtype(self.cfg, self.dtype)
+        self.pool_dtype = kv_cache_dtype(self.cfg, self.dtype, run.platform)
         self.programs = StepPrograms(model.params, self.cfg, self.dtype, run, self._pool_shape,
                                      self.max_blocks_per_req, self.max_rows, exec_cache_root)
         # The pool and the sampled-token buffer are made committed to the device, as the step's outputs that

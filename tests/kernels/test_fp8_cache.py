@@ -3,6 +3,8 @@ kernels (interpret mode on the CPU, compiled on the GPU) and the XLA path read i
 and the KV write saturates into it (kernel_cases.py says how the platform switch works)."""
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from kernel_cases import (INTERPRET, LAYER, SMALL_LAYOUTS, TOL, DecodeBatch, decode_inputs, mixed_batch,
                           ragged_inputs, reference, rel_err)
 from jaxpaged import pallas_kernels as pk
-from jaxpaged.pallas_kernels._checks import FP8_CACHE_DTYPE, from_cache, to_cache
+from jaxpaged.pallas_kernels._checks import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, dot_dtype, from_cache, to_cache
 from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention_reference,
                                                             ragged_paged_attention_xla)
@@ -73,3 +75,38 @@ def test_write_kv_saturates_into_e4m3_and_scales(backend):
     np.testing.assert_array_equal(stored[1, 0, 2, :, 1], np.float32(jnp.float8_e4m3fn(0.15)))
     np.testing.assert_array_equal(stored[1, 1, 1, :, 1], 4.0)            # 2 / 0.5
     assert np.isfinite(stored).all() and not stored[0].any()
+
+
+def test_the_kernels_dots_take_float16_over_an_e4m3_pool():
+    """Beside a 16-bit q the Triton kernels convert e4m3 tiles to float16 (one instruction per two values on
+    Hopper), not to bf16; a float32 q keeps float32, and other pools keep q's dtype."""
+    assert dot_dtype(jnp.bfloat16, FP8_CACHE_DTYPE) == jnp.float16
+    assert dot_dtype(jnp.float16, FP8_CACHE_DTYPE) == jnp.float16
+    assert dot_dtype(jnp.float32, FP8_CACHE_DTYPE) == jnp.float32
+    assert dot_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
+
+
+def test_a_cpu_bf16_pool_holds_the_values_bits():
+    """On the CPU a bf16 pool is its values' bits (uint16): the write stores them exactly and every path reads
+    the same attention as from the bf16 pool, bit for bit."""
+    from jaxpaged.models import kv_cache_dtype
+    cfg = types.SimpleNamespace(kv_cache_dtype="auto")                 # all kv_cache_dtype reads of the config
+    assert kv_cache_dtype(cfg, jnp.bfloat16, "cpu") == CPU_BF16_CACHE_DTYPE
+    assert kv_cache_dtype(cfg, jnp.bfloat16, "gpu") == jnp.bfloat16
+    assert kv_cache_dtype(cfg, jnp.float32, "cpu") == jnp.float32
+    layout = SMALL_LAYOUTS[1]                                            # bf16
+    x = ragged_inputs(np.random.default_rng(3), layout, mixed_batch(layout.block_size))
+    bits = to_cache(x.kv_cache, CPU_BF16_CACHE_DTYPE)
+    assert bits.dtype == CPU_BF16_CACHE_DTYPE
+    np.testing.assert_array_equal(np.asarray(from_cache(bits, jnp.float32)), np.asarray(x.kv_cache, np.float32))
+    args = (x.q, bits, LAYER, x.block_tables, x.seq_lens, x.query_start_loc)
+    for op in (ragged_paged_attention_xla, ragged_paged_attention_reference):
+        np.testing.assert_array_equal(np.asarray(op(*args, scale=0.125)),
+                                      np.asarray(op(x.q, x.kv_cache, *args[2:], scale=0.125)))
+    k = jnp.asarray(np.random.default_rng(4).normal(size=(3, layout.num_kv_heads, layout.head_dim)), jnp.bfloat16)
+    slots = jnp.asarray([9, 10, 17], jnp.int32)
+    for backend in ("xla", "pallas"):
+        out = pk.write_kv(bits, LAYER, k, -k, slots, backend=backend, interpret=INTERPRET)
+        ref = pk.write_kv(x.kv_cache, LAYER, k, -k, slots, backend=backend, interpret=INTERPRET)
+        assert out.dtype == CPU_BF16_CACHE_DTYPE
+        np.testing.assert_array_equal(np.asarray(from_cache(out, jnp.float32)), np.asarray(ref, np.float32))
