@@ -26,7 +26,8 @@ source bench/gpu_env.sh
 echo "quant_gpu: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
 if [ $TESTS = 1 ]; then
   echo "== kernel tests (GPU)"
-  JAX_PLATFORMS=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o pythonpath= "$REPO/tests/kernels/test_int4_matmul.py" 2>&1 | tail -5
+  JAX_PLATFORMS=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o pythonpath= "$REPO/tests/kernels/test_int4_matmul.py" \
+    "$REPO/tests/kernels/test_fp8_cache.py" 2>&1 | tail -5
 fi
 if [ $TABLE = 1 ]; then
   echo "== linear layers (bench_matmul.py $TABLE_ARGS)"
