@@ -201,26 +201,6 @@ def decode_bench(args, results):
 FP8_DECODE_CONFIGS = ((64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2), (128, 4, 3), (64, 2, 3))
 
 
-def _time_decode_fp8_bf16_dots(row, data, pool8, nrot, scale):
-    """The default configuration on the e4m3 pool with its tiles converted to q's bf16 instead of float16
-    (the kernels' dot dtype, _checks.dot_dtype): what the conversion costs, as fp8_bf16_dots_us."""
-    import importlib
-    decode_module = importlib.import_module("pallas_kernels.paged_decode_attention")   # (the package's name is the op)
-    q, _, tables, lens = data
-    chosen = decode_module.dot_dtype
-    decode_module.dot_dtype = lambda q_dtype, cache_dtype: jnp.dtype(q_dtype)
-    jax.clear_caches()                  # the op's traces: the next call traces it with the bf16 dots
-    try:
-        t, _ = time_op(lambda i, q, pool, tables, lens: pk.paged_decode_attention(
-            q, pool, jnp.int32(0), tables[i], lens, scale=scale), (q, pool8, tables, lens), nrot)
-        row["fp8_bf16_dots_us"] = t * 1e6
-    except Exception as e:  # noqa: BLE001
-        print(f"decode fp8 with bf16 dots failed: {type(e).__name__}: {str(e)[:300]}")
-    finally:
-        decode_module.dot_dtype = chosen
-        jax.clear_caches()
-
-
 def _time_decode_fp8(row, data, nrot, scale):
     """The default configuration on the same pool in e4m3 (--kv-cache-dtype fp8): half the bytes read; then
     FP8_DECODE_CONFIGS (split count the op's own), the best as fp8_best_us / fp8_best_cfg."""
@@ -235,7 +215,6 @@ def _time_decode_fp8(row, data, nrot, scale):
             row["fp8_speedup"] = row["default_us"] / row["fp8_default_us"]
     except Exception as e:  # noqa: BLE001
         print(f"decode fp8 failed: {type(e).__name__}: {str(e)[:300]}")
-    _time_decode_fp8_bf16_dots(row, data, pool8, nrot, scale)
     for keys, warps, stages in FP8_DECODE_CONFIGS:
         cfg = f"{keys}x{warps}x{stages}"
         try:

@@ -62,8 +62,8 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     lower for a GPU from a process without one (the engine's lowering workers) name both.
     kv_scales: (k_scale, v_scale) f32[] for an e4m3 cache (FP8_CACHE_DTYPE), whose K/V hold k / k_scale and
     v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
-    convert each tile as they load it (to float16 beside a 16-bit q: _checks.dot_dtype). (The Mosaic GPU
-    kernels take bf16/fp16 caches only: an e4m3 cache runs the Triton kernels.)
+    convert each tile to q's dtype. (The Mosaic GPU kernels take bf16/fp16 caches only: an e4m3 cache runs
+    the Triton kernels.)
     alibi_slopes: f32[N] or None: ALiBi's bias slope[n] * (key position - query position) on head n's
     scores (the Mosaic GPU kernels have none: the Triton kernels run).
     """

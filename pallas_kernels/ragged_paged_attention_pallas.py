@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import dot_dtype, from_cache, validate_q_and_cache
+from ._checks import from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -125,7 +125,6 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
     f32[BM] (ALiBi, already times log2(e)) or None."""
     block_size, head_dim = kv_ref.shape[-2], kv_ref.shape[-1]
     bm, bk = q.shape[0], blocks_per_iter * block_size
-    q = q.astype(dot_dtype(q.dtype, kv_ref.dtype))
     kv_end = first_pos + num_tokens                                      # keys [.., kv_end) are needed
     kv_begin = 0
     if sliding_window is not None:

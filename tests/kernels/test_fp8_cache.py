@@ -1,6 +1,7 @@
 """An e4m3 KV pool (--kv-cache-dtype fp8, held as bytes: FP8_CACHE_DTYPE): the decode and ragged Triton
 kernels (interpret mode on the CPU, compiled on the GPU) and the XLA path read it as their references do,
-and the KV write saturates into it (kernel_cases.py says how the platform switch works)."""
+and the KV write saturates into it (kernel_cases.py says how the platform switch works); the CPU's bf16 pool,
+held as its values' bits, likewise."""
 from __future__ import annotations
 
 import types
@@ -12,7 +13,7 @@ import pytest
 from kernel_cases import (INTERPRET, LAYER, SMALL_LAYOUTS, TOL, DecodeBatch, decode_inputs, mixed_batch,
                           ragged_inputs, reference, rel_err)
 from jaxpaged import pallas_kernels as pk
-from jaxpaged.pallas_kernels._checks import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, dot_dtype, from_cache, to_cache
+from jaxpaged.pallas_kernels._checks import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, from_cache, to_cache
 from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from jaxpaged.pallas_kernels.ragged_paged_attention import (ragged_paged_attention_reference,
                                                             ragged_paged_attention_xla)
@@ -75,15 +76,6 @@ def test_write_kv_saturates_into_e4m3_and_scales(backend):
     np.testing.assert_array_equal(stored[1, 0, 2, :, 1], np.float32(jnp.float8_e4m3fn(0.15)))
     np.testing.assert_array_equal(stored[1, 1, 1, :, 1], 4.0)            # 2 / 0.5
     assert np.isfinite(stored).all() and not stored[0].any()
-
-
-def test_the_kernels_dots_take_float16_over_an_e4m3_pool():
-    """Beside a 16-bit q the Triton kernels convert e4m3 tiles to float16 (one instruction per two values on
-    Hopper), not to bf16; a float32 q keeps float32, and other pools keep q's dtype."""
-    assert dot_dtype(jnp.bfloat16, FP8_CACHE_DTYPE) == jnp.float16
-    assert dot_dtype(jnp.float16, FP8_CACHE_DTYPE) == jnp.float16
-    assert dot_dtype(jnp.float32, FP8_CACHE_DTYPE) == jnp.float32
-    assert dot_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
 
 
 def test_a_cpu_bf16_pool_holds_the_values_bits():
