@@ -214,13 +214,16 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
 
 def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int, int]:
     """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
-    M rows in one program); 128 columns; K split until the programs fill about four per SM (decode sizes
-    leave too few N tiles for the GPU alone)."""
-    block_m = m if m <= GEMV_MAX_ROWS else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
-    block_n = 128 if n % 128 == 0 else 64
+    M rows in one program); K split until the programs fill about four per SM (decode sizes leave too few N
+    tiles for the GPU alone). Columns: 128 a program for the dot kernel; 64 for the GEMV kernel, with eight
+    programs per SM, the same splits as 128 columns at four (on the H100, llama3-8b at one row: qkv 18.3
+    against 20.7 us, o 12.3 against 14.3, gate_up 48.7 against 53.9, down 28.5 against 28.6)."""
+    gemv = m <= GEMV_MAX_ROWS
+    block_m = m if gemv else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
+    block_n = 64 if gemv or n % 128 else 128
     slabs = k // PACK_ROWS
     programs = -(-m // block_m) * (n // block_n)
-    want = max(1, 4 * sms // programs)
+    want = max(1, (8 if gemv else 4) * sms // programs)
     # the largest divisor of the slab count not above want: every split walks the same number of slabs
     splits = max(d for d in range(1, slabs + 1) if slabs % d == 0 and d <= want)
     return block_m, block_n, splits

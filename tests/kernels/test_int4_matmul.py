@@ -102,13 +102,14 @@ class TestInt4Matmul:
             int4_matmul(x, qweight, jnp.ones((32, 128)), jnp.ones((32, 128)), interpret=INTERPRET)   # G = 8
 
     def test_tiling_fills_the_gpu_at_decode_sizes(self):
-        """choose_int4_tiling: llama3-8b's decode GEMVs get about four programs per SM of the H100's 132; up to
-        GEMV_MAX_ROWS rows all go to one program (the GEMV kernel), more are tiles of 16 to 64."""
-        assert choose_int4_tiling(1, 4096, 6144) == (1, 128, 8)         # 48 column tiles x 8 splits
-        assert choose_int4_tiling(1, 4096, 4096) == (1, 128, 16)        # 32 x 16
-        assert choose_int4_tiling(1, 14336, 4096) == (1, 128, 16)       # 112 slabs: 16 divides
-        assert choose_int4_tiling(1, 4096, 28672) == (1, 128, 2)
-        assert choose_int4_tiling(GEMV_MAX_ROWS, 4096, 4096) == (GEMV_MAX_ROWS, 128, 16)
+        """choose_int4_tiling: llama3-8b's decode GEMVs get about eight programs of 64 columns per SM of the
+        H100's 132 (the dot kernel four of 128); up to GEMV_MAX_ROWS rows all go to one program (the GEMV
+        kernel), more are tiles of 16 to 64."""
+        assert choose_int4_tiling(1, 4096, 6144) == (1, 64, 8)          # 96 column tiles x 8 splits
+        assert choose_int4_tiling(1, 4096, 4096) == (1, 64, 16)         # 64 x 16
+        assert choose_int4_tiling(1, 14336, 4096) == (1, 64, 16)        # 112 slabs: 16 divides
+        assert choose_int4_tiling(1, 4096, 28672) == (1, 64, 2)
+        assert choose_int4_tiling(GEMV_MAX_ROWS, 4096, 4096) == (GEMV_MAX_ROWS, 64, 16)
         assert choose_int4_tiling(GEMV_MAX_ROWS + 1, 4096, 4096) == (16, 128, 16)
         assert choose_int4_tiling(256, 4096, 28672) == (64, 128, 1)
 
