@@ -27,11 +27,11 @@ LAYER_TABLE = {
     "mlp.gate_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (0, 2)),
     "mlp.up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, (1, 2)),
     "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True, None),
-    # Phi-3 stores q/k/v and gate/up already fused, Baichuan q/k/v (W_pack), in the decoder's order
+    # Phi-3 stores q/k/v and gate/up already fused, in the decoder's order (so do Baichuan and ChatGLM, under
+    # other names: LAYER_RENAMES)
     "self_attn.qkv_proj.weight": (("self_attn", "qkv_proj", "kernel"), True, None),
     "self_attn.qkv_proj.bias": (("self_attn", "qkv_proj", "bias"), False, None),          # ChatGLM
     "mlp.gate_up_proj.weight": (("mlp", "gate_up_proj", "kernel"), True, None),
-    "self_attn.W_pack.weight": (("self_attn", "qkv_proj", "kernel"), True, None),          # Baichuan
     "input_layernorm.weight": (("input_layernorm", "scale"), False, None),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False, None),
     "pre_feedforward_layernorm.weight": (("pre_feedforward_layernorm", "scale"), False, None),   # Gemma 2/3
@@ -63,6 +63,7 @@ LAYER_RENAMES = {
     "glm4": {"post_self_attn_layernorm.weight": "post_attention_layernorm.weight",
              "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",
              "post_mlp_layernorm.weight": "post_feedforward_layernorm.weight"},
+    "baichuan": {"self_attn.W_pack.weight": "self_attn.qkv_proj.weight"},     # q, k, v packed
     # ChatGLM2 / ChatGLM3 / GLM-4 as THUDM published them: q, k, v fused (in that order), gate and up fused
     "chatglm": {"self_attention.query_key_value.weight": "self_attn.qkv_proj.weight",
                 "self_attention.query_key_value.bias": "self_attn.qkv_proj.bias",
@@ -85,7 +86,7 @@ def table_name(family: str, name: str) -> str:
 
 
 # (quantized checkpoints: separate modules)
-FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight", "self_attn.W_pack.weight")
+FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
 
 
 def _linear_modules() -> dict[tuple, list[str]]:
