@@ -17,31 +17,31 @@ FP8_MAX = 448.0          # e4m3fn's largest finite value: writes saturate there
 CPU_BF16_CACHE_DTYPE = jnp.uint16
 
 
+# What each held dtype's bytes stand for; every other pool dtype holds its own values.
+_HELD_VALUES = {jnp.dtype(FP8_CACHE_DTYPE): jnp.dtype(jnp.float8_e4m3fn),
+                jnp.dtype(CPU_BF16_CACHE_DTYPE): jnp.dtype(jnp.bfloat16)}
+
+
 def cache_values_dtype(cache_dtype):
     """The dtype of the values a pool of cache_dtype holds (its own, or what its bytes or bits stand for)."""
-    held = {jnp.dtype(FP8_CACHE_DTYPE): jnp.dtype(jnp.float8_e4m3fn),
-            jnp.dtype(CPU_BF16_CACHE_DTYPE): jnp.dtype(jnp.bfloat16)}
-    return held.get(jnp.dtype(cache_dtype), jnp.dtype(cache_dtype))
+    return _HELD_VALUES.get(jnp.dtype(cache_dtype), jnp.dtype(cache_dtype))
 
 
 def from_cache(x, dtype):
-    """Cache values (a loaded tile, or gathered blocks) in dtype: e4m3 bytes and bf16 bits are reinterpreted
-    first."""
-    if x.dtype == FP8_CACHE_DTYPE:
-        x = jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn)
-    elif x.dtype == CPU_BF16_CACHE_DTYPE:
-        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    """Cache values (a loaded tile, or gathered blocks) in dtype: held bytes or bits are reinterpreted first."""
+    values = cache_values_dtype(x.dtype)
+    if values != x.dtype:
+        x = jax.lax.bitcast_convert_type(x, values)
     return x.astype(dtype)
 
 
 def to_cache(x, cache_dtype):
     """K/V values in the pool's dtype; into e4m3 they saturate at its largest value (no NaN from overflow)."""
-    if cache_dtype == FP8_CACHE_DTYPE:
-        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-        return jax.lax.bitcast_convert_type(x, FP8_CACHE_DTYPE)
-    if cache_dtype == CPU_BF16_CACHE_DTYPE:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), CPU_BF16_CACHE_DTYPE)
-    return x.astype(cache_dtype)
+    values = cache_values_dtype(cache_dtype)
+    if values == jnp.float8_e4m3fn:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    x = x.astype(values)
+    return x if values == jnp.dtype(cache_dtype) else jax.lax.bitcast_convert_type(x, cache_dtype)
 
 
 def validate_q_and_cache(q, kv_cache, layer_idx) -> None:
