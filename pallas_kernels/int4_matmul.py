@@ -3,16 +3,19 @@
 Legend: M rows of x (tokens), K input features, N output features, G group size (input rows sharing one
 scale and zero point per column), NS splits of K.
 
-Weights are affine per group and column, which covers the int4 formats jaxpaged loads:
-    W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n],   q in 0..15
-(AWQ and asymmetric GPTQ: their zero points; symmetric GPTQ: 8.) The zero points are whole numbers 0..15
-(every format stores them as 4-bit integers, which every float dtype holds exactly), so the kernels compute
-with the checkpoint's zeros, not a rounded -zero * scale; the GEMV kernel relies on it (its 2**23 trick
-below). The loaders repack each format into one device layout, declared here:
+Weights are affine per group and column, in one of two forms that cover the int4 formats jaxpaged loads:
+    zero points:  W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n],   q in 0..15
+    offsets:      W[k, n] = q[k, n] * scales[k // G, n] + mins[k // G, n]
+Zero points: AWQ and asymmetric GPTQ store theirs, symmetric GPTQ's is 8. They are whole numbers 0..15 (every
+format stores them as 4-bit integers, which every float dtype holds exactly), so the kernels compute with the
+checkpoint's zeros, not a rounded -zero * scale; the GEMV kernel relies on it (its 2**23 trick below).
+Offsets: GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K; jaxpaged/quantization/gguf_blocks.py), whose offset is a
+float of its own (Q4_1's m, Q4_K's -dmin * min), held in float32 with their scales so that q * scale + min is
+the file's weight exactly. The loaders repack each format into one device layout, declared here:
 
     qweight: i32[K/8, N]        slab t (input rows 128t..128t+127) is int32 rows 16t..16t+15; nibble j
                                 (bits 4j..4j+3) of row 16t + r holds q of input row 128t + 16j + r
-    scales, zeros: dtype[K/G, N]
+    scales, zeros or mins: dtype[K/G, N]
 
 Why this order: nibble j of a slab's 16 int32 rows is 16 consecutive input rows, so one shift and mask of
 the loaded [16, BN] tile is a ready [16, BN] operand of a tensor-core dot against x's matching 16
@@ -21,7 +24,8 @@ columns. No register shuffles, and the kernel reads a quarter of the bf16 bytes.
 Two kernels. Up to GEMV_MAX_ROWS rows (one decode row), the GEMV kernel, grid (N tiles, NS): no
 tensor-core dot (whose operand layouts would cost more than the multiplies), one FMA per weight and row into
 a [16, BN] accumulator, scaled once per group. More rows, the dot kernel, grid (M tiles, N tiles, NS): per
-group the dot of x with the raw 4-bit values, then sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k).
+group the dot of x with the raw 4-bit values, then sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k)
+(offsets: s * (x . q) + m * sum_k x_k).
 Each program walks its share of K's 128-row slabs. With NS > 1 each split writes f32 partial
 sums and the caller's sum over splits is a small XLA reduction that fuses into whatever consumes the
 output (a residual add, the SiLU).
@@ -71,26 +75,36 @@ def unpack_int4(qweight) -> jax.Array:
     return ((slabs >> shifts) & 15).reshape(k8 * 8, n)
 
 
-def dequantize_int4(qweight, scales, zeros, dtype=jnp.float32) -> jax.Array:
-    """The dense weight dtype[K, N] ((q - zero) * scale per group, computed in f32)."""
+def _affine(zeros, mins):
+    """(the zeros or mins operand, whether it holds offsets): exactly one of the two forms."""
+    if (zeros is None) == (mins is None):
+        raise ValueError("give the zero points (zeros) or the offsets (mins), one of the two")
+    return (zeros, False) if mins is None else (mins, True)
+
+
+def dequantize_int4(qweight, scales, zeros=None, dtype=jnp.float32, *, mins=None) -> jax.Array:
+    """The dense weight dtype[K, N], per group (q - zero) * scale, or q * scale + min; computed in f32."""
+    b, offsets = _affine(zeros, mins)
     q = unpack_int4(qweight).astype(jnp.float32)
-    group = q.shape[0] // scales.shape[0]
-    w = ((q.reshape(scales.shape[0], group, -1) - zeros.astype(jnp.float32)[:, None])
-         * scales.astype(jnp.float32)[:, None])
-    return w.reshape(q.shape).astype(dtype)
+    groups = scales.shape[0]
+    q = q.reshape(groups, q.shape[0] // groups, -1)
+    s, b = scales.astype(jnp.float32)[:, None], b.astype(jnp.float32)[:, None]
+    w = q * s + b if offsets else (q - b) * s
+    return w.reshape(-1, w.shape[-1]).astype(dtype)
 
 
-def int4_matmul_reference(x, qweight, scales, zeros) -> jax.Array:
+def int4_matmul_reference(x, qweight, scales, zeros=None, *, mins=None) -> jax.Array:
     """Plain jnp, f32 math: x dtype[M, K] -> dtype[M, N]."""
-    w = dequantize_int4(qweight, scales, zeros)
+    w = dequantize_int4(qweight, scales, zeros, mins=mins)
     return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_m, block_n):
+def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_m, block_n,
+                 offsets):
     # x_ref: dtype[M, K]
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
-    # z_ref: dtype[K/G, N]
+    # z_ref: dtype[K/G, N], the zero points, or with offsets the mins
     # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
     im, jn, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_rows = x_ref.shape[0]
@@ -117,7 +131,10 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
             group_row = (slab * PACK_ROWS + g * group_size) // group_size
             s = s_ref[group_row, cols].astype(jnp.float32)                               # [BN]
             z = z_ref[group_row, cols].astype(jnp.float32)
-            acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+            if offsets:
+                acc += part * s[None, :] + x_sum[:, None] * z[None, :]
+            else:
+                acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
         return acc
 
     acc = jax.lax.fori_loop(0, slabs_per_split, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -157,14 +174,15 @@ def _nibble_source(j: int) -> tuple[bool, int]:
 
 
 def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
-                      slabs_per_iter):
+                      slabs_per_iter, offsets):
     # x_ref: dtype[M, K], M <= GEMV_MAX_ROWS
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
-    # z_ref: dtype[K/G, N]
+    # z_ref: dtype[K/G, N], the zero points, or with offsets the mins
     # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
     # Each row of x accumulates x_k * (q_k - z) into a [16, BN] tile (one FMA per weight, no dot), scaled once
-    # per group; the 16 rows of the tile are summed at the end. Each iteration loads slabs_per_iter slabs
+    # per group; the 16 rows of the tile are summed at the end. With offsets the tile takes x_k * q_k, and a
+    # [1, BN] accumulator per row takes min * sum_k x_k per group. Each iteration loads slabs_per_iter slabs
     # before it computes on any: more bytes in flight per program.
     jn, split = pl.program_id(0), pl.program_id(1)
     num_rows = x_ref.shape[0]
@@ -173,7 +191,7 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
     nibbles_per_group = 8 // groups_per_slab
     tile = (_NIBBLE_ROWS, block_n)
 
-    def slab_step(slab, w, accs):
+    def slab_step(slab, w, accs, offs):
         w_high = w >> _HIGH_SHIFT                          # (arithmetic: the sign bits land above bit 11, masked off)
         for g in range(groups_per_slab):
             group_row = (slab * PACK_ROWS + g * group_size) // group_size
@@ -181,31 +199,40 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
             z = z_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
             zb: dict[int, jax.Array] = {}                                                 # 2**23 + z 2**b
             parts = [jnp.zeros(tile, jnp.float32) for _ in range(num_rows)]
+            x_sums = [jnp.zeros((), jnp.float32) for _ in range(num_rows)]
             for j in range(g * nibbles_per_group, (g + 1) * nibbles_per_group):
                 high, b = _nibble_source(j)
                 if b not in zb:
-                    zb[b] = z * float(2 ** b) + _MAGIC
+                    zb[b] = jnp.full_like(z, _MAGIC) if offsets else z * float(2 ** b) + _MAGIC
                 bits = ((w_high if high else w) & (15 << b)) | _MAGIC_BITS
                 qz = jax.lax.bitcast_convert_type(bits, jnp.float32) - zb[b]             # [16, BN]: (q - z) 2**b
                 for r in range(num_rows):
-                    xj = x_ref[r, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)]  # [16]
-                    parts[r] += (xj.astype(jnp.float32) * float(2.0 ** -b))[:, None] * qz
+                    xj = x_ref[r, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
+                    parts[r] += (xj * float(2.0 ** -b))[:, None] * qz
+                    if offsets:
+                        x_sums[r] += jnp.sum(xj)
             accs = [acc + part * s for acc, part in zip(accs, parts)]
-        return accs
+            if offsets:
+                offs = [off + x_sum * z for off, x_sum in zip(offs, x_sums)]
+        return accs, offs
 
-    def body(i, accs):
+    def body(i, carry):
+        accs, offs = carry
         first = split * slabs_per_split + i * slabs_per_iter
         ws = [w_ref[pl.ds((first + t) * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]             # [16, BN] i32 each
               for t in range(slabs_per_iter)]
-        accs = list(accs)
+        accs, offs = list(accs), list(offs)
         for t, w in enumerate(ws):
-            accs = slab_step(first + t, w, accs)
-        return tuple(accs)
+            accs, offs = slab_step(first + t, w, accs, offs)
+        return tuple(accs), tuple(offs)
 
-    accs = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body,
-                             tuple(jnp.zeros(tile, jnp.float32) for _ in range(num_rows)))
+    zeros = tuple(jnp.zeros(tile, jnp.float32) for _ in range(num_rows))
+    no_offs = tuple(jnp.zeros((1, block_n), jnp.float32) for _ in range(num_rows if offsets else 0))
+    accs, offs = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, (zeros, no_offs))
     for r, acc in enumerate(accs):
         out = jnp.sum(acc, axis=0)                                                        # [BN]
+        if offsets:
+            out += offs[r][0]
         if len(o_ref.shape) == 2:
             o_ref[r, cols] = out.astype(o_ref.dtype)
         else:
@@ -231,20 +258,22 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
                                              "num_stages", "interpret"))
-def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_n: int | None = None,
-                num_splits: int | None = None, slabs_per_iter: int = 1, num_warps: int | None = None,
-                num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
-    """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N], scales and zeros dtype[K/G, N]
-    (the layout in the module docstring). Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the
-    GEMV kernel, 4 for the dot kernel. slabs_per_iter (GEMV kernel):
-    slabs loaded per loop iteration; it must divide each split's slabs."""
+def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
+                block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
+                num_warps: int | None = None, num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
+    """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
+    zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
+    Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the GEMV kernel, 4 for the dot kernel.
+    slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs."""
+    zeros, offsets = _affine(zeros, mins)
     m, k = x.shape
     k8, n = qweight.shape
     if x.ndim != 2 or k8 * 8 != k or qweight.dtype != jnp.int32:
         raise ValueError(f"x {x.shape} and qweight {qweight.shape} {qweight.dtype} do not match (qweight "
                          "is int32 [K/8, N])")
     if scales.shape != zeros.shape or scales.ndim != 2 or scales.shape[1] != n or k % scales.shape[0]:
-        raise ValueError(f"scales {scales.shape} / zeros {zeros.shape} do not match K {k}, N {n}")
+        raise ValueError(f"scales {scales.shape} / {'mins' if offsets else 'zeros'} {zeros.shape} do not match "
+                         f"K {k}, N {n}")
     group_size = k // scales.shape[0]
     why = check_group_size(k, group_size)
     if why is not None:
@@ -262,11 +291,11 @@ def int4_matmul(x, qweight, scales, zeros, *, block_m: int | None = None, block_
         if (slabs // num_splits) % slabs_per_iter:
             raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
-                                   block_n=block_n, slabs_per_iter=slabs_per_iter)
+                                   block_n=block_n, slabs_per_iter=slabs_per_iter, offsets=offsets)
         grid: tuple[int, ...] = (n // block_n, num_splits)
     else:
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
-                                   block_m=block_m, block_n=block_n)
+                                   block_m=block_m, block_n=block_n, offsets=offsets)
         grid = (pl.cdiv(m, block_m), n // block_n, num_splits)
     out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1
                  else jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32))

@@ -26,21 +26,34 @@ class MatmulCase:
     dtype: str = "float32"
     num_splits: int | None = None       # None: the op's own tiling
     slabs_per_iter: int = 1
+    offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
 
     def __str__(self):
-        return f"{self.m}x{self.k}x{self.n}-g{self.group_size}-{self.dtype}-ns{self.num_splits}-it{self.slabs_per_iter}"
+        form = "-min" if self.offsets else ""
+        return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
+                f"-it{self.slabs_per_iter}")
 
 
 def make_inputs(case: MatmulCase):
-    """x, qweight, scales, zeros with random values (scales > 0, whole-number zero points 0..15), and q."""
+    """x, qweight, scales, and the zeros (whole numbers 0..15) or, in the offset form, the mins (floats of
+    either sign, scales and mins float32 as the GGUF loader holds them); random values, scales > 0; and q."""
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
     q = rng.integers(0, 16, (case.k, case.n), dtype=np.uint8)
     groups = case.k // case.group_size
     dtype = jnp.dtype(case.dtype)
-    scales = jnp.asarray(rng.uniform(0.005, 0.05, (groups, case.n)), dtype)
-    zeros = jnp.asarray(rng.integers(0, 16, (groups, case.n)), dtype)
+    affine_dtype = jnp.float32 if case.offsets else dtype
+    scales = jnp.asarray(rng.uniform(0.005, 0.05, (groups, case.n)), affine_dtype)
+    if case.offsets:
+        b = jnp.asarray(rng.uniform(-0.4, 0.1, (groups, case.n)), jnp.float32)
+    else:
+        b = jnp.asarray(rng.integers(0, 16, (groups, case.n)), dtype)
     x = jnp.asarray(rng.standard_normal((case.m, case.k)), dtype)
-    return x, jnp.asarray(pack_int4(q)), scales, zeros, q
+    return x, jnp.asarray(pack_int4(q)), scales, b, q
+
+
+def affine(case: MatmulCase, b) -> dict:
+    """The zeros= or mins= keyword for the case's form."""
+    return {"mins": b} if case.offsets else {"zeros": b}
 
 
 CASES = [
@@ -51,18 +64,24 @@ CASES = [
     MatmulCase(3, 256, 128, 32, num_splits=2),      # the dot kernel from two rows: 3 in a 16-row tile, K split
     MatmulCase(20, 512, 192, 64, "bfloat16"),       # the dot kernel: rows past one 16-row tile, N not / 128
     MatmulCase(5, 256, 64, 256, num_splits=1),      # one group over all of K (per-channel)
+    MatmulCase(1, 256, 128, 32, num_splits=2, offsets=True),           # GEMV, offsets, K split
+    MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True),              # GEMV, offsets, bf16
+    MatmulCase(1, 512, 128, 32, num_splits=1, slabs_per_iter=2, offsets=True),
+    MatmulCase(3, 256, 128, 32, num_splits=2, offsets=True),           # the dot kernel, offsets
+    MatmulCase(20, 512, 192, 32, "bfloat16", offsets=True),
 ]
 CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 3, 8, 64) for n in (6144, 4096))
 CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 4096, 28672, 128, "bfloat16")])
+CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
 
 
 class TestInt4Matmul:
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_matches_reference(self, case):
-        x, qweight, scales, zeros, _ = make_inputs(case)
-        ref = int4_matmul_reference(x, qweight, scales, zeros)
+        x, qweight, scales, b, _ = make_inputs(case)
+        ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
         block_n = None if case.n % 128 == 0 else 64
-        out = int4_matmul(x, qweight, scales, zeros, num_splits=case.num_splits, block_n=block_n,
+        out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
                           slabs_per_iter=case.slabs_per_iter, interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
@@ -85,6 +104,11 @@ class TestInt4Matmul:
         group = np.arange(128) // 32
         expect = (q.astype(np.float32) - np.asarray(zeros)[group]) * np.asarray(scales)[group]
         np.testing.assert_allclose(w, expect, rtol=1e-6)
+        case = MatmulCase(1, 128, 4, 32, offsets=True)
+        _, qweight, scales, mins, q = make_inputs(case)
+        w = np.asarray(dequantize_int4(qweight, scales, mins=mins))
+        expect = q.astype(np.float32) * np.asarray(scales)[group] + np.asarray(mins)[group]
+        np.testing.assert_array_equal(w, expect)
 
     @pytest.mark.parametrize("k,group,ok", [(4096, 128, True), (4096, 32, True), (4096, 4096, True),
                                             (4096, 96, False), (576, 32, False), (4864, 128, True)])
@@ -100,6 +124,9 @@ class TestInt4Matmul:
             int4_matmul(x, qweight, scales[:, :64], zeros, interpret=INTERPRET)
         with pytest.raises(ValueError, match="group size"):
             int4_matmul(x, qweight, jnp.ones((32, 128)), jnp.ones((32, 128)), interpret=INTERPRET)   # G = 8
+        for both in ({}, {"zeros": zeros, "mins": zeros}):
+            with pytest.raises(ValueError, match="zero points .* or the offsets"):
+                int4_matmul(x, qweight, scales, interpret=INTERPRET, **both)
 
     def test_tiling_fills_the_gpu_at_decode_sizes(self):
         """choose_int4_tiling: llama3-8b's decode GEMVs get about eight programs of 64 columns per SM of the
@@ -120,3 +147,6 @@ class TestInt4Matmul:
         for rows in (1, GEMV_MAX_ROWS + 1):                            # the GEMV kernel, the dot kernel
             assert lowered_calls(op, s((rows, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
                                  s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.bfloat16)) == (1,)
+            offsets = lambda x, w, sc, m: op(x, w, sc, mins=m)              # noqa: E731
+            assert lowered_calls(offsets, s((rows, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
+                                 s((128, 6144), jnp.float32), s((128, 6144), jnp.float32)) == (1,)
