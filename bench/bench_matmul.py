@@ -8,6 +8,9 @@ For each model's four linear layers (K, N) and each row count M:
   xla-bf16      x @ w, bf16 weights (cuBLAS / XLA's own GEMV fusion)
   int4          pallas_kernels.int4_matmul, group 128, the op's own tiling
   int4-xla      dequantize_int4 then the dot, all in XLA (what a model does without the kernel)
+  gguf-int4     the same kernel in its offset form, group 32, float32 scales and mins: a GGUF file's 4-bit
+                blocks (Q4_0, Q4_1, Q4_K) as quantization="gguf" repacks them
+  gguf-q4k-xla  Q4_K blocks expanded in XLA then the dot: the other GGUF types' path (GGUFLinear)
   gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
 --sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages).
 Each Pallas variant's output is checked against XLA's dot first (relative error printed). Times: median of
@@ -37,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from bench.bench_kernels import rel_err, time_op  # noqa: E402
 from pallas_kernels.int4_matmul import choose_int4_tiling, dequantize_int4, int4_matmul, pack_int4  # noqa: E402
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, INT4_GROUP, dequantize  # noqa: E402
 
 LINEARS = {   # (name, K, N): qkv, o, gate_up, down
     "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
@@ -106,6 +110,18 @@ def bench_shape(args, model, name, k, n, m, results, sms):
                    for i in range(nsets_bf16))
     xs = jax.random.normal(jax.random.PRNGKey(2), (64, m, k), jnp.bfloat16)
     int4_bytes = k * n // 2 + 2 * 2 * (k // GROUP) * n
+    # GGUF: the offset form (f32 scales and mins per 32 rows), and Q4_K blocks [N, bytes] with small scales
+    g_scales = tuple(jnp.asarray(rng.uniform(0.001, 0.01, (k // INT4_GROUP, n)), jnp.float32) for _ in range(nsets))
+    g_mins = tuple(jnp.asarray(rng.uniform(-0.08, 0, (k // INT4_GROUP, n)), jnp.float32) for _ in range(nsets))
+    gguf_int4_bytes = k * n // 2 + 2 * 4 * (k // INT4_GROUP) * n
+    q4k_size = BLOCK_SIZES["Q4_K"]
+    q4k_bytes = n * k // q4k_size[0] * q4k_size[1]
+    raw = []
+    for _ in range(min(nsets, 4)):
+        b = rng.integers(0, 256, (n, k // q4k_size[0], q4k_size[1]), dtype=np.uint8)
+        b[..., 0:4] = rng.uniform(1e-5, 1e-4, (n, k // q4k_size[0], 2)).astype(np.float16).view(np.uint8)
+        raw.append(b.reshape(n, -1))
+    q4k = tuple(jnp.asarray(raw[i % len(raw)]) for i in range(weight_sets(q4k_bytes)))
     variants = {
         "xla-bf16": (lambda i, xs, w: xs[i % 64] @ w[i % nsets_bf16], (xs, w_bf16), 2 * k * n),
         "int4": (lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], b[i % nsets]),
@@ -113,6 +129,11 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         "int4-xla": (lambda i, xs, qw, s, b: xs[i % 64] @ dequantize_int4(qw[i % nsets], s[i % nsets],
                                                                           b[i % nsets], jnp.bfloat16),
                      (xs, qweights, scales, zeros), int4_bytes),
+        "gguf-int4": (lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets]),
+                      (xs, qweights, g_scales, g_mins), gguf_int4_bytes),
+        "gguf-q4k-xla": (lambda i, xs, w: jax.lax.dot_general(
+            xs[i % 64], dequantize(w[i % len(w)], "Q4_K").astype(jnp.bfloat16), (((1,), (1,)), ((), ()))),
+            (xs, q4k), q4k_bytes),
     }
     if m <= 16:
         ns = _gemv_splits(k, n, 128, 128, sms)
@@ -148,7 +169,12 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         err = None
         try:
             out = jax.jit(lambda *a: op(0, *a))(*data)
-            if label.startswith("int4"):
+            if label == "gguf-int4":      # against the f32 reference of its own weights
+                ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], g_scales[0], mins=g_mins[0])
+                err = rel_err(out, ref)
+            elif label == "gguf-q4k-xla":
+                err = 0.0                 # the reference's own expansion
+            elif label.startswith("int4"):
                 ref_int4 = out if ref_int4 is None else ref_int4
                 err = rel_err(out, ref_int4)
             else:

@@ -4,15 +4,17 @@
 # HTTP as AWQ int4 (dummy weights) beside bf16, then (--fp8-throughput) llama3-8b offline ShareGPT 1000 with
 # fp8 weights quantized at load beside bf16 (dummy weights).
 # --fp8-kv: decode attention over a bf16 pool and the same pool in e4m3 (bench_kernels.py --fp8-cache).
-#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv]
+# --gguf: the default SmolLM2 with quantization="gguf" (its Q4_1 layers through the W4A16 kernel) against its
+#   dense run (bench/gguf_gpu.py).
+#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv] [--gguf]
 #        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b] [--fp8-rows 1,256,2048,8192]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
-TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
+TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; GGUF=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
 FP8_ROWS=1,256,2048,8192
 while [ $# -gt 0 ]; do
-  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
+  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --gguf) GGUF=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
              --c1-models) C1_MODELS=$2; shift ;; --fp8-rows) FP8_ROWS=$2; shift ;; esac
   shift
 done
@@ -34,6 +36,11 @@ if [ $TABLE = 1 ]; then
   # shellcheck disable=SC2086
   timeout 330 $PY "$REPO/bench/bench_matmul.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" $TABLE_ARGS 2>&1 \
     | grep -vE "^\| "
+fi
+if [ $GGUF = 1 ]; then
+  echo "== SmolLM2 quantization=gguf against dense (gguf_gpu.py)"
+  timeout 300 $PY "$REPO/bench/gguf_gpu.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" 2>&1 \
+    | grep -vE "^(INFO|WARNING|DEBUG)" | tail -8
 fi
 if [ $FP8 = 1 ]; then
   echo "== fp8 GEMM probe"

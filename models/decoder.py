@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul
+from jaxpaged.pallas_kernels.int4_matmul import PACK_ROWS, dequantize_int4, int4_matmul
 from jaxpaged.quantization import fp8, int8
-from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, INT4_GROUP, dequantize
 
 from . import rope
 from .config import DecoderConfig
@@ -155,9 +155,11 @@ class GGUFEmbed(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W with W in 4-bit groups (AWQ, GPTQ), in the W4A16 kernel's layout
-    (pallas_kernels/int4_matmul.py): qweight i32[K/8, N], scales and zeros dtype[K/G, N], and with act order
-    perm i32[K], the input rows in the order the packed rows follow."""
+    """y = x @ W with W in 4-bit groups, in the W4A16 kernel's layout (pallas_kernels/int4_matmul.py):
+    qweight i32[K/8, N] with scales and zeros dtype[K/G, N] (AWQ, GPTQ), and with act order perm i32[K], the
+    input rows in the order the packed rows follow; or, offsets (GGUF's 4-bit blocks), scales and mins
+    f32[Kp/G, N] with K padded to Kp, a multiple of the kernel's 128-row slab, by zero weights (x is padded
+    alike)."""
     features: int
     in_features: int
     group_size: int           # 0: one group over all of K
@@ -165,21 +167,28 @@ class Int4Linear(nn.Module):
     use_bias: bool            # Qwen2's q/k/v (a dense bias beside the quantized weight)
     dtype: Any
     options: RuntimeOptions
+    offsets: bool = False
 
     @nn.compact
     def __call__(self, x):
         k, n = self.in_features, self.features
+        if self.offsets:
+            k += -k % PACK_ROWS
         groups = k // (self.group_size or k)
+        affine_dtype = jnp.float32 if self.offsets else self.dtype
         qweight = self.param("qweight", nn.initializers.zeros, (k // 8, n), jnp.int32)
-        scales = self.param("scales", nn.initializers.ones, (groups, n), self.dtype)
-        zeros = self.param("zeros", nn.initializers.zeros, (groups, n), self.dtype)
+        scales = self.param("scales", nn.initializers.ones, (groups, n), affine_dtype)
+        b = self.param("mins" if self.offsets else "zeros", nn.initializers.zeros, (groups, n), affine_dtype)
+        affine = {"mins" if self.offsets else "zeros": b}
         x = x.astype(self.dtype)
         if self.act_order:
             x = x[:, self.param("perm", lambda _, s: jnp.arange(s[0], dtype=jnp.int32), (k,))]
+        if x.shape[1] < k:
+            x = jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
         if self.options.pallas and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            y = int4_matmul(x, qweight, scales, zeros, interpret=self.options.interpret)
+            y = int4_matmul(x, qweight, scales, **affine, interpret=self.options.interpret)
         else:
-            y = jnp.dot(x, dequantize_int4(qweight, scales, zeros, self.dtype))
+            y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine))
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
 
 
@@ -235,11 +244,13 @@ def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.M
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
             options: RuntimeOptions) -> nn.Module:
     """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
-    (an "int4-g<group>[-actorder]" scheme), Int8Linear (an "int8..." scheme), Fp8Linear (an "fp8..." scheme) or
-    GGUFLinear (a GGUF type)."""
+    (an "int4-g<group>[-actorder]" scheme, or GGUF_INT4: GGUF's 4-bit blocks repacked), Int8Linear (an
+    "int8..." scheme), Fp8Linear (an "fp8..." scheme) or GGUFLinear (a GGUF type)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
         return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+    if qtype == GGUF_INT4:
+        return Int4Linear(features, in_features, INT4_GROUP, False, bias, dtype, options, offsets=True, name=name)
     if qtype.startswith("int4-g"):
         group, _, order = qtype[len("int4-g"):].partition("-")
         return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -20,13 +21,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel
 from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_PREFIX, LAYER_TABLE,
                            LINEAR_MODULES, TOP_TABLE, table_name)
 from .quant_loader import (CHECKPOINT_KINDS, checkpoint_quantization, quantize_online, quantized_layer_params,
                            quantized_tensor_names, weight_quant_of)
+
+logger = logging.getLogger("jaxpaged.engine")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "float": jnp.float32, "half": jnp.float16}
@@ -80,10 +82,14 @@ def _gguf_reader(model_dir: os.PathLike):
 
 
 def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
-    """(linear name, GGUF type) for each linear layer whose tensors are quantized blocks of one supported
-    type in every layer (a bias, Qwen2's q/k/v, stays dense beside the blocks). Float tensors stay dense;
-    anything else is refused, naming what is supported."""
-    from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES
+    """(linear name, scheme) for each linear layer that stays quantized: GGUF_INT4 where every tensor of it (its
+    parts, every layer) is of a 4-bit type, whichever (repacked for the W4A16 kernel; the embedding, a lookup,
+    keeps its blocks), else the GGUF type when one supported type holds them all (blocks expanded in the
+    program). A bias (Qwen2's q/k/v) stays dense beside the weight. A linear layer whose tensors mix other
+    types (Q4_K_M files give some layers' v and down Q6_K) stays dense, from the converted folder's weights,
+    and the log says so; unsupported types are refused, naming what is supported."""
+    from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, INT4_TYPES
+    floats = ("F32", "F16", "BF16")
     types: dict[str, set] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -93,27 +99,51 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
             types.setdefault(name, set()).add(t.tensor_type.name)
     out = []
     for linear, found in sorted(types.items()):
-        if len(found) > 1:
-            raise ValueError(f"GGUF {linear}: its tensors come in several types ({', '.join(sorted(found))}); "
-                             "one type per linear layer is supported")
-        (qtype,) = found
-        if qtype in BLOCK_SIZES:
-            out.append((linear, qtype))
-        elif qtype not in ("F32", "F16", "BF16"):
-            raise ValueError(f"GGUF type {qtype} ({linear}) is not supported; supported: "
+        unsupported = sorted(found - set(BLOCK_SIZES) - set(floats))
+        if unsupported:
+            raise ValueError(f"GGUF type {unsupported[0]} ({linear}) is not supported; supported: "
                              f"{', '.join(BLOCK_SIZES)}, F32, F16, BF16")
+        if linear != "embed_tokens" and found <= set(INT4_TYPES):
+            out.append((linear, GGUF_INT4))
+        elif len(found) == 1 and not found <= set(floats):
+            out.append((linear, next(iter(found))))
+        elif not found <= set(floats):
+            logger.warning("GGUF %s: its tensors come in several types (%s); it is held dense, dequantized at load",
+                           linear, ", ".join(sorted(found)))
     return tuple(out)
 
 
-def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple, list], jax.Array | None]:
-    """The tensors cfg keeps quantized, as the GGUF file stores them (uint8 [out, bytes]), in one pass over
-    the file: (param path under a layer, e.g. ("self_attn", "qkv_proj", "qweight") -> each layer's blocks,
-    q and k rows in HF's rotary order (un-permuted where llama.cpp permuted them: the llama architecture),
-    parts concatenated on the output axis; the embedding's blocks, or None when it is dense)."""
+def _gguf_int4(raw_parts: list[tuple[object, str]], in_features: int) -> dict[str, jax.Array]:
+    """A linear layer's 4-bit GGUF tensors ((uint8 [out, bytes], type) per part, concatenated on the output
+    axis) in the W4A16 kernel's offset form: qweight i32[Kp/8, N], scales and mins f32[Kp/32, N], the input
+    axis padded to Kp, a multiple of the kernel's 128-row slab, with zero weights (DecoderConfig's
+    Int4Linear pads x alike). Repacked on the host (the CPU backend for int4_parts)."""
     import numpy as np
 
+    from jaxpaged.pallas_kernels.int4_matmul import PACK_ROWS, pack_int4
+    from jaxpaged.quantization.gguf_blocks import int4_parts
+    with jax.default_device(jax.devices("cpu")[0]):
+        pieces = [jax.device_get(int4_parts(raw, qtype)) for raw, qtype in raw_parts]
+    q, scales, mins = (np.concatenate([p[i] for p in pieces]).T for i in range(3))       # [K, N], [K/32, N] x 2
+    pad = -in_features % PACK_ROWS
+    q = np.pad(q, ((0, pad), (0, 0)))
+    scales, mins = (np.pad(a, ((0, pad // 32), (0, 0))) for a in (scales, mins))
+    return {"qweight": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(mins)}
+
+
+def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple, list], jax.Array | None]:
+    """The tensors cfg keeps quantized, in one pass over the file: (param path under a layer -> each layer's
+    array: ("self_attn", "qkv_proj", "qweight") holds the GGUF blocks as the file stores them (uint8 [out,
+    bytes]), or for a GGUF_INT4 layer "qweight", "scales" and "mins" in the W4A16 kernel's layout; q and k
+    rows in HF's rotary order (un-permuted where llama.cpp permuted them: the llama architecture), parts
+    concatenated on the output axis; the embedding's blocks, or None when it is dense)."""
+    import numpy as np
+
+    from jaxpaged.quantization.gguf_blocks import GGUF_INT4
+
     from .gguf_convert import gguf_architecture, unpermute_rope
-    parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    from .quant_loader import linear_inputs
+    parts: dict[tuple[str, int], dict[str, tuple[np.ndarray, str]]] = {}
     embedding = None
     reader = _gguf_reader(model_dir)
     permuted = gguf_architecture(reader)[1].rope_permuted
@@ -125,10 +155,17 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
             raw = np.asarray(t.data)
             if permuted and p[2] in ("attn_q", "attn_k"):
                 raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
-            parts.setdefault((GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = raw
-    layers = {path + ("qweight",): [jnp.asarray(np.concatenate([parts[linear, i][n] for n in names]))
-                                    for i in range(cfg.num_layers)]
-              for linear, (path, names) in GGUF_LINEARS.items() if cfg.quant_of(linear)}
+            parts.setdefault((GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = (raw, t.tensor_type.name)
+    layers: dict[tuple, list] = {}
+    for linear, (path, names) in GGUF_LINEARS.items():
+        if cfg.quant_of(linear) == GGUF_INT4:
+            for i in range(cfg.num_layers):
+                repacked = _gguf_int4([parts[linear, i][n] for n in names], linear_inputs(cfg)[linear])
+                for leaf, array in repacked.items():
+                    layers.setdefault(path + (leaf,), []).append(array)
+        elif cfg.quant_of(linear):
+            layers[path + ("qweight",)] = [jnp.asarray(np.concatenate([parts[linear, i][n][0] for n in names]))
+                                          for i in range(cfg.num_layers)]
     return layers, embedding
 
 

@@ -19,6 +19,14 @@ operation in float32, so the results are equal bit for bit):
 dequantize(raw, qtype) takes uint8[..., n * type_size] (a tensor's rows as the file stores them) and gives
 float32[..., n * block_size]. Equal bit for bit on the CPU (tests/quantization); a GPU compiler may fuse the
 multiply-adds of Q4_1, Q5_1 and the K formats into FMAs, one rounding fewer than numpy's.
+
+The 4-bit formats (INT4_TYPES) are also one affine form, w = q * scale + min per 32 weights with scale and min
+in float32: int4_parts gives those three, which the loader repacks into the W4A16 kernel's layout
+(pallas_kernels/int4_matmul.py's offset form), so that a decode step reads the 4-bit weights inside the
+matmul instead of expanding them first. q * scale + min is dequantize's value exactly: Q4_0's d * (q - 8) is
+q * d + (-8 d), both products exact in float32 (an f16 times a 4-bit number), and so is their sum (only a
+zero's sign differs: d * 0 is -0 where d < 0, the sum +0); Q4_1 (d * q + m) and Q4_K ((d * sc) * q - dmin * mn)
+are the reference's own operations, equal bit for bit.
 """
 from __future__ import annotations
 
@@ -122,6 +130,31 @@ def _q6_k(b):
     hi = (hi & 0x03).reshape(*lead, 8, 32)
     q = (lo | (hi << 4)).astype(jnp.int8) - jnp.int8(32)
     return (d * q.reshape(*lead, QK_K // 16, 16).astype(jnp.float32)).reshape(*lead, QK_K)
+
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_GROUP = 32          # weights per (scale, min) pair in int4_parts
+# DecoderConfig.weight_quant's name for a linear layer served from 4-bit GGUF blocks repacked for the W4A16
+# kernel (models/loader.py gguf_weight_quant): its tensors may mix the INT4_TYPES.
+GGUF_INT4 = "gguf-int4"
+
+
+def int4_parts(raw, qtype: str):
+    """uint8[..., n * type_size] of a 4-bit type -> (q uint8[..., K], scale f32[..., K / 32], min f32[..., K / 32]),
+    K = n * block_size: q * scale + min per 32 weights equals dequantize(raw, qtype) (the module docstring)."""
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"GGUF type {qtype} is not a 4-bit type ({', '.join(INT4_TYPES)})")
+    block_size, type_size = BLOCK_SIZES[qtype]
+    lead = raw.shape[:-1]
+    b = jnp.asarray(raw, jnp.uint8).reshape(*lead, -1, type_size)
+    if qtype == "Q4_K":
+        d, dm = _k_scales(b)                                                     # [..., n, 8, 1] each
+        q, scale, offset = _nibbles(b[..., 16:144], 64), d, -dm
+    else:
+        d = _f16(b[..., 0:2])[..., None]                                         # [..., n, 1]
+        q = _nibbles(b[..., 4 if qtype == "Q4_1" else 2:], 32)
+        scale, offset = d, (_f16(b[..., 2:4])[..., None] if qtype == "Q4_1" else -8.0 * d)
+    return (q.reshape(*lead, -1), scale.reshape(*lead, -1), offset.reshape(*lead, -1))
 
 
 _DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,

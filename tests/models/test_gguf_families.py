@@ -150,7 +150,25 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def write_gguf(path, family: Family, model, vocab: dict, name: str) -> None:
+# GGUF's K formats, which the gguf package cannot quantize: written as random blocks whose float16 scale fields
+# are small (the weights then stay near the tiny model's scale), at these byte offsets
+K_SCALE_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def k_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random uint8[rows, bytes] of a K format (every byte random but the scales)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    for off in K_SCALE_FIELDS[qtype]:
+        scale = rng.normal(0, 1e-4, size=raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = scale[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path, family: Family, model, vocab: dict, name: str, tensor_type=lambda gguf_name: "Q8_0") -> None:
+    """tensor_type: the GGML type of each 2-D tensor, by its GGUF name (Q8_0, Q4_0 and Q4_1 quantized from the
+    model's weights; the K formats random, K_SCALE_FIELDS)."""
     c = model.config
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)         # llama.cpp's HF -> GGUF names
@@ -188,8 +206,10 @@ def write_gguf(path, family: Family, model, vocab: dict, name: str) -> None:
         if family.arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             x = x + 1                        # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w
         if x.ndim == 2:
-            w.add_tensor(gguf_name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = gguf.GGMLQuantizationType[tensor_type(gguf_name)]
+            raw = k_blocks(qtype.name, *x.shape, seed=len(gguf_name) * 31 + x.size) if qtype.name in K_SCALE_FIELDS \
+                else gguf.quants.quantize(x, qtype)
+            w.add_tensor(gguf_name, raw, raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, x.astype(np.float32))
     rope = getattr(c, "rope_parameters", None) or {}
@@ -290,6 +310,46 @@ def test_gguf_blocks_give_the_dense_run(cases, name):
     linears = {"embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert dict(quant.llm_engine.model_config.weight_quant) == dict.fromkeys(linears, "Q8_0")
     for d, q in zip(_run(cases.engine(name), case), _run(quant, case)):
+        assert q.outputs[0].token_ids == d.outputs[0].token_ids
+        np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], q.prompt_token_ids[1:]),
+                                   _chosen(d.prompt_logprobs[1:], d.prompt_token_ids[1:]), rtol=0, atol=LOGPROB_ATOL)
+        np.testing.assert_allclose(_chosen(q.outputs[0].logprobs, q.outputs[0].token_ids),
+                                   _chosen(d.outputs[0].logprobs, d.outputs[0].token_ids), rtol=0, atol=LOGPROB_ATOL)
+
+
+# Each layer's tensor types in a file of mixed types (as llama.cpp's Q4_K_M mixes Q4_K and Q6_K): 4-bit types
+# mixed within one linear layer (q / k / v, gate / up) and across layers (v), a K format (down), and one linear
+# layer (o) mixing a 4-bit type with Q8_0
+MIXED_TYPES = {"attn_q": ("Q4_0", "Q4_0"), "attn_k": ("Q4_1", "Q4_1"), "attn_v": ("Q4_0", "Q4_1"),
+               "attn_output": ("Q8_0", "Q4_0"), "ffn_gate": ("Q4_1", "Q4_1"), "ffn_up": ("Q4_0", "Q4_0"),
+               "ffn_down": ("Q4_K", "Q4_K")}
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_4bit_blocks_of_any_mix_run_as_int4_and_other_mixes_dense(cases, caplog, backend):
+    """quantization="gguf" on a file of mixed types: a linear layer whose tensors are all 4-bit (Q4_0, Q4_1,
+    Q4_K, in any mix) runs repacked for the W4A16 kernel (the pallas backend runs the kernel, interpreted
+    here; hidden 320 pads its input rows to 384), one that mixes in another type is held dense and logged,
+    and the run computes what the dense float32 run computes."""
+    family = dataclasses.replace(FAMILIES["llama"], metadata=dict(FAMILIES["llama"].metadata, rope_dimension_count=64))
+    folder = cases.tmp_path_factory.mktemp("gguf-mixed")
+    vocab = vocabulary(family.vocab)
+    model = tiny_model(family, vocab, hidden_size=320, intermediate_size=512, num_attention_heads=5)
+    path = folder / "tiny-mixed.gguf"
+
+    def tensor_type(gguf_name: str) -> str:
+        p = gguf_name.split(".")
+        return MIXED_TYPES[p[2]][int(p[1])] if p[0] == "blk" else "Q8_0"
+    write_gguf(path, family, model, vocab, "Tiny mixed", tensor_type)
+    kw = dict(dtype="float32", max_model_len=64, num_gpu_blocks_override=16, seed=0)
+    case = Case(path, model, None, [[5, 30, 31, 32, 33, 34], [7, 35, 36]])
+    dense = _run(LLM(model=str(path), **kw), case)
+    with caplog.at_level("WARNING", logger="jaxpaged.engine"):
+        quant = LLM(model=str(path), quantization="gguf", attention_backend=backend, **kw)
+    assert dict(quant.llm_engine.model_config.weight_quant) == {
+        "embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4"}
+    assert "GGUF o_proj: its tensors come in several types (Q4_0, Q8_0); it is held dense" in caplog.text
+    for d, q in zip(dense, _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], q.prompt_token_ids[1:]),
                                    _chosen(d.prompt_logprobs[1:], d.prompt_token_ids[1:]), rtol=0, atol=LOGPROB_ATOL)

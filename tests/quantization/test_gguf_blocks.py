@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, INT4_GROUP, INT4_TYPES, dequantize, int4_parts
 
 # Byte offsets of each format's float16 fields: random bytes there could be inf or NaN, which no writer stores.
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
@@ -29,6 +29,24 @@ def test_dequantize_equals_the_gguf_reference_bit_for_bit(qtype):
     got = np.asarray(jax.jit(dequantize, static_argnums=1)(raw, qtype))
     assert got.dtype == np.float32 and got.shape == expected.shape == (3, 4 * BLOCK_SIZES[qtype][0])
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_4bit_types_are_q_times_scale_plus_min(qtype):
+    """int4_parts (the W4A16 kernel's offset form): q * scale + min per 32 weights is the reference's weight,
+    bit for bit but for Q4_0's zeros (d * (q - 8) is -0 where d < 0: equal as numbers)."""
+    raw = random_blocks(qtype, rows=3, blocks_per_row=2, seed=ord(qtype[-1]))
+    q, scale, offset = (np.asarray(a) for a in jax.jit(int4_parts, static_argnums=1)(raw, qtype))
+    k = 2 * BLOCK_SIZES[qtype][0]
+    assert q.shape == (3, k) and q.dtype == np.uint8 and q.max() <= 15
+    assert scale.shape == offset.shape == (3, k // INT4_GROUP) and scale.dtype == offset.dtype == np.float32
+    got = (q.reshape(3, -1, INT4_GROUP) * scale[..., None] + offset[..., None]).reshape(3, k)
+    expected = quants.dequantize(raw, GGMLQuantizationType[qtype])
+    np.testing.assert_array_equal(got, expected)
+    if qtype != "Q4_0":
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    with pytest.raises(ValueError, match="not a 4-bit type"):
+        int4_parts(random_blocks("Q8_0", 1, 1, 0), "Q8_0")
 
 
 def test_quantized_weights_round_trip_through_the_reference_quantizer():

@@ -1,5 +1,6 @@
-"""quantization="gguf": the default SmolLM2 runs from its GGUF file's Q4_1 blocks, expanded inside the step,
-and computes what the dense float32 run computes (whose weights are the same blocks dequantized at load)."""
+"""quantization="gguf": the default SmolLM2 runs from its GGUF file's blocks (the Q4_1 linear layers repacked for
+the W4A16 kernel's offset form, the Q8_0 embedding expanded inside the step), and computes what the dense float32
+run computes (whose weights are the same blocks dequantized at load)."""
 import dataclasses
 
 import numpy as np
@@ -34,8 +35,8 @@ def test_gguf_blocks_give_the_dense_float32_run(dense, layer_dispatch):
     their own)."""
     quant, llm = _run("gguf", layer_dispatch)
     cfg = llm.llm_engine.model_config
-    assert dict(cfg.weight_quant) == {"embed_tokens": "Q8_0", "qkv_proj": "Q4_1", "o_proj": "Q4_1",
-                                      "gate_up_proj": "Q4_1", "down_proj": "Q4_1"}     # every tensor the file quantizes
+    assert dict(cfg.weight_quant) == {"embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "o_proj": "gguf-int4",
+                                      "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4"}  # every tensor the file quantizes
     for d, q in zip(dense, quant):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         prompt = d.prompt_token_ids
