@@ -60,6 +60,11 @@ class DecoderConfig:
     # W4A16; group 0: one group per output channel), "int8..." (jaxpaged/quantization/int8.py's names) or
     # "fp8..." (fp8.py's); () for dense weights.
     weight_quant: tuple[tuple[str, str], ...] = ()
+    # The dtype the dense matmul weights (linear kernels, embedding, LM head) are held in when it is not the
+    # model's: "float32" for bf16 on the CPU (models/loader.py held_weight_dtype), each value a bf16 one. XLA:CPU
+    # computes a bf16 dot by converting both operands to f32, and under the layer scan it converted every
+    # layer's weights at every step; held in f32, they are converted once, at load. None: the model's dtype.
+    weight_dtype: str | None = None
     # The KV pool's dtype: "auto" (the model's) or "fp8" (e4m3, with a k_scale and v_scale per layer, the
     # checkpoint's or 1.0; vLLM's --kv-cache-dtype).
     kv_cache_dtype: str = "auto"

@@ -112,6 +112,49 @@ def _blocks_shape(rows: int, row_len: int, qtype: str) -> tuple[int, int]:
     return rows, row_len // block_size * type_size
 
 
+def held_dtype(cfg: DecoderConfig, dtype):
+    """The dtype the dense matmul weights are held in (DecoderConfig.weight_dtype), else the model's."""
+    return jnp.dtype(cfg.weight_dtype) if cfg.weight_dtype else dtype
+
+
+def matmul(x, w, dtype):
+    """x @ w in dtype with w as held (held_dtype: bf16 values held in f32 on the CPU): x widened to w's dtype,
+    the product rounded to dtype, which is what XLA:CPU computes for a bf16 dot; the model's dtype elsewhere."""
+    return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ()))).astype(dtype)
+
+
+class Linear(nn.Module):
+    """nn.Dense (y = x @ kernel [in, out], then + bias, in dtype) with the kernel held in weight_dtype."""
+    features: int
+    use_bias: bool
+    dtype: Any
+    weight_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.weight_dtype)
+        y = matmul(x.astype(self.dtype), kernel, self.dtype)
+        return y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype) if self.use_bias else y
+
+
+class Embed(nn.Module):
+    """nn.Embed (a lookup in dtype; attend, the tied LM head) with the table held in weight_dtype."""
+    num_embeddings: int
+    features: int
+    dtype: Any
+    weight_dtype: Any
+
+    def setup(self):
+        self.embedding = self.param("embedding", nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0),
+                                    (self.num_embeddings, self.features), self.weight_dtype)
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+
+    def attend(self, x):
+        return matmul(x.astype(self.dtype), self.embedding.T, self.dtype)
+
+
 def _dot_t(x, w, dtype):
     """x @ w.T in dtype, w [out, in] as GGUF stores it (no transposed copy)."""
     return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
@@ -237,18 +280,18 @@ class Int8Linear(nn.Module):
 def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.Module:
     qtype = cfg.quant_of("embed_tokens")
     if qtype is None:
-        return nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, name=name)
+        return Embed(cfg.vocab_size, cfg.hidden_size, dtype, held_dtype(cfg, dtype), name=name)
     return GGUFEmbed(cfg.vocab_size, cfg.hidden_size, qtype, dtype, name=name)
 
 
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
             options: RuntimeOptions) -> nn.Module:
-    """A linear layer: dense (nn.Dense, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
+    """A linear layer: dense (Linear, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
     (an "int4-g<group>[-actorder]" scheme, or GGUF_INT4: GGUF's 4-bit blocks repacked), Int8Linear (an
     "int8..." scheme), Fp8Linear (an "fp8..." scheme) or GGUFLinear (a GGUF type)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
-        return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+        return Linear(features, bias, dtype, held_dtype(cfg, dtype), name=name)
     if qtype == GGUF_INT4:
         return Int4Linear(features, in_features, INT4_GROUP, False, bias, dtype, options, offsets=True, name=name)
     if qtype.startswith("int4-g"):
@@ -386,11 +429,11 @@ class DecoderModel(nn.Module):
         if c.tie_word_embeddings:
             head = embed.attend
         else:
-            head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")
+            head = Linear(c.vocab_size, False, self.dtype, held_dtype(c, self.dtype), name="lm_head")
         logits = soft_cap(head(norm(h[logits_indices])).astype(jnp.float32), c.final_soft_cap)
         if prompt_head is None:
             return logits, kv_cache, ()
-        w = head_weight(c, self.variables["params"])
+        w = head_weight(c, self.dtype, self.variables["params"])
         return logits, kv_cache, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, c.final_soft_cap)
 
 
@@ -414,19 +457,20 @@ def rope_cos_sin(cfg: DecoderConfig, meta: AttentionMetadata):
     return jnp.stack([cos for cos, _ in tables]), jnp.stack([sin for _, sin in tables])
 
 
-def head_weight(cfg: DecoderConfig, params) -> jax.Array:
-    """The LM head as [H, V]: the tied embedding transposed (expanded from its blocks when quantized), or
-    lm_head's kernel."""
+def head_weight(cfg: DecoderConfig, dtype, params) -> jax.Array:
+    """The LM head as [H, V], as held (held_dtype): the tied embedding transposed (expanded from its blocks
+    when quantized, rounded to dtype), or lm_head's kernel."""
     if cfg.tie_word_embeddings:
         qtype = cfg.quant_of("embed_tokens")
         if qtype is not None:
-            return dequantize(params["embed_tokens"]["qweight"], qtype).T
+            return dequantize(params["embed_tokens"]["qweight"], qtype).T.astype(dtype).astype(held_dtype(cfg, dtype))
         return params["embed_tokens"]["embedding"].T
     return params["lm_head"]["kernel"]
 
 
 def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | None = None):
-    """prompt_head(logits f32[C, V], targets i32[C]) over every row of h [T, H] (already normed), at most
+    """prompt_head(logits f32[C, V], targets i32[C]) over every row of h [T, H] (already normed; w as
+    head_weight gives it, the logits rounded to h's dtype before f32), at most
     PROMPT_HEAD_CHUNK rows of logits at a time; outputs concatenated back to leading dim T."""
     t = h.shape[0]
     chunk = min(t, PROMPT_HEAD_CHUNK)
@@ -436,7 +480,7 @@ def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | No
 
     def one(args):
         hc, tc = args
-        return prompt_head(soft_cap(jnp.dot(hc, w.astype(hc.dtype)).astype(jnp.float32), final_soft_cap), tc)
+        return prompt_head(soft_cap(matmul(hc, w, hc.dtype).astype(jnp.float32), final_soft_cap), tc)
 
     out = jax.lax.map(one, (h, targets))
     # [chunks, chunk, ...] -> [T, ...], the leading size spelled out: -1 cannot be inferred when an output
@@ -468,8 +512,8 @@ def layer_phase(cfg: DecoderConfig, dtype, options: RuntimeOptions, layer_params
 def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targets=None, prompt_head=None):
     """Final norm and LM head -> (logits f32[R, V] at logits_indices, prompt head output or ())."""
     norm = lambda x: _norm(cfg, dtype, None).apply({"params": params["norm"]}, x)
-    w = head_weight(cfg, params)
-    logits = soft_cap(jnp.dot(norm(h[logits_indices]), w.astype(dtype)).astype(jnp.float32), cfg.final_soft_cap)
+    w = head_weight(cfg, dtype, params)
+    logits = soft_cap(matmul(norm(h[logits_indices]), w, dtype).astype(jnp.float32), cfg.final_soft_cap)
     if prompt_head is None:
         return logits, ()
     return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, cfg.final_soft_cap)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import DecoderConfig, decoder_config_from_hf
-from .decoder import AttentionMetadata, DecoderModel
+from .decoder import AttentionMetadata, DecoderModel, held_dtype
 from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_PREFIX, LAYER_TABLE,
                            LINEAR_MODULES, TOP_TABLE, table_name)
 from .quant_loader import (CHECKPOINT_KINDS, checkpoint_quantization, quantize_online, quantized_layer_params,
@@ -169,6 +169,11 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
     return layers, embedding
 
 
+def held_weight_dtype(dtype, platform: str) -> str | None:
+    """DecoderConfig.weight_dtype for a model computing in dtype on platform: float32 for bf16 on the CPU."""
+    return "float32" if platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 else None
+
+
 def resolve_dtype(dtype: str, cfg: DecoderConfig, platform: str = "cpu"):
     """vLLM's `--dtype auto`: the checkpoint's dtype, but float32 checkpoints run in bf16 on GPUs.
     platform: the JAX platform the model will run on ("cpu" | "gpu")."""
@@ -218,6 +223,7 @@ def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0, per_layer: bool = Fal
     scales 1. The
     same seed gives the same weights in either layout (per_layer: each layer's slice of the stacked draw)."""
     shapes = param_shapes(cfg, dtype)
+    held = held_dtype(cfg, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     specs = [(sds.shape, sds.dtype, _is_scale(getattr(path[-1], "key", "")),
               per_layer and getattr(path[0], "key", None) == "layers") for path, sds in leaves]
@@ -229,8 +235,10 @@ def dummy_params(cfg: DecoderConfig, dtype, seed: int = 0, per_layer: bool = Fal
     def init(keys):
         out: list = []
         for i, (shape, dt, is_norm, split) in enumerate(specs):
+            # weights held wider than the model's dtype hold values of that dtype (DecoderConfig.weight_dtype)
+            rounded = dtype if dt == held != dtype else dt
             x = (jnp.ones(shape, dt) if is_norm else jnp.zeros(shape, dt) if jnp.issubdtype(dt, jnp.integer) else
-                 jax.random.uniform(keys[i], shape, jnp.float32, -1e-3, 1e-3).astype(dt))
+                 jax.random.uniform(keys[i], shape, jnp.float32, -1e-3, 1e-3).astype(rounded).astype(dt))
             out.append([x[j] for j in range(shape[0])] if split else x)
         return out
 
@@ -257,6 +265,12 @@ def _set(tree: dict, path: tuple, value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def _leaf(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False,
@@ -315,7 +329,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     if path[0] == "lm_head" and cfg.norm_head:      # Baichuan2: rows of unit length
                         t32 = t.astype(jnp.float32)
                         t = t32 / jnp.maximum(jnp.linalg.norm(t32, axis=1, keepdims=True), 1e-12)
-                    t = t.astype(dtype)
+                    t = t.astype(dtype).astype(_leaf(shapes, path).dtype)      # held as the model holds it
                     _set(params, path, t.T if transpose else t)
     if quant_names:
         blocks = quantized_layer_params(quant_tensors, cfg, dtype, quant_config or {})
@@ -331,7 +345,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:
             raise ValueError(f"checkpoint lacks part of {'.'.join(path)} for layers {missing}")
-        arrays = [jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0] for parts in layers]
+        held = _leaf(shapes, ("layers",) + path).dtype        # the weights' (DecoderConfig.weight_dtype)
+        arrays = [(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).astype(held) for parts in layers]
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
         layers.clear()
     if online:
@@ -362,6 +377,7 @@ def load_model(model_dir: os.PathLike, dtype: str = "auto", load_format: str = "
     hf_config = read_hf_config(model_dir)
     cfg = model_config(model_dir, quantization, kv_cache_dtype)
     jdtype = resolve_dtype(dtype, cfg, platform)
+    cfg = dataclasses.replace(cfg, weight_dtype=held_weight_dtype(jdtype, platform))
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, per_layer)
     elif load_format in ("auto", "safetensors"):

@@ -143,7 +143,9 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
 
 def test_dummy_weights(tmp_path):
     """load_format="dummy": every weight of the checkpoint's shapes, norms 1, the rest small and random,
-    the same for the same seed."""
+    the same for the same seed; in bf16 (the CPU holds the matmul weights' bf16 values in float32)."""
+    import ml_dtypes
+
     save_tiny_model("qwen2", tmp_path)
     real = load_model(tmp_path, dtype="float32")
     a = load_model(tmp_path, dtype="bfloat16", load_format="dummy", seed=3)
@@ -153,8 +155,10 @@ def test_dummy_weights(tmp_path):
     ra, fa, fb = flat(real.params), flat(a.params), flat(b.params)
     assert ra.keys() == fa.keys()
     for name, x in fa.items():
-        assert x.shape == ra[name].shape and x.dtype == jnp.bfloat16
+        held = name.endswith(("kernel", "embedding"))
+        assert x.shape == ra[name].shape and x.dtype == (jnp.float32 if held else jnp.bfloat16)
         x32 = np.asarray(x, np.float32)
+        np.testing.assert_array_equal(x32, x32.astype(ml_dtypes.bfloat16).astype(np.float32))
         if name.endswith("scale"):
             assert (x32 == 1).all()
         else:
@@ -164,15 +168,16 @@ def test_dummy_weights(tmp_path):
 
 def test_float32_checkpoint_loads_as_bfloat16(tmp_path):
     """A float32 checkpoint (as transformers saves the tiny models, and as the default model's GGUF is
-    converted) loaded with dtype bfloat16: every parameter bf16, rounded to nearest as torch rounds, and
-    nothing but the bf16 parameters stays in memory (no float32 copy of the weights)."""
+    converted) loaded with dtype bfloat16 for a GPU: every parameter bf16, rounded to nearest as torch rounds,
+    and nothing but the bf16 parameters stays in memory (no float32 copy of the weights). For the CPU the
+    matmul weights (kernels, embedding) hold the same bf16 values in float32 (DecoderConfig.weight_dtype)."""
     import ml_dtypes
 
     hf = save_tiny_model("qwen3", tmp_path)
     want = load_model(tmp_path, dtype="float32").params
     live = lambda: sum(x.nbytes for x in jax.live_arrays())
     before = live()
-    got = load_model(tmp_path, dtype="bfloat16").params
+    got = load_model(tmp_path, dtype="bfloat16", platform="gpu").params
     leaves = jax.tree_util.tree_leaves(got)
     assert live() - before == sum(x.nbytes for x in leaves)
     assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
@@ -180,6 +185,12 @@ def test_float32_checkpoint_loads_as_bfloat16(tmp_path):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(ml_dtypes.bfloat16))
     torch_bf16 = hf.model.embed_tokens.weight.detach().to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(np.asarray(got["embed_tokens"]["embedding"], np.float32), torch_bf16)
+    cpu = load_model(tmp_path, dtype="bfloat16")
+    assert cpu.config.weight_dtype == "float32"
+    for (path, c), g in zip(jax.tree_util.tree_flatten_with_path(cpu.params)[0], leaves):
+        held = getattr(path[-1], "key", None) in ("kernel", "embedding")
+        assert c.dtype == (jnp.float32 if held else jnp.bfloat16), path
+        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(g, np.float32))
 
 
 def test_sliding_window_as_hf_applies_it():

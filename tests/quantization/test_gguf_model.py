@@ -35,8 +35,9 @@ def test_gguf_blocks_give_the_dense_float32_run(dense, layer_dispatch):
     their own)."""
     quant, llm = _run("gguf", layer_dispatch)
     cfg = llm.llm_engine.model_config
+    # every tensor the file quantizes: the Q4_1 linear layers repacked, the Q8_0 embedding in its blocks
     assert dict(cfg.weight_quant) == {"embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "o_proj": "gguf-int4",
-                                      "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4"}  # every tensor the file quantizes
+                                      "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4"}
     for d, q in zip(dense, quant):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         prompt = d.prompt_token_ids
