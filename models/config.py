@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",   # Gemma 3 from 4B up: its language model (text in and out)
     "BaiChuanForCausalLM": "baichuan",       # Baichuan-7B
     "BaichuanForCausalLM": "baichuan",       # Baichuan-13B, Baichuan2-7B / -13B
     "GlmForCausalLM": "glm",                 # GLM-4 in transformers' layout
@@ -26,6 +27,9 @@ BAICHUAN2_VOCAB = 125696     # Baichuan2's vocabulary: its LM head is normalized
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}    # HF's name -> the decoder's
 FULL, SLIDING = "full_attention", "sliding_attention"              # HF's layer types
 PARTIAL_ROTARY_FAMILIES = ("phi3", "glm", "glm4", "chatglm")        # rotary on a head's first dims only
+# Multimodal checkpoints whose language model jaxpaged serves, text in and text out (the vision tower is not
+# loaded): architecture -> transformers' config class of config.json's text_config
+MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3TextConfig"}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -151,7 +155,7 @@ def _layer_types(cfg: dict, arch: str) -> tuple[int | None, tuple[str, ...] | No
         types = tuple(cfg["layer_types"])
     elif arch == "Gemma2ForCausalLM":
         types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(n))
-    elif arch == "Gemma3ForCausalLM":
+    elif arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
         pattern = cfg.get("sliding_window_pattern", 6)
         types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(n))
     elif cfg.get("use_sliding_window", False):
@@ -210,10 +214,24 @@ def _chatglm_as_glm(cfg: dict) -> dict:
     }
 
 
+def _text_config(cfg: dict, arch: str) -> dict:
+    """A multimodal checkpoint's language model config: its text_config with transformers' defaults filled in
+    (published config.json files keep only what differs from them), and the top level's dtype, token ids and
+    tied embeddings where it states them."""
+    import transformers
+    text = getattr(transformers, MULTIMODAL_TEXT[arch])(**(cfg.get("text_config") or {})).to_dict()
+    text.update({k: cfg[k] for k in ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+                 if cfg.get(k) is not None})
+    return {**text, "architectures": [arch]}
+
+
 def decoder_config_from_hf(cfg: dict) -> DecoderConfig:
     archs = cfg.get("architectures") or []
     if set(archs) & {a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "chatglm"}:
         cfg = _chatglm_as_glm(cfg)
+    multimodal = next((a for a in archs if a in MULTIMODAL_TEXT), None)
+    if multimodal is not None:
+        cfg = _text_config(cfg, multimodal)
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedArchitectureError(

@@ -73,8 +73,19 @@ LAYER_RENAMES = {
 }
 
 
+# A multimodal checkpoint's language model (config.MULTIMODAL_TEXT): published files and transformers 5 write it
+# under language_model.model., transformers 4.5x under model.language_model.; its vision tower and projector
+# match no table entry and are not loaded.
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+
+
 def table_name(family: str, name: str) -> str:
     """A checkpoint tensor's name as the tables spell it ("model.layers.3.self_attn.o_proj.weight")."""
+    for language_model in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(language_model):
+            name = "model." + name[len(language_model):]
+    if name == "language_model.lm_head.weight":
+        name = "lm_head.weight"
     top = TOP_RENAMES.get(family, {})
     if name in top:
         return top[name]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_chatglm, save_tiny_model
+from conftest import TINY_MODELS, save_tiny_chatglm, save_tiny_model
 from jaxpaged.models import AttentionMetadata, DecoderModel, kv_cache_shape, load_model
 
 
@@ -64,6 +64,12 @@ def test_logits_match_hf(family, tmp_path):
     hf = save_tiny_chatglm(tmp_path) if family == "chatglm" else save_tiny_model(family, tmp_path, **overrides)
     loaded = load_model(tmp_path, dtype="float32")
     assert loaded.config.family == family
+    _assert_hfs_logits(loaded, hf)
+
+
+def _assert_hfs_logits(loaded, hf):
+    """A 13-token prompt and 5 greedy steps through the paged cache: logits within 1e-4 (relative to the
+    largest) of HF's one forward over the same tokens."""
     runner = PagedRunner(loaded)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 320, 13).tolist()          # 13: not a multiple of the block size
@@ -78,6 +84,48 @@ def test_logits_match_hf(family, tmp_path):
     got = np.concatenate(ours, axis=0)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     assert rel < 1e-4, rel
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(prefix, tmp_path):
+    """Gemma3ForConditionalGeneration, as every Gemma 3 from 4B up is published: jaxpaged serves its language
+    model, text in and out. Its config is config.json's text_config, which published files keep to what differs
+    from transformers' defaults (as here); its weights sit under either prefix transformers has written
+    (language_model.model. as published and by transformers 5, model.language_model. by 4.5x); the vision
+    tower and projector are not loaded. Logits: HF's Gemma3ForConditionalGeneration on the same text."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    _, text = TINY_MODELS["gemma3"]
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=16),
+        mm_tokens_per_image=4, image_token_index=300, boi_token_index=301, eoi_token_index=302)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    saved["text_config"] = {k: v for k, v in saved["text_config"].items() if k == "model_type" or defaults.get(k) != v}
+    assert not {"rms_norm_eps", "hidden_activation", "attention_bias"} & saved["text_config"].keys()
+    path.write_text(json.dumps(saved))
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert any(k.startswith("language_model.model.") for k in tensors)
+    if prefix != "language_model.model.":
+        tensors = {k.replace("language_model.model.", prefix): v for k, v in tensors.items()}
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(tmp_path, dtype="float32")
+    assert (loaded.config.architecture, loaded.config.family) == ("Gemma3ForConditionalGeneration", "gemma3")
+    assert loaded.config.layer_types == tuple(text["layer_types"]) and loaded.config.tie_word_embeddings
+    _assert_hfs_logits(loaded, hf)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])     # tied embeddings and a separate lm_head
