@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from .config import DecoderConfig, decoder_config_from_hf
 from .decoder import AttentionMetadata, DecoderModel, held_dtype
-from .param_tables import (GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_PREFIX, LAYER_TABLE,
-                           LINEAR_MODULES, TOP_TABLE, table_name)
+from .param_tables import (FUSED_MODULES, GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_PREFIX,
+                           LAYER_TABLE, LINEAR_MODULES, TOP_TABLE, table_name)
 from .quant_loader import (CHECKPOINT_KINDS, checkpoint_quantization, quantize_online, quantized_layer_params,
                            quantized_tensor_names, weight_quant_of)
 
@@ -267,10 +267,14 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
-def _leaf(tree, path: tuple):
+def _held(shapes, path: tuple, dtype):
+    """The dtype the parameter at path is held in (DecoderConfig.weight_dtype's, for matmul weights), or dtype
+    where the tree has no such parameter (a kernel that quantization="fp8" quantizes after loading)."""
     for key in path:
-        tree = tree[key]
-    return tree
+        if key not in shapes:
+            return dtype
+        shapes = shapes[key]
+    return shapes.dtype
 
 
 def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, per_layer: bool = False,
@@ -287,7 +291,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     gguf = any(not q.startswith(CHECKPOINT_KINDS) for _, q in cfg.weight_quant)
     online = not gguf and cfg.weight_quant and quant_config is None
     quant_names = quantized_tensor_names(cfg, quant_config)
-    quant_modules = {m for path, modules in LINEAR_MODULES.items() if cfg.quant_of(path[-1]) for m in modules}
+    quant_modules = {m for path, modules in LINEAR_MODULES.items() if cfg.quant_of(path[-1])
+                     for m in modules + ([FUSED_MODULES[path]] if path in FUSED_MODULES else [])}
     blocks, embedding = gguf_blocks(model_dir, cfg) if gguf else ({}, None)
     quant_tensors: dict[tuple[int, str], dict] = {}
     params: dict = {}
@@ -329,7 +334,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     if path[0] == "lm_head" and cfg.norm_head:      # Baichuan2: rows of unit length
                         t32 = t.astype(jnp.float32)
                         t = t32 / jnp.maximum(jnp.linalg.norm(t32, axis=1, keepdims=True), 1e-12)
-                    t = t.astype(dtype).astype(_leaf(shapes, path).dtype)      # held as the model holds it
+                    t = t.astype(dtype).astype(_held(shapes, path, dtype))     # held as the model holds it
                     _set(params, path, t.T if transpose else t)
     if quant_names:
         blocks = quantized_layer_params(quant_tensors, cfg, dtype, quant_config or {})
@@ -345,7 +350,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:
             raise ValueError(f"checkpoint lacks part of {'.'.join(path)} for layers {missing}")
-        held = _leaf(shapes, ("layers",) + path).dtype        # the weights' (DecoderConfig.weight_dtype)
+        held = _held(shapes, ("layers",) + path, dtype)
         arrays = [(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).astype(held) for parts in layers]
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
         layers.clear()

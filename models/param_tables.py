@@ -53,23 +53,23 @@ TOP_TABLE = {
 LAYER_PREFIX = "model.layers."
 
 # Other layouts' names -> the tables' names, per family: whole names, the prefix of a layer's names, and the
-# names within a layer.
+# modules within a layer (whatever their tensors: a quantized checkpoint's qweight and scales are renamed
+# with the module's weight).
 TOP_RENAMES = {"chatglm": {"transformer.embedding.word_embeddings.weight": "model.embed_tokens.weight",
                            "transformer.encoder.final_layernorm.weight": "model.norm.weight",
                            "transformer.output_layer.weight": "lm_head.weight"}}
 LAYER_PREFIXES = {"chatglm": "transformer.encoder.layers."}
 LAYER_RENAMES = {
     # GLM-4-0414's four norms are Gemma's under other names: its post_attention_layernorm is the MLP's input norm
-    "glm4": {"post_self_attn_layernorm.weight": "post_attention_layernorm.weight",
-             "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",
-             "post_mlp_layernorm.weight": "post_feedforward_layernorm.weight"},
-    "baichuan": {"self_attn.W_pack.weight": "self_attn.qkv_proj.weight"},     # q, k, v packed
+    "glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
+             "post_attention_layernorm": "pre_feedforward_layernorm",
+             "post_mlp_layernorm": "post_feedforward_layernorm"},
+    "baichuan": {"self_attn.W_pack": "self_attn.qkv_proj"},     # q, k, v packed
     # ChatGLM2 / ChatGLM3 / GLM-4 as THUDM published them: q, k, v fused (in that order), gate and up fused
-    "chatglm": {"self_attention.query_key_value.weight": "self_attn.qkv_proj.weight",
-                "self_attention.query_key_value.bias": "self_attn.qkv_proj.bias",
-                "self_attention.dense.weight": "self_attn.o_proj.weight",
-                "mlp.dense_h_to_4h.weight": "mlp.gate_up_proj.weight",
-                "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight"},
+    "chatglm": {"self_attention.query_key_value": "self_attn.qkv_proj",
+                "self_attention.dense": "self_attn.o_proj",
+                "mlp.dense_h_to_4h": "mlp.gate_up_proj",
+                "mlp.dense_4h_to_h": "mlp.down_proj"},
 }
 
 
@@ -93,19 +93,22 @@ def table_name(family: str, name: str) -> str:
     if not name.startswith(prefix):
         return name
     idx, sub = name[len(prefix):].split(".", 1)
-    return f"{LAYER_PREFIX}{idx}.{LAYER_RENAMES.get(family, {}).get(sub, sub)}"
+    module, _, leaf = sub.rpartition(".")
+    return f"{LAYER_PREFIX}{idx}.{LAYER_RENAMES.get(family, {}).get(module, module)}.{leaf}"
 
 
-# (quantized checkpoints: separate modules)
-FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+# The linear layers a checkpoint may store fused (Phi-3's, GLM's gate / up, Baichuan's and ChatGLM's after
+# LAYER_RENAMES): param path -> the fused module, which a quantized checkpoint then quantizes as one.
+FUSED_MODULES = {("self_attn", "qkv_proj"): "self_attn.qkv_proj", ("mlp", "gate_up_proj"): "mlp.gate_up_proj"}
 
 
 def _linear_modules() -> dict[tuple, list[str]]:
-    """Each linear layer's param path under a layer -> its HF modules, in the order their outputs concatenate:
-    ("self_attn", "qkv_proj") -> ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]."""
+    """Each linear layer's param path under a layer -> its HF modules when stored separately, in the order their
+    outputs concatenate: ("self_attn", "qkv_proj") -> ["self_attn.q_proj", "self_attn.k_proj",
+    "self_attn.v_proj"] (FUSED_MODULES: the one module of a checkpoint that stores them fused)."""
     parts: dict[tuple, dict[int, str]] = {}
     for name, (path, _, part) in LAYER_TABLE.items():
-        if path[-1] == "kernel" and name not in FUSED:
+        if path[-1] == "kernel" and name[:-len(".weight")] not in FUSED_MODULES.values():
             parts.setdefault(path[:-1], {})[(part or (0, 1))[0]] = name[:-len(".weight")]
     return {path: [modules[i] for i in sorted(modules)] for path, modules in parts.items()}
 

@@ -18,7 +18,7 @@ from jaxpaged.quantization.int4_formats import (INT4_METHODS, TENSORS, Int4Schem
                                                 device_layout, from_checkpoint, int4_scheme)
 
 from .config import DecoderConfig
-from .param_tables import LINEAR_MODULES
+from .param_tables import FUSED_MODULES, LINEAR_MODULES
 
 FP8_TENSORS = ("weight", "weight_scale", "weight_scale_inv", "input_scale")   # one fp8 layer's tensors
 CHECKPOINT_KINDS = ("int4", "int8", "fp8")   # weight_quant prefixes of layers read from a checkpoint's tensors
@@ -111,7 +111,8 @@ def quantized_tensor_names(cfg: DecoderConfig, quant_config: dict | None) -> fro
 def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderConfig, dtype,
                            quant_config: dict) -> dict[tuple, list]:
     """A quantized checkpoint's tensors ((layer, HF module) -> {tensor name: numpy array}) -> (param path
-    under a layer -> each layer's array) in the decoder's form, fused parts joined on the output dim."""
+    under a layer -> each layer's array) in the decoder's form, separate parts joined on the output dim (a
+    layer the checkpoint stores fused, FUSED_MODULES, is one part)."""
     convert: Callable[[list[dict], list[str]], dict[str, np.ndarray]]
     kind = _weight_kind(quant_config.get("quant_method", ""), quant_config)
     if kind == "fp8":
@@ -125,8 +126,9 @@ def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderCon
         if not (cfg.quant_of(path[-1]) or "").startswith(CHECKPOINT_KINDS):
             continue
         for i in range(cfg.num_layers):
-            parts = [tensors.get((i, module), {}) for module in modules]
-            layer = convert(parts, [f"model.layers.{i}.{module}" for module in modules])
+            names = [FUSED_MODULES[path]] if (i, FUSED_MODULES.get(path)) in tensors else modules
+            parts = [tensors.get((i, module), {}) for module in names]
+            layer = convert(parts, [f"model.layers.{i}.{module}" for module in names])
             for key, value in layer.items():
                 out.setdefault(path + (key,), []).append(jnp.asarray(value, _PARAM_DTYPES.get(key, dtype)))
     return out

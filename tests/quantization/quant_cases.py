@@ -16,7 +16,11 @@ from jaxpaged import LLM, SamplingParams
 # K a multiple of 128 for every linear layer (the int4 kernel's packed slabs, fp8's 128-column blocks):
 # hidden 128, 2 heads of 64, MLP 256
 SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's LongRoPE factors in TINY_MODELS are sized for its 16-wide heads: here 32 per kind, one per rotary pair
+FAMILY_SIZES = {"phi3": dict(rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                                           "long_factor": [2.0 + 0.1 * i for i in range(32)]})}
+# (Phi-3's q/k/v and GLM's and Phi-3's gate/up are fused in their checkpoints: quantized as one module)
+LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 SCORED = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
 
 
@@ -34,7 +38,7 @@ def save_tiny(family: str, path: Path, initializer_range: float = 0.2):
     returns HF's model. initializer_range: 10x HF's default by default, so logits spread wide and few greedy
     choices are near-ties."""
     from jaxpaged.engine.llm_engine import resolve_model_path
-    hf = save_tiny_model(family, path, initializer_range=initializer_range, **SIZES)
+    hf = save_tiny_model(family, path, initializer_range=initializer_range, **SIZES, **FAMILY_SIZES.get(family, {}))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(resolve_model_path(None)) / f, path)
     return hf

@@ -50,7 +50,9 @@ class Int4Case:
 CASES = [Int4Case("llama", "awq", 32), Int4Case("qwen2", "awq", 128), Int4Case("llama", "gptq", 64, sym=True),
          Int4Case("qwen3", "gptq", 32, desc_act=True), Int4Case("llama", "gptq", -1),
          Int4Case("llama", "compressed-tensors", 128, sym=True), Int4Case("qwen2", "compressed-tensors", 64),
-         Int4Case("qwen3", "compressed-tensors", 32, desc_act=True)]
+         Int4Case("qwen3", "compressed-tensors", 32, desc_act=True),
+         # modules fused in the checkpoint, quantized as one: GLM's gate_up_proj, Phi-3's qkv_proj and gate_up_proj
+         Int4Case("glm", "awq", 64), Int4Case("phi3", "gptq", 32, desc_act=True)]
 
 
 def quantize(w: np.ndarray, group: int, sym: bool, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
