@@ -121,13 +121,13 @@ def _gguf_int4(raw_parts: list[tuple[object, str]], in_features: int) -> dict[st
     import numpy as np
 
     from jaxpaged.pallas_kernels.int4_matmul import PACK_ROWS, pack_int4
-    from jaxpaged.quantization.gguf_blocks import int4_parts
+    from jaxpaged.quantization.gguf_blocks import INT4_GROUP, int4_parts
     with jax.default_device(jax.devices("cpu")[0]):
         pieces = [jax.device_get(int4_parts(raw, qtype)) for raw, qtype in raw_parts]
     q, scales, mins = (np.concatenate([p[i] for p in pieces]).T for i in range(3))       # [K, N], [K/32, N] x 2
     pad = -in_features % PACK_ROWS
     q = np.pad(q, ((0, pad), (0, 0)))
-    scales, mins = (np.pad(a, ((0, pad // 32), (0, 0))) for a in (scales, mins))
+    scales, mins = (np.pad(a, ((0, pad // INT4_GROUP), (0, 0))) for a in (scales, mins))
     return {"qweight": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(mins)}
 
 
