@@ -16,7 +16,8 @@
 # --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
 # checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
 # --api-server-counts N,M,...: steps 2-5 once per --api-server-count, a fresh server each, the results named
-# ...-apiN (default: one server at its own default count, results unsuffixed). --client-loops asyncio,uvloop: step 3 once per client event
+# ...-apiN, or ...-apiN-rK for the K-th of a count given more than once (2,4,2,4: an alternating A/B); default:
+# one server at its own default count, results unsuffixed. --client-loops asyncio,uvloop: step 3 once per client event
 # loop (bench/serve.py --event-loop; default asyncio, as vLLM's client), uvloop's results named ...-uvloop;
 # each (count, loop) gets a fresh server. --client-processes K: step 3 sends from K processes (bench/serve.py
 # --client-processes), its results named ...-cpK.
@@ -57,9 +58,12 @@ client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$M
   | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side" | sed 's/^/   /'; }
 # A fresh server for each (count, client loop): a second run on one server would find its prompts in the
 # prefix cache.
+declare -A SEEN      # a count given more than once (alternating A/B): each repeat's results named ...-apiN-rK
 for N in ${COUNTS//,/ }; do
+SEEN[$N]=$(( ${SEEN[$N]:-0} + 1 ))
+REP=$([ "$(echo ",$COUNTS," | grep -o ",$N," | wc -l)" -gt 1 ] && echo "-r${SEEN[$N]}")
 for LOOP in ${LOOPS//,/ }; do
-SUFFIX=$([ "$N" = default ] || echo "-api$N")
+SUFFIX=$([ "$N" = default ] || echo "-api$N")$REP
 APIFLAG=$([ "$N" = default ] || echo "--api-server-count $N")
 LSUFFIX=$([ "$LOOP" = asyncio ] || echo "-$LOOP")$([ "$CPROCS" = 1 ] || echo "-cp$CPROCS")
 echo "== 2. server start-up (--api-server-count $N)"
@@ -125,14 +129,15 @@ def load(name):
     return json.loads(p.read_text()).get("metrics", {}) if p.exists() else {}
 o = load(f"throughput-{model}-sharegpt").get("output_tokens_per_second")
 print(f"   offline output tok/s {o}")
-for n in counts:
-    suffix = "" if n == "default" else f"-api{n}"
+for i, n in enumerate(counts):
+    suffix = ("" if n == "default" else f"-api{n}") + (f"-r{counts[:i + 1].count(n)}" if counts.count(n) > 1 else "")
     for loop in loops:
         lsuffix = ("" if loop == "asyncio" else f"-{loop}") + cprocs
         inf = load(f"serve-{model}-sharegpt-rinf{suffix}{lsuffix}")
         c1 = load(f"serve-{model}-openqa-c1{suffix}{lsuffix}")
         s = inf.get("output_throughput")
-        print(f"   --api-server-count {n}, client {loop}{cprocs}: server rate inf {s}"
+        print(f"   --api-server-count {n}{suffix[len(f'-api{n}'):] if n != 'default' else ''}, client {loop}{cprocs}: "
+              f"server rate inf {s}"
               + (f" ({s / o:.1%} of offline)" if o and s else "")
               + f", median TTFT {inf.get('median_ttft_ms')} ms (server-side mean {inf.get('server_mean_ttft_ms')}"
               f" ms), median TPOT {inf.get('median_tpot_ms')} ms; openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
