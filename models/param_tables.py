@@ -93,8 +93,8 @@ def table_name(family: str, name: str) -> str:
     if not name.startswith(prefix):
         return name
     idx, sub = name[len(prefix):].split(".", 1)
-    module, _, leaf = sub.rpartition(".")
-    return f"{LAYER_PREFIX}{idx}.{LAYER_RENAMES.get(family, {}).get(module, module)}.{leaf}"
+    module, dot, leaf = sub.rpartition(".")
+    return f"{LAYER_PREFIX}{idx}.{LAYER_RENAMES.get(family, {}).get(module, module)}{dot}{leaf}"
 
 
 # The linear layers a checkpoint may store fused (Phi-3's, GLM's gate / up, Baichuan's and ChatGLM's after
