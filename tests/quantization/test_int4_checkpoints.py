@@ -167,6 +167,49 @@ def test_the_w4a16_kernel_runs_inside_the_model(checkpoints):
     check_against_hf(llm, hf)
 
 
+def test_an_awq_checkpoint_in_chatglms_layout_loads_its_fused_modules(checkpoints, tmp_path):
+    """ChatGLM2/3 and GLM-4 as THUDM published them, quantized with AWQ: q, k and v fused into
+    query_key_value (its packed tensors joined on their output axis), dense, dense_h_to_4h (gate and up fused)
+    and dense_4h_to_h quantized under ChatGLM's names, with ChatGLM's config.json (conftest.save_tiny_chatglm's,
+    for the same sizes). Made from the GLM AWQ case, whose HF model carries the dequantized weights."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from conftest import save_tiny_chatglm
+    from quant_cases import SIZES
+    case = next(c for c in CASES if c.family == "glm")
+    path, hf = checkpoints(case)
+    t = load_file(str(path / "model.safetensors"))
+    out = {"transformer.embedding.word_embeddings.weight": t.pop("model.embed_tokens.weight"),
+           "transformer.encoder.final_layernorm.weight": t.pop("model.norm.weight"),
+           "transformer.output_layer.weight": t.pop("lm_head.weight")}
+    renames = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+               "self_attn.o_proj": "self_attention.dense", "mlp.gate_up_proj": "mlp.dense_h_to_4h",
+               "mlp.down_proj": "mlp.dense_4h_to_h"}
+    for i in range(hf.config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        for leaf in ("qweight", "qzeros", "scales", "bias"):       # AWQ packs and scales along the output axis
+            out[dst + f"self_attention.query_key_value.{leaf}"] = np.concatenate(
+                [t.pop(src + f"self_attn.{x}_proj.{leaf}") for x in "qkv"], axis=-1)
+        for name in [n for n in t if n.startswith(src)]:
+            module, _, leaf = name[len(src):].rpartition(".")
+            out[f"{dst}{renames[module]}.{leaf}"] = t.pop(name)
+    assert not t, sorted(t)
+    folder = tmp_path / "chatglm-awq"
+    folder.mkdir()
+    save_file(out, str(folder / "model.safetensors"))
+    save_tiny_chatglm(tmp_path / "config-only", initializer_range=0.2, **SIZES)
+    shutil.copy(tmp_path / "config-only" / "config.json", folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / f, folder)
+    declare_quantization(folder, case.quantization_config())
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16)
+    assert llm.llm_engine.model_config.architecture == "ChatGLMModel"
+    assert set(dict(llm.llm_engine.model_config.weight_quant).values()) == {f"int4-g{case.group_size}"}
+    check_against_hf(llm, hf)
+
+
 def test_inconsistent_or_unsupported_int4_checkpoints_are_refused(checkpoints, tmp_path):
     path, _ = checkpoints(CASES[0])                                           # an AWQ checkpoint
     with pytest.raises(ValueError, match="contradicts config.json's quantization_config"):
