@@ -246,6 +246,44 @@ def train_sentencepiece(folder, vocab_size: int, **options) -> None:
     (folder / "tokenizer.vocab").unlink()
 
 
+# A Glm's modules under ChatGLM's names (q, k and v become one query_key_value)
+CHATGLM_MODULES = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+                   "self_attn.o_proj": "self_attention.dense", "mlp.gate_up_proj": "mlp.dense_h_to_4h",
+                   "mlp.down_proj": "mlp.dense_4h_to_h"}
+
+
+def chatglm_layout(t: dict, num_layers: int, join) -> dict:
+    """A Glm checkpoint's tensors (name -> array, consumed) under ChatGLM's names, whatever each module's
+    tensors are (a weight and bias, or a quantized checkpoint's): q's, k's and v's tensors of one name joined
+    by join(list) into query_key_value's, every other module renamed."""
+    out = {"transformer.embedding.word_embeddings.weight": t.pop("model.embed_tokens.weight"),
+           "transformer.encoder.final_layernorm.weight": t.pop("model.norm.weight"),
+           "transformer.output_layer.weight": t.pop("lm_head.weight")}
+    for i in range(num_layers):
+        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
+        for leaf in sorted(n[len(src + "self_attn.q_proj."):] for n in t if n.startswith(src + "self_attn.q_proj.")):
+            out[dst + f"self_attention.query_key_value.{leaf}"] = join(
+                [t.pop(src + f"self_attn.{x}_proj.{leaf}") for x in "qkv"])
+        for name in [n for n in t if n.startswith(src)]:
+            module, _, leaf = name[len(src):].rpartition(".")
+            out[f"{dst}{CHATGLM_MODULES[module]}.{leaf}"] = t.pop(name)
+    assert not t, sorted(t)
+    return out
+
+
+def chatglm_config(c) -> dict:
+    """ChatGLM's config.json for a Glm config c (rope_ratio: c's rope base over 10000)."""
+    return {
+        "architectures": ["ChatGLMModel"], "model_type": "chatglm", "add_bias_linear": False, "add_qkv_bias": True,
+        "apply_query_key_layer_scaling": True, "apply_residual_connection_post_layernorm": False,
+        "attention_softmax_in_fp32": True, "ffn_hidden_size": c.intermediate_size, "hidden_size": c.hidden_size,
+        "kv_channels": c.head_dim, "layernorm_epsilon": c.rms_norm_eps, "multi_query_attention": True,
+        "multi_query_group_num": c.num_key_value_heads, "num_attention_heads": c.num_attention_heads,
+        "num_layers": c.num_hidden_layers, "original_rope": True, "padded_vocab_size": c.vocab_size,
+        "post_layer_norm": True, "rmsnorm": True, "rope_ratio": c.rope_parameters["rope_theta"] / 10000.0,
+        "seq_length": 256, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"}
+
+
 def save_tiny_chatglm(path, **overrides):
     """A tiny ChatGLM2/3 / GLM-4 checkpoint as THUDM's remote code saves one (transformers has no class for
     it): a random GlmForCausalLM (the same model) re-saved under ChatGLM's names, q/k/v fused into
@@ -258,33 +296,31 @@ def save_tiny_chatglm(path, **overrides):
     path = pathlib.Path(path)
     hf = save_tiny_model("glm", path, **overrides)
     c = hf.config
-    t = load_file(str(path / "model.safetensors"))
-    out = {"transformer.embedding.word_embeddings.weight": t.pop("model.embed_tokens.weight"),
-           "transformer.encoder.final_layernorm.weight": t.pop("model.norm.weight"),
-           "transformer.output_layer.weight": t.pop("lm_head.weight"),
-           "transformer.rotary_pos_emb.inv_freq": torch.ones(c.head_dim // 4)}    # in real files; unused
-    for i in range(c.num_hidden_layers):
-        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
-        for leaf in ("weight", "bias"):
-            out[dst + f"self_attention.query_key_value.{leaf}"] = torch.cat(
-                [t.pop(src + f"self_attn.{x}_proj.{leaf}") for x in "qkv"])
-        for a, b in (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
-                     ("self_attn.o_proj", "self_attention.dense"), ("mlp.gate_up_proj", "mlp.dense_h_to_4h"),
-                     ("mlp.down_proj", "mlp.dense_4h_to_h")):
-            out[dst + b + ".weight"] = t.pop(src + a + ".weight")
-    assert not t, sorted(t)
+    out = chatglm_layout(load_file(str(path / "model.safetensors")), c.num_hidden_layers, torch.cat)
+    out["transformer.rotary_pos_emb.inv_freq"] = torch.ones(c.head_dim // 4)      # in real files; unused
     save_file(out, str(path / "model.safetensors"))
-    theta = c.rope_parameters["rope_theta"]
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["ChatGLMModel"], "model_type": "chatglm", "add_bias_linear": False, "add_qkv_bias": True,
-        "apply_query_key_layer_scaling": True, "apply_residual_connection_post_layernorm": False,
-        "attention_softmax_in_fp32": True, "ffn_hidden_size": c.intermediate_size, "hidden_size": c.hidden_size,
-        "kv_channels": c.head_dim, "layernorm_epsilon": c.rms_norm_eps, "multi_query_attention": True,
-        "multi_query_group_num": c.num_key_value_heads, "num_attention_heads": c.num_attention_heads,
-        "num_layers": c.num_hidden_layers, "original_rope": True, "padded_vocab_size": c.vocab_size,
-        "post_layer_norm": True, "rmsnorm": True, "rope_ratio": theta / 10000.0, "seq_length": 256,
-        "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32"}))
+    (path / "config.json").write_text(json.dumps(chatglm_config(c)))
     return hf
+
+
+# GGUF blocks' float16 fields (scales and mins) by type, at these byte offsets: random bytes there could be inf
+# or NaN, which no writer stores
+GGUF_F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                   "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_gguf_blocks(qtype: str, rows: int, blocks_per_row: int, seed: int, scale: float = 0.05):
+    """uint8[rows, bytes] of GGUF blocks of qtype: every byte random but the float16 fields, normal(0, scale)."""
+    import numpy as np
+
+    from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES
+    _, type_size = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row, type_size), dtype=np.uint8)
+    for off in GGUF_F16_FIELDS[qtype]:
+        raw[..., off:off + 2] = rng.normal(0, scale, size=(rows, blocks_per_row)).astype(np.float16)[..., None] \
+            .view(np.uint8)
+    return raw.reshape(rows, blocks_per_row * type_size)
 
 
 # ---- the server as a real process ------------------------------------------------------------------

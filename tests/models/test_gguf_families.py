@@ -22,6 +22,7 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from conftest import random_gguf_blocks
 from jaxpaged import LLM, SamplingParams, envs
 from jaxpaged.models.gguf_convert import convert_gguf_to_hf, gguf_model_dir
 
@@ -151,24 +152,13 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
 
 
 # GGUF's K formats, which the gguf package cannot quantize: written as random blocks whose float16 scale fields
-# are small (the weights then stay near the tiny model's scale), at these byte offsets
-K_SCALE_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def k_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random uint8[rows, bytes] of a K format (every byte random but the scales)."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-    for off in K_SCALE_FIELDS[qtype]:
-        scale = rng.normal(0, 1e-4, size=raw.shape[:2]).astype(np.float16)
-        raw[..., off:off + 2] = scale[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
+# are small (the weights then stay near the tiny model's scale)
+K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def write_gguf(path, family: Family, model, vocab: dict, name: str, tensor_type=lambda gguf_name: "Q8_0") -> None:
     """tensor_type: the GGML type of each 2-D tensor, by its GGUF name (Q8_0, Q4_0 and Q4_1 quantized from the
-    model's weights; the K formats random, K_SCALE_FIELDS)."""
+    model's weights; the K formats random, K_FORMATS)."""
     c = model.config
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)         # llama.cpp's HF -> GGUF names
@@ -207,8 +197,9 @@ def write_gguf(path, family: Family, model, vocab: dict, name: str, tensor_type=
             x = x + 1                        # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w
         if x.ndim == 2:
             qtype = gguf.GGMLQuantizationType[tensor_type(gguf_name)]
-            raw = k_blocks(qtype.name, *x.shape, seed=len(gguf_name) * 31 + x.size) if qtype.name in K_SCALE_FIELDS \
-                else gguf.quants.quantize(x, qtype)
+            raw = (random_gguf_blocks(qtype.name, x.shape[0], x.shape[1] // gguf.GGML_QUANT_SIZES[qtype][0],
+                                      seed=len(gguf_name) * 31 + x.size, scale=1e-4)
+                   if qtype.name in K_FORMATS else gguf.quants.quantize(x, qtype))
             w.add_tensor(gguf_name, raw, raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, x.astype(np.float32))

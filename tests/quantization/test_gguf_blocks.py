@@ -5,21 +5,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from conftest import random_gguf_blocks as random_blocks
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, INT4_GROUP, INT4_TYPES, dequantize, int4_parts
-
-# Byte offsets of each format's float16 fields: random bytes there could be inf or NaN, which no writer stores.
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_blocks(qtype: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
-    _, type_size = BLOCK_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, blocks_per_row, type_size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        raw[..., off:off + 2] = rng.normal(0, 0.05, size=(rows, blocks_per_row)).astype(np.float16)[..., None] \
-            .view(np.uint8)
-    return raw.reshape(rows, blocks_per_row * type_size)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))

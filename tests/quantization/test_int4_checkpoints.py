@@ -170,37 +170,22 @@ def test_the_w4a16_kernel_runs_inside_the_model(checkpoints):
 def test_an_awq_checkpoint_in_chatglms_layout_loads_its_fused_modules(checkpoints, tmp_path):
     """ChatGLM2/3 and GLM-4 as THUDM published them, quantized with AWQ: q, k and v fused into
     query_key_value (its packed tensors joined on their output axis), dense, dense_h_to_4h (gate and up fused)
-    and dense_4h_to_h quantized under ChatGLM's names, with ChatGLM's config.json (conftest.save_tiny_chatglm's,
-    for the same sizes). Made from the GLM AWQ case, whose HF model carries the dequantized weights."""
+    and dense_4h_to_h quantized under ChatGLM's names, with ChatGLM's config.json (conftest.chatglm_layout and
+    chatglm_config). Made from the GLM AWQ case, whose HF model carries the dequantized weights."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
-    from conftest import save_tiny_chatglm
-    from quant_cases import SIZES
+    from conftest import chatglm_config, chatglm_layout
     case = next(c for c in CASES if c.family == "glm")
     path, hf = checkpoints(case)
-    t = load_file(str(path / "model.safetensors"))
-    out = {"transformer.embedding.word_embeddings.weight": t.pop("model.embed_tokens.weight"),
-           "transformer.encoder.final_layernorm.weight": t.pop("model.norm.weight"),
-           "transformer.output_layer.weight": t.pop("lm_head.weight")}
-    renames = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-               "self_attn.o_proj": "self_attention.dense", "mlp.gate_up_proj": "mlp.dense_h_to_4h",
-               "mlp.down_proj": "mlp.dense_4h_to_h"}
-    for i in range(hf.config.num_hidden_layers):
-        src, dst = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
-        for leaf in ("qweight", "qzeros", "scales", "bias"):       # AWQ packs and scales along the output axis
-            out[dst + f"self_attention.query_key_value.{leaf}"] = np.concatenate(
-                [t.pop(src + f"self_attn.{x}_proj.{leaf}") for x in "qkv"], axis=-1)
-        for name in [n for n in t if n.startswith(src)]:
-            module, _, leaf = name[len(src):].rpartition(".")
-            out[f"{dst}{renames[module]}.{leaf}"] = t.pop(name)
-    assert not t, sorted(t)
+    # AWQ packs and scales along the output axis, so q, k and v join on the last
+    out = chatglm_layout(load_file(str(path / "model.safetensors")), hf.config.num_hidden_layers,
+                         lambda parts: np.concatenate(parts, axis=-1))
     folder = tmp_path / "chatglm-awq"
     folder.mkdir()
     save_file(out, str(folder / "model.safetensors"))
-    save_tiny_chatglm(tmp_path / "config-only", initializer_range=0.2, **SIZES)
-    shutil.copy(tmp_path / "config-only" / "config.json", folder)
+    (folder / "config.json").write_text(json.dumps(chatglm_config(hf.config)))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(path / f, folder)
     declare_quantization(folder, case.quantization_config())
