@@ -135,6 +135,13 @@ def bench_shape(args, model, name, k, n, m, results, sms):
             xs[i % 64], dequantize(w[i % len(w)], "Q4_K").astype(jnp.bfloat16), (((1,), (1,)), ((), ()))),
             (xs, q4k), q4k_bytes),
     }
+    if m == 1:      # the GEMV kernel's float32 form beside its default f16x2 form
+        variants["int4 f32-gemv"] = (
+            lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], b[i % nsets],
+                                                gemv_math="f32"), (xs, qweights, scales, zeros), int4_bytes)
+        variants["gguf-int4 f32-gemv"] = (
+            lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets],
+                                                gemv_math="f32"), (xs, qweights, g_scales, g_mins), gguf_int4_bytes)
     if m <= 16:
         ns = _gemv_splits(k, n, 128, 128, sms)
         variants["gemv-bf16"] = (lambda i, xs, w: gemv_bf16(xs[i % 64], w[i % nsets_bf16], num_splits=ns),
@@ -169,8 +176,11 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         err = None
         try:
             out = jax.jit(lambda *a: op(0, *a))(*data)
-            if label == "gguf-int4":      # against the f32 reference of its own weights
+            if label.startswith("gguf-int4"):      # against the f32 reference of its own weights
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], g_scales[0], mins=g_mins[0])
+                err = rel_err(out, ref)
+            elif label in ("int4", "int4 f32-gemv"):
+                ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], scales[0], zeros[0])
                 err = rel_err(out, ref)
             elif label == "gguf-q4k-xla":
                 err = 0.0                 # the reference's own expansion

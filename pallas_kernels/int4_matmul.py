@@ -239,6 +239,153 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
             o_ref[split, r, cols] = out
 
 
+# The GEMV kernel's f16x2 form: two weights an instruction. The float16 pair 0x6400_6400 is (1024.0, 1024.0);
+# OR-ing a nibble into bits 0-3 (or 4-7) of each half gives 1024 + q (or 1024 + 16 q) in each lane exactly, so a
+# mask and an OR turn a word's nibbles j (low lane) and j + 4 (high lane) into a float16 pair without any
+# conversion instruction, and one packed subtraction of (1024 + z, 1024 + z) leaves q - z exactly. Four such
+# pairs cover a word's eight nibbles: (0, 4) and (1, 5) from the word, (2, 6) and (3, 7) from it shifted right
+# by 8; the odd pairs come scaled by 16, which x's pair divided by 16 undoes exactly. One packed multiply and
+# three packed FMAs fold the word into a float16 pair of lane sums (four products each), which two
+# conversions add to the float32 accumulator: about 2 instructions a weight against 4 in the f32 form, the
+# integer ones (the kernel's bound) 1.1 against 2.4. Float16 needs x in its range: each program scales its
+# share of x by a power of two (exact) that puts its largest magnitude in [32, 64), and the sums back.
+_F16_PAIR_1024 = 0x64006400
+_LANE_MASKS = (0x000F000F, 0x00F000F0)           # nibbles at bits 0-3 / 4-7 of each 16-bit lane
+F16X2_MIN_GROUP = 32                             # a lane's four nibbles span two groups of 32 at most
+
+
+def _lane_groups(group_size: int) -> tuple[tuple[int, ...], ...]:
+    """The f16x2 form's calls per word: each a tuple of pairs p (nibbles p and p + 4) whose low-lane nibbles
+    share one group, and whose high-lane nibbles share one group."""
+    return ((0, 1, 2, 3),) if group_size >= 64 else ((0, 1), (2, 3))
+
+
+def _f16x2_asm(pairs: tuple[int, ...]) -> tuple[str, str]:
+    """PTX for one word and the given pairs. Operands: $0 the accumulator out, $1 in; the word; one packed x pair
+    per pair; the packed zero pairs (1024 + z, 1024 + 16 z); the low and high lanes' group scales. The
+    accumulator takes low-lane sum * its scale + high-lane sum * its scale. (One output: JAX's lowering of a
+    several-output inline asm is broken.)"""
+    n = len(pairs)
+    word, zlo, zhi, s_lo, s_hi = "$2", f"${3 + n}", f"${4 + n}", f"${5 + n}", f"${6 + n}"
+    lines = ["{", ".reg .b32 w8, t, a;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1, c;"]
+    if any(p >= 2 for p in pairs):
+        lines.append(f"shr.u32 w8, {word}, 8;")
+    for i, p in enumerate(pairs):
+        lines += [f"and.b32 t, {word if p < 2 else 'w8'}, {_LANE_MASKS[p % 2]};",
+                  f"or.b32 t, t, {_F16_PAIR_1024};",
+                  f"sub.f16x2 t, t, {zlo if p % 2 == 0 else zhi};",
+                  f"mul.rn.f16x2 a, t, ${3 + i};" if i == 0 else f"fma.rn.f16x2 a, t, ${3 + i}, a;"]
+    lines += ["mov.b32 {h0, h1}, a;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
+              f"fma.rn.f32 c, f0, {s_lo}, $1;", f"fma.rn.f32 $0, f1, {s_hi}, c;", "}"]
+    return "\n".join(lines), ",".join(["=f", "f"] + ["r"] * (3 + n) + ["f", "f"])
+
+
+def _f16_lanes(v):
+    """int32 words -> their (low, high) 16-bit halves as float16 (the jnp form of the PTX's operands)."""
+    lo = jax.lax.bitcast_convert_type((v & 0xFFFF).astype(jnp.uint16), jnp.float16)
+    hi = jax.lax.bitcast_convert_type(((v >> 16) & 0xFFFF).astype(jnp.uint16), jnp.float16)
+    return lo, hi
+
+
+def _f16x2_jnp(acc, word, xs, zlo, zhi, s_lo, s_hi, pairs):
+    """What _f16x2_asm computes, in jnp float16 (interpret mode, where no PTX runs). Each FMA rounds twice
+    here (float32, then float16) where the PTX rounds once: the two differ in a last bit now and then."""
+    a_lo = a_hi = None
+    for i, p in enumerate(pairs):
+        t_lo, t_hi = _f16_lanes(((word if p < 2 else word >> 8) & _LANE_MASKS[p % 2]) | _F16_PAIR_1024)
+        z_lo, z_hi = _f16_lanes(zlo if p % 2 == 0 else zhi)
+        x_lo, x_hi = _f16_lanes(xs[i])
+        prods = ((t_lo - z_lo) * x_lo, (t_hi - z_hi) * x_hi)
+        if i == 0:
+            a_lo, a_hi = prods
+        else:
+            a_lo = (prods[0].astype(jnp.float32) + a_lo.astype(jnp.float32)).astype(jnp.float16)
+            a_hi = (prods[1].astype(jnp.float32) + a_hi.astype(jnp.float32)).astype(jnp.float16)
+    return acc + a_lo.astype(jnp.float32) * s_lo + a_hi.astype(jnp.float32) * s_hi
+
+
+def _f16_bits(v):
+    """float32 values -> the float16 bits in the low half of an int32."""
+    return jax.lax.bitcast_convert_type(v.astype(jnp.float16), jnp.uint16).astype(jnp.int32)
+
+
+def _pow2_scale(amax):
+    """(s, 1 / s), powers of two, with amax * s in [32, 64) (clamped for zero or extreme amax)."""
+    biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF          # amax in [2**(b-127), 2**(b-126))
+    e = jnp.clip(127 + 132 - biased, 1, 253)                                         # 2**(e-127) = 2**(132-b)
+    return (jax.lax.bitcast_convert_type(e << 23, jnp.float32),
+            jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32))
+
+
+def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
+                            offsets, asm):
+    # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
+    # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
+    # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
+    jn, split = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(jn * block_n, block_n)
+    tile = (_NIBBLE_ROWS, block_n)
+    first = split * slabs_per_split
+    calls = _lane_groups(group_size)
+
+    def amax(i, m):
+        return jnp.maximum(m, jnp.max(jnp.abs(x_ref[0, pl.ds((first + i) * PACK_ROWS, PACK_ROWS)]
+                                              .astype(jnp.float32))))
+
+    scale, unscale = _pow2_scale(jax.lax.fori_loop(0, slabs_per_split, amax, jnp.zeros((), jnp.float32)))
+
+    def group_row(slab, j):
+        return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
+
+    def body(i, carry):
+        acc, off = carry
+        slab = first + i
+        w = w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]                       # [16, BN] i32
+        xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
+              for j in range(8)]                                                         # [16] each
+        bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
+        for pairs in calls:
+            g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
+            xs = [jnp.broadcast_to((bits[p] | (bits[p + 4] << 16))[:, None], tile) for p in pairs]
+            if offsets:
+                zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
+            else:
+                z_lo = z_ref[g_lo, cols].astype(jnp.float32)[None, :]
+                z_hi = z_ref[g_hi, cols].astype(jnp.float32)[None, :]
+                zlo = jnp.broadcast_to(_f16_bits(1024.0 + z_lo) | (_f16_bits(1024.0 + z_hi) << 16), tile)
+                zhi = jnp.broadcast_to(_f16_bits(1024.0 + 16.0 * z_lo) | (_f16_bits(1024.0 + 16.0 * z_hi) << 16),
+                                       tile)
+            s_lo = jnp.broadcast_to(s_ref[g_lo, cols].astype(jnp.float32)[None, :], tile)
+            s_hi = jnp.broadcast_to(s_ref[g_hi, cols].astype(jnp.float32)[None, :], tile)
+            if asm:
+                asm_text, constraints = _f16x2_asm(pairs)
+                [acc] = plgpu.elementwise_inline_asm(asm_text, args=[acc, w, *xs, zlo, zhi, s_lo, s_hi],
+                                                     constraints=constraints, pack=1,
+                                                     result_shape_dtypes=[jax.ShapeDtypeStruct(tile, jnp.float32)])
+            else:
+                acc = _f16x2_jnp(acc, w, xs, zlo, zhi, s_lo, s_hi, pairs)
+        if offsets:
+            for g in range(max(1, PACK_ROWS // group_size)):
+                nib = range(8) if group_size >= PACK_ROWS else range(g * group_size // 16, (g + 1) * group_size // 16)
+                x_sum = sum(jnp.sum(xj[j]) for j in nib)
+                off += x_sum * z_ref[group_row(slab, nib[0]), cols].astype(jnp.float32)[None, :]
+        return acc, off
+
+    acc, off = jax.lax.fori_loop(0, slabs_per_split, body, (jnp.zeros(tile, jnp.float32),
+                                                            jnp.zeros((1, block_n), jnp.float32)))
+    out = jnp.sum(acc, axis=0) * unscale + off[0]                                       # [BN]
+    if len(o_ref.shape) == 2:
+        o_ref[0, cols] = out.astype(o_ref.dtype)
+    else:
+        o_ref[split, 0, cols] = out
+
+
+def use_f16x2(dtype, group_size: int) -> bool:
+    """Whether the GEMV kernel takes the f16x2 form: half-precision x (a float32 x keeps float32 math, so a
+    float32 model computes in float32) and groups of 32 rows or more."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and group_size >= F16X2_MIN_GROUP
+
+
 def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int, int]:
     """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
     M rows in one program); K split until the programs fill about four per SM (decode sizes leave too few N
@@ -257,14 +404,18 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "gemv_math", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
-                num_warps: int | None = None, num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
+                num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
+                interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
     Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the GEMV kernel, 4 for the dot kernel.
-    slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs."""
+    slabs_per_iter (GEMV kernel, f32 form): slabs loaded per loop iteration; it must divide each split's slabs.
+    gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
+    compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
+    None: "f16x2" where use_f16x2 allows it, else "f32"."""
     zeros, offsets = _affine(zeros, mins)
     m, k = x.shape
     k8, n = qweight.shape
@@ -287,12 +438,24 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
     if num_warps is None:
         num_warps = GEMV_WARPS if m <= GEMV_MAX_ROWS else 4
-    if m <= GEMV_MAX_ROWS:
+    if gemv_math is None:
+        gemv_math = "f16x2" if use_f16x2(x.dtype, group_size) else "f32"
+    if gemv_math not in ("f32", "f16x2", "f16x2-jnp"):
+        raise ValueError(f"gemv_math {gemv_math!r}: f32, f16x2 or f16x2-jnp")
+    if m <= GEMV_MAX_ROWS and gemv_math != "f32":
+        if m != 1 or group_size < F16X2_MIN_GROUP:
+            raise ValueError(f"the f16x2 GEMV takes one row and groups of {F16X2_MIN_GROUP} or more, not {m} rows "
+                             f"in groups of {group_size}")
+        kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
+                                   slabs_per_split=slabs // num_splits, block_n=block_n, offsets=offsets,
+                                   asm=gemv_math == "f16x2" and not interpret)
+        grid: tuple[int, ...] = (n // block_n, num_splits)
+    elif m <= GEMV_MAX_ROWS:
         if (slabs // num_splits) % slabs_per_iter:
             raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_n=block_n, slabs_per_iter=slabs_per_iter, offsets=offsets)
-        grid: tuple[int, ...] = (n // block_n, num_splits)
+        grid = (n // block_n, num_splits)
     else:
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_m=block_m, block_n=block_n, offsets=offsets)
@@ -310,5 +473,5 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
-__all__ = ["GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling", "dequantize_int4", "int4_matmul",
-           "int4_matmul_reference", "pack_int4", "unpack_int4"]
+__all__ = ["F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling", "dequantize_int4", "int4_matmul",
+           "int4_matmul_reference", "pack_int4", "unpack_int4", "use_f16x2"]

@@ -14,7 +14,7 @@ import pytest
 from kernel_cases import INTERPRET, TOL, gpu_only, lowered_calls, rel_err
 from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, check_group_size, choose_int4_tiling,
                                                  dequantize_int4, int4_matmul, int4_matmul_reference, pack_int4,
-                                                 unpack_int4)
+                                                 unpack_int4, use_f16x2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +27,13 @@ class MatmulCase:
     num_splits: int | None = None       # None: the op's own tiling
     slabs_per_iter: int = 1
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
+    gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
 
     def __str__(self):
         form = "-min" if self.offsets else ""
+        math = f"-{self.gemv_math}" if self.gemv_math else ""
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
-                f"-it{self.slabs_per_iter}")
+                f"-it{self.slabs_per_iter}{math}")
 
 
 def make_inputs(case: MatmulCase):
@@ -69,10 +71,18 @@ CASES = [
     MatmulCase(1, 512, 128, 32, num_splits=1, slabs_per_iter=2, offsets=True),
     MatmulCase(3, 256, 128, 32, num_splits=2, offsets=True),           # the dot kernel, offsets
     MatmulCase(20, 512, 192, 32, "bfloat16", offsets=True),
+    MatmulCase(1, 512, 128, 128, "bfloat16", num_splits=2),              # f16x2 GEMV: lanes summed, K split
+    MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=1),               # f16x2: two calls a word, zero points
+    MatmulCase(1, 512, 64, 256, "bfloat16"),                             # f16x2: a group over two slabs
+    MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
+    MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
+    MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
 ]
 CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 3, 8, 64) for n in (6144, 4096))
 CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 4096, 28672, 128, "bfloat16")])
 CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
+CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, gemv_math=math)
+                  for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128) for math in ("f32", "f16x2-jnp"))
 
 
 class TestInt4Matmul:
@@ -82,10 +92,46 @@ class TestInt4Matmul:
         ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
-                          slabs_per_iter=case.slabs_per_iter, interpret=INTERPRET)
+                          slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
+
+    @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
+    @pytest.mark.parametrize("magnitude", [1e4, 1e-6])
+    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets):
+        """Rows far outside float16's comfortable range (products past 65504, values below its normals): each
+        program's power-of-two scale keeps the f16x2 GEMV as close to the reference as at unit scale."""
+        case = MatmulCase(1, 256, 128, 32 if offsets else 128, "bfloat16", offsets=offsets)
+        x, qweight, scales, b, _ = make_inputs(case)
+        x = (x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
+        ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
+        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", interpret=INTERPRET)
+        assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, ref) <= TOL["bfloat16"]
+        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), interpret=INTERPRET)
+        assert not bool(jnp.any(zero))
+
+    def test_f16x2_only_for_half_rows_and_groups_of_32_up(self):
+        """A float32 row keeps float32 math (a float32 model computes in float32); groups of 16 too."""
+        assert use_f16x2(jnp.bfloat16, 32) and use_f16x2(jnp.float16, 128)
+        assert not use_f16x2(jnp.float32, 128) and not use_f16x2(jnp.bfloat16, 16)
+        case = MatmulCase(1, 256, 128, 16, "bfloat16")
+        x, qweight, scales, b, _ = make_inputs(case)
+        with pytest.raises(ValueError, match="groups of 32"):
+            int4_matmul(x, qweight, scales, b, gemv_math="f16x2", interpret=INTERPRET)
+        with pytest.raises(ValueError, match="gemv_math"):
+            int4_matmul(x, qweight, scales, b, gemv_math="f8", interpret=INTERPRET)
+
+    @pytest.mark.skipif(INTERPRET, reason="PTX runs only on a GPU (interpret mode runs the jnp form)")
+    @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
+    def test_f16x2_ptx_equals_its_jnp_form(self, offsets):
+        """On the GPU: the PTX and the jnp form of the f16x2 GEMV, both compiled, agree to float16's last bits
+        (the PTX's FMA rounds once, the jnp form twice), at llama3-8b's qkv size."""
+        case = MatmulCase(1, 4096, 6144, 32 if offsets else 128, "bfloat16", offsets=offsets)
+        x, qweight, scales, b, _ = make_inputs(case)
+        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2")
+        emulated = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2-jnp")
+        assert rel_err(ptx, emulated) <= 2e-3
 
     def test_packing_round_trip_and_layout(self):
         """pack_int4 then unpack_int4 gives the values back; nibble j of int32 row 16t + r is input row
