@@ -473,5 +473,5 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
-__all__ = ["F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling", "dequantize_int4", "int4_matmul",
-           "int4_matmul_reference", "pack_int4", "unpack_int4", "use_f16x2"]
+__all__ = ["F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
+           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_int4", "unpack_int4", "use_f16x2"]
