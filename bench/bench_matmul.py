@@ -162,7 +162,9 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         per_split = slabs // ns
         for kw in ({"num_warps": 2}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64},
                    {"block_n": 256}, *({"num_splits": d} for d in other_splits),
-                   *({"slabs_per_iter": t} for t in (2, 4) if per_split % t == 0)):
+                   *({"slabs_per_iter": t} for t in (2, 4) if per_split % t == 0),
+                   *({"slabs_per_iter": 2, "num_warps": w} for w in (2, 8) if per_split % 2 == 0),
+                   {"block_n": 128, "num_warps": 8}):
             label = "int4 " + ",".join(f"{a}={b}" for a, b in kw.items())
             variants[label] = (lambda i, xs, qw, s, b, kw=kw: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets],
                                                                           b[i % nsets], **kw),

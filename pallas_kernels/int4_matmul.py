@@ -318,7 +318,7 @@ def _pow2_scale(amax):
 
 
 def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
-                            offsets, asm):
+                            slabs_per_iter, offsets, asm):
     # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
@@ -337,10 +337,7 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
     def group_row(slab, j):
         return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
 
-    def body(i, carry):
-        acc, off = carry
-        slab = first + i
-        w = w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols]                       # [16, BN] i32
+    def slab_step(slab, w, acc, off):
         xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
               for j in range(8)]                                                         # [16] each
         bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
@@ -371,7 +368,14 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
                 off += x_sum * z_ref[group_row(slab, nib[0]), cols].astype(jnp.float32)[None, :]
         return acc, off
 
-    acc, off = jax.lax.fori_loop(0, slabs_per_split, body, (jnp.zeros(tile, jnp.float32),
+    def body(i, carry):
+        slab0 = first + i * slabs_per_iter
+        ws = [w_ref[pl.ds((slab0 + t) * _NIBBLE_ROWS, _NIBBLE_ROWS), cols] for t in range(slabs_per_iter)]
+        for t, w in enumerate(ws):                                                       # [16, BN] i32 each
+            carry = slab_step(slab0 + t, w, *carry)
+        return carry
+
+    acc, off = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, (jnp.zeros(tile, jnp.float32),
                                                             jnp.zeros((1, block_n), jnp.float32)))
     out = jnp.sum(acc, axis=0) * unscale + off[0]                                       # [BN]
     if len(o_ref.shape) == 2:
@@ -412,7 +416,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
     Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the GEMV kernel, 4 for the dot kernel.
-    slabs_per_iter (GEMV kernel, f32 form): slabs loaded per loop iteration; it must divide each split's slabs.
+    slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs.
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
     None: "f16x2" where use_f16x2 allows it, else "f32"."""
@@ -442,17 +446,18 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         gemv_math = "f16x2" if use_f16x2(x.dtype, group_size) else "f32"
     if gemv_math not in ("f32", "f16x2", "f16x2-jnp"):
         raise ValueError(f"gemv_math {gemv_math!r}: f32, f16x2 or f16x2-jnp")
+    if m <= GEMV_MAX_ROWS and (slabs // num_splits) % slabs_per_iter:
+        raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
     if m <= GEMV_MAX_ROWS and gemv_math != "f32":
         if m != 1 or group_size < F16X2_MIN_GROUP:
             raise ValueError(f"the f16x2 GEMV takes one row and groups of {F16X2_MIN_GROUP} or more, not {m} rows "
                              f"in groups of {group_size}")
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
-                                   slabs_per_split=slabs // num_splits, block_n=block_n, offsets=offsets,
+                                   slabs_per_split=slabs // num_splits, block_n=block_n,
+                                   slabs_per_iter=slabs_per_iter, offsets=offsets,
                                    asm=gemv_math == "f16x2" and not interpret)
         grid: tuple[int, ...] = (n // block_n, num_splits)
     elif m <= GEMV_MAX_ROWS:
-        if (slabs // num_splits) % slabs_per_iter:
-            raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_n=block_n, slabs_per_iter=slabs_per_iter, offsets=offsets)
         grid = (n // block_n, num_splits)

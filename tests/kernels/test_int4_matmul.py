@@ -74,6 +74,7 @@ CASES = [
     MatmulCase(1, 512, 128, 128, "bfloat16", num_splits=2),              # f16x2 GEMV: lanes summed, K split
     MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=1),               # f16x2: two calls a word, zero points
     MatmulCase(1, 512, 64, 256, "bfloat16"),                             # f16x2: a group over two slabs
+    MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2),   # f16x2, two slabs an iteration
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
     MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
