@@ -190,12 +190,13 @@ class AlibiLlama:
                 original_eager
 
 
-def save_tiny_baichuan(path, alibi: bool, vocab_size: int = 320):
+def save_tiny_baichuan(path, alibi: bool, vocab_size: int = 320, hidden_size: int = 64,
+                       intermediate_size: int = 96):
     """A tiny Baichuan checkpoint, as Baichuan's remote-code classes save one: a random Llama (multi-head
-    attention) re-saved with q/k/v packed into W_pack and Baichuan's config.json. alibi: BaichuanForCausalLM
-    below hidden size 4096 (the 13B models' ALiBi), else BaiChuanForCausalLM (Baichuan-7B, rope). vocab_size
-    125696 makes it Baichuan2 (a normalized LM head). Returns HF's reference: the Llama, its LM head
-    normalized as Baichuan2's, under AlibiLlama when alibi."""
+    attention, 4 heads) re-saved with q/k/v packed into W_pack and Baichuan's config.json. alibi:
+    BaichuanForCausalLM below hidden size 4096 (the 13B models' ALiBi), else BaiChuanForCausalLM (Baichuan-7B,
+    rope). vocab_size 125696 makes it Baichuan2 (a normalized LM head). Returns HF's reference: the Llama, its
+    LM head normalized as Baichuan2's, under AlibiLlama when alibi."""
     import json
     import pathlib
 
@@ -204,8 +205,8 @@ def save_tiny_baichuan(path, alibi: bool, vocab_size: int = 320):
 
     from jaxpaged.models.config import BAICHUAN2_VOCAB
     path = pathlib.Path(path)
-    hf = save_tiny_llama(path, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2,
+    hf = save_tiny_llama(path, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2,
                          tie_word_embeddings=False)
     tensors = load_file(str(path / "model.safetensors"))
     for i in range(2):

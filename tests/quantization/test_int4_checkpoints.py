@@ -14,8 +14,8 @@ import torch
 
 from jaxpaged import LLM
 from jaxpaged.quantization.int4_formats import AWQ_ORDER
-from quant_cases import (built_once, check_against_hf, declare_quantization, linear_weight_names, save_tiny,
-                         with_quant_config)
+from quant_cases import (SIZES, built_once, check_against_hf, declare_quantization, linear_weight_names,
+                         save_tiny, with_quant_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +191,48 @@ def test_an_awq_checkpoint_in_chatglms_layout_loads_its_fused_modules(checkpoint
     declare_quantization(folder, case.quantization_config())
     llm = LLM(model=str(folder), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16)
     assert llm.llm_engine.model_config.architecture == "ChatGLMModel"
+    assert set(dict(llm.llm_engine.model_config.weight_quant).values()) == {f"int4-g{case.group_size}"}
+    check_against_hf(llm, hf)
+
+
+def test_an_awq_baichuan_checkpoint_splits_its_quantized_w_pack(tmp_path):
+    """Baichuan2-13B (ALiBi) quantized with AWQ, as AutoAWQ writes it: W_pack (q, k and v fused) is one
+    quantized linear layer, whose packed columns the loader splits into q, k and v. Quantizing W_pack whole
+    equals quantizing its three parts (AWQ's groups run along the input rows of each output column), so the
+    reference is HF's Llama carrying each part's dequantized weights."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from conftest import save_tiny_baichuan
+    from jaxpaged.engine.llm_engine import resolve_model_path
+    case = Int4Case("baichuan", "awq", 32)
+    hf = save_tiny_baichuan(tmp_path, alibi=True, hidden_size=SIZES["hidden_size"],
+                            intermediate_size=SIZES["intermediate_size"])      # the kernel's 128-row slabs
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("W_pack.weight", "o_proj.weight", "gate_proj.weight",
+                                                       "up_proj.weight", "down_proj.weight"))]:
+        w = tensors.pop(name).T                                             # [K, N]
+        prefix = name[:-len(".weight")]
+        q, scales, zeros = quantize(w, case.group_size, False, np.arange(w.shape[0]))
+        tensors[prefix + ".qweight"] = pack_columns(q, AWQ_ORDER)
+        tensors[prefix + ".qzeros"] = pack_columns(zeros, AWQ_ORDER)
+        tensors[prefix + ".scales"] = scales
+        g_of_row = np.arange(w.shape[0]) // case.group_size
+        dequant = torch.from_numpy(np.ascontiguousarray(
+            ((q.astype(np.float32) - zeros[g_of_row]) * scales.astype(np.float32)[g_of_row]).T))
+        if prefix.endswith("W_pack"):
+            attn = hf.hf.get_submodule(prefix.rsplit(".", 1)[0])
+            for part, weight in zip((attn.q_proj, attn.k_proj, attn.v_proj), dequant.chunk(3)):
+                part.weight.data = weight.contiguous()
+        else:
+            hf.hf.get_submodule(prefix).weight.data = dequant
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(resolve_model_path(None)) / f, tmp_path)
+    declare_quantization(tmp_path, case.quantization_config())
+    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16)
+    assert llm.llm_engine.model_config.architecture == "BaichuanForCausalLM"
     assert set(dict(llm.llm_engine.model_config.weight_quant).values()) == {f"int4-g{case.group_size}"}
     check_against_hf(llm, hf)
 
