@@ -23,9 +23,10 @@ columns. No register shuffles, and the kernel reads a quarter of the bf16 bytes.
 
 Two kernels. Up to GEMV_MAX_ROWS rows (one decode row), the GEMV kernel, grid (N tiles, NS): no
 tensor-core dot (whose operand layouts would cost more than the multiplies), one FMA per weight and row into
-a [16, BN] accumulator, scaled once per group. More rows, the dot kernel, grid (M tiles, N tiles, NS): per
-group the dot of x with the raw 4-bit values, then sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k)
-(offsets: s * (x . q) + m * sum_k x_k).
+a [16, BN] accumulator, scaled once per group (its f32 form); a bf16 or fp16 row takes its f16x2 form, two
+weights an instruction in float16 pairs (described above _int4_gemv_f16x2_kernel). More rows, the dot
+kernel, grid (M tiles, N tiles, NS): per group the dot of x with the raw 4-bit values, then
+sum_k x_k (q_k - z) s = s * (x . q - z * sum_k x_k) (offsets: s * (x . q) + m * sum_k x_k).
 Each program walks its share of K's 128-row slabs. With NS > 1 each split writes f32 partial
 sums and the caller's sum over splits is a small XLA reduction that fuses into whatever consumes the
 output (a residual add, the SiLU).
@@ -265,8 +266,8 @@ def _lane_groups(group_size: int) -> tuple[tuple[int, ...], ...]:
 def _f16x2_asm(pairs: tuple[int, ...]) -> tuple[str, str]:
     """PTX for one word and the given pairs. Operands: $0 the accumulator out, $1 in; the word; one packed x pair
     per pair; the packed zero pairs (1024 + z, 1024 + 16 z); the low and high lanes' group scales. The
-    accumulator takes low-lane sum * its scale + high-lane sum * its scale. (One output: JAX's lowering of a
-    several-output inline asm is broken.)"""
+    accumulator takes low-lane sum * its scale + high-lane sum * its scale. (One output: jax 0.10.2's lowering
+    of an inline asm with several outputs fails.)"""
     n = len(pairs)
     word, zlo, zhi, s_lo, s_hi = "$2", f"${3 + n}", f"${4 + n}", f"${5 + n}", f"${6 + n}"
     lines = ["{", ".reg .b32 w8, t, a;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1, c;"]
@@ -373,8 +374,8 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
             carry = slab_step(slab0 + t, w, *carry)
         return carry
 
-    acc, off = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, (jnp.zeros(tile, jnp.float32),
-                                                            jnp.zeros((1, block_n), jnp.float32)))
+    init = (jnp.zeros(tile, jnp.float32), jnp.zeros((1, block_n), jnp.float32))
+    acc, off = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, init)
     out = jnp.sum(acc, axis=0) + off[0]                                                  # [BN]
     if len(o_ref.shape) == 2:
         o_ref[0, cols] = out.astype(o_ref.dtype)

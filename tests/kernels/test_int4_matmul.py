@@ -102,7 +102,7 @@ class TestInt4Matmul:
     @pytest.mark.parametrize("magnitude", [1e4, 1e-6])
     def test_f16x2_scales_the_row_into_range(self, magnitude, offsets):
         """Rows far outside float16's comfortable range (products past 65504, values below its normals): each
-        program's power-of-two scale keeps the f16x2 GEMV as close to the reference as at unit scale."""
+        slab's power-of-two scale keeps the f16x2 GEMV as close to the reference as at unit scale."""
         case = MatmulCase(1, 256, 128, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
         x = (x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
