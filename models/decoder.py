@@ -221,8 +221,8 @@ class Int4Linear(nn.Module):
         affine_dtype = jnp.float32 if self.offsets else self.dtype
         qweight = self.param("qweight", nn.initializers.zeros, (k // 8, n), jnp.int32)
         scales = self.param("scales", nn.initializers.ones, (groups, n), affine_dtype)
-        b = self.param("mins" if self.offsets else "zeros", nn.initializers.zeros, (groups, n), affine_dtype)
-        affine = {"mins" if self.offsets else "zeros": b}
+        form = "mins" if self.offsets else "zeros"
+        affine = {form: self.param(form, nn.initializers.zeros, (groups, n), affine_dtype)}
         x = x.astype(self.dtype)
         if self.act_order:
             x = x[:, self.param("perm", lambda _, s: jnp.arange(s[0], dtype=jnp.int32), (k,))]

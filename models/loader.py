@@ -157,10 +157,11 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
                 raw = unpermute_rope(raw, cfg.num_heads if p[2] == "attn_q" else cfg.num_kv_heads)
             parts.setdefault((GGUF_LINEAR_OF[p[2]], int(p[1])), {})[p[2]] = (raw, t.tensor_type.name)
     layers: dict[tuple, list] = {}
+    inputs = linear_inputs(cfg)
     for linear, (path, names) in GGUF_LINEARS.items():
         if cfg.quant_of(linear) == GGUF_INT4:
             for i in range(cfg.num_layers):
-                repacked = _gguf_int4([parts[linear, i][n] for n in names], linear_inputs(cfg)[linear])
+                repacked = _gguf_int4([parts[linear, i][n] for n in names], inputs[linear])
                 for leaf, array in repacked.items():
                     layers.setdefault(path + (leaf,), []).append(array)
         elif cfg.quant_of(linear):

@@ -343,16 +343,18 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         for pairs in calls:
             g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
             xs = [jnp.broadcast_to((bits[p] | (bits[p + 4] << 16))[:, None], tile) for p in pairs]
+            one_group = group_size >= PACK_ROWS              # both lanes in one group: its row read once
             if offsets:
                 zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
             else:
                 z_lo = z_ref[g_lo, cols].astype(jnp.float32)[None, :]
-                z_hi = z_ref[g_hi, cols].astype(jnp.float32)[None, :]
+                z_hi = z_lo if one_group else z_ref[g_hi, cols].astype(jnp.float32)[None, :]
                 zlo = jnp.broadcast_to(_f16_bits(1024.0 + z_lo) | (_f16_bits(1024.0 + z_hi) << 16), tile)
                 zhi = jnp.broadcast_to(_f16_bits(1024.0 + 16.0 * z_lo) | (_f16_bits(1024.0 + 16.0 * z_hi) << 16),
                                        tile)
             s_lo = jnp.broadcast_to(s_ref[g_lo, cols].astype(jnp.float32)[None, :] * unscale, tile)
-            s_hi = jnp.broadcast_to(s_ref[g_hi, cols].astype(jnp.float32)[None, :] * unscale, tile)
+            s_hi = s_lo if one_group else jnp.broadcast_to(s_ref[g_hi, cols].astype(jnp.float32)[None, :] * unscale,
+                                                           tile)
             if asm:
                 asm_text, constraints = _f16x2_asm(pairs)
                 [acc] = plgpu.elementwise_inline_asm(asm_text, args=[acc, w, *xs, zlo, zhi, s_lo, s_hi],
