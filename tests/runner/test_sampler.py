@@ -160,3 +160,39 @@ def test_logprobs_rank_and_top_k(logits):
     np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=-1)[:, :4])
     np.testing.assert_allclose(top_lp, np.sort(ref, axis=-1)[:, ::-1][:, :4], rtol=1e-5)
     assert rank[1] == 1
+
+
+def test_gumbel_noise_has_the_gumbel_distribution():
+    # 64 (seed, position) rows x 4096 entries: the moments of the standard Gumbel (mean Euler's gamma, variance
+    # pi^2 / 6), its CDF exp(-exp(-g)) at three points, and no correlation between neighbouring entries or rows
+    seeds = np.repeat(np.arange(8, dtype=np.uint32), 8)
+    positions = np.tile(np.arange(8, dtype=np.int32), 8)
+    g = np.asarray(jax.jit(sampler._gumbel, static_argnums=2)(seeds, positions, 4096), np.float64)
+    assert abs(g.mean() - 0.5772157) < 0.01
+    assert abs(g.var() - np.pi ** 2 / 6) < 0.03
+    for x in (-1.0, 0.5, 3.0):
+        assert abs((g < x).mean() - np.exp(-np.exp(-x))) < 0.005
+    assert abs(np.corrcoef(g[:, :-1].ravel(), g[:, 1:].ravel())[0, 1]) < 0.01
+    assert abs(np.corrcoef(g[:-1].ravel(), g[1:].ravel())[0, 1]) < 0.01
+
+
+def test_gumbel_max_draws_follow_the_softmax():
+    # 8 tokens with unequal probabilities, 4096 draws over (seed, position): a chi-square test with 7 degrees
+    # of freedom well inside its 0.1% tail (24.3)
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    logits = np.full((64, V), -1e9, np.float32)
+    logits[:, :8] = np.log(p)
+    counts = np.zeros(8)
+    run = jax.jit(lambda lg, s, pos: sampler.sample(lg, SamplingInputs(
+        temperature=jnp.ones(64), top_k=jnp.zeros(64, jnp.int32), top_p=jnp.ones(64), min_p=jnp.zeros(64),
+        seeds=s, positions=pos, presence_penalty=jnp.zeros(64), frequency_penalty=jnp.zeros(64),
+        repetition_penalty=jnp.ones(64), output_ids=jnp.full((64, 0), -1, jnp.int32),
+        prompt_ids=jnp.full((64, 0), -1, jnp.int32), bias_ids=jnp.full((64, 0), -1, jnp.int32),
+        bias_values=jnp.zeros((64, 0))), SamplerFlags())[0])
+    for pos in range(64):
+        ids = np.asarray(run(jnp.asarray(logits), jnp.arange(1000, 1064, dtype=jnp.uint32),
+                             jnp.full(64, pos, jnp.int32)))
+        counts += np.bincount(ids, minlength=V)[:8]
+    assert counts.sum() == 4096
+    expected = 4096 * p
+    assert ((counts - expected) ** 2 / expected).sum() < 24.3
