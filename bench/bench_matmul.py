@@ -12,7 +12,9 @@ For each model's four linear layers (K, N) and each row count M:
                 blocks (Q4_0, Q4_1, Q4_K) as quantization="gguf" repacks them
   gguf-q4k-xla  Q4_K blocks expanded in XLA then the dot: the other GGUF types' path (GGUFLinear)
   gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
---sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages).
+--sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages);
+--load-probe, at M = 1, the int4 GEMV's weight loads alone (no arithmetic) under several tilings.
+At M = 1 "prep-x" variants run the f16x2 GEMV with x's operands prepared before the kernel (prepare_x).
 Each Pallas variant's output is checked against XLA's dot first (relative error printed). Times: median of
 device-synchronised samples (bench_kernels.time_op), each sample's ops reading weight copies that together
 exceed the 50 MB L2 (>= 1 GiB or 32 copies); TB/s counts the weight bytes only. Writes
@@ -81,6 +83,35 @@ def gemv_bf16(x, w, *, block_k=128, block_n=128, num_splits=8, num_warps=4, num_
     return jnp.sum(out, axis=0).astype(x.dtype)
 
 
+def _load_probe_kernel(w_ref, o_ref, *, slabs_per_split, block_n, slabs_per_iter):
+    # w_ref: i32[K/8, N]; o_ref: i32[NS, N]. The int4 GEMV's weight loads alone (its grid, its [16, BN] tile a
+    # slab), XOR-folded so that nothing is computed on them: how fast this access pattern can read.
+    jn, split = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(jn * block_n, block_n)
+
+    def body(i, acc):
+        slab0 = split * slabs_per_split + i * slabs_per_iter
+        for t in range(slabs_per_iter):
+            acc ^= w_ref[pl.ds((slab0 + t) * 16, 16), cols]
+        return acc
+
+    acc = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, jnp.zeros((16, block_n), jnp.int32))
+    o_ref[split, cols] = jnp.sum(acc, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "num_splits", "slabs_per_iter", "num_warps", "num_stages"))
+def load_probe(qweight, *, block_n=64, num_splits=2, slabs_per_iter=1, num_warps=4, num_stages=3):
+    """The int4 GEMV's weight reads without its arithmetic (bench only: the memory side's bound)."""
+    k8, n = qweight.shape
+    slabs = k8 // 16
+    kernel = functools.partial(_load_probe_kernel, slabs_per_split=slabs // num_splits, block_n=block_n,
+                               slabs_per_iter=slabs_per_iter)
+    return pl.pallas_call(kernel, grid=(n // block_n, num_splits),
+                          out_shape=jax.ShapeDtypeStruct((num_splits, n), jnp.int32),
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                          name="load_probe")(qweight)
+
+
 def _gemv_splits(k: int, n: int, block_n: int, block_k: int, sms: int) -> int:
     want = max(1, 4 * sms // (n // block_n))
     steps = k // block_k
@@ -142,6 +173,23 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         variants["gguf-int4 f32-gemv"] = (
             lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets],
                                                 gemv_math="f32"), (xs, qweights, g_scales, g_mins), gguf_int4_bytes)
+    if m == 1:      # x's f16x2 operands computed once before the kernel, not in every program
+        variants["int4 prep-x"] = (
+            lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], b[i % nsets],
+                                                prepare_x=True), (xs, qweights, scales, zeros), int4_bytes)
+        variants["gguf-int4 prep-x"] = (
+            lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets],
+                                                prepare_x=True), (xs, qweights, g_scales, g_mins), gguf_int4_bytes)
+    if args.load_probe and m == 1:
+        ns0 = choose_int4_tiling(m, k, n, sms)[2]
+        slabs = k // 128
+        for bn, ns, spi in ((64, ns0, 1), (64, ns0, 2), (64, ns0, 4), (128, ns0, 1), (128, ns0, 4), (256, ns0, 4),
+                            (64, max(1, ns0 // 2), 4), (128, min(slabs, 2 * ns0), 1)):
+            if n % bn or slabs % ns or (slabs // ns) % spi:
+                continue
+            variants[f"probe-loads bn{bn} ns{ns} it{spi}"] = (
+                lambda i, qw, bn=bn, ns=ns, spi=spi: load_probe(qw[i % nsets], block_n=bn, num_splits=ns,
+                                                                 slabs_per_iter=spi), (qweights,), k * n // 2)
     if m <= 16:
         ns = _gemv_splits(k, n, 128, 128, sms)
         variants["gemv-bf16"] = (lambda i, xs, w: gemv_bf16(xs[i % 64], w[i % nsets_bf16], num_splits=ns),
@@ -181,7 +229,9 @@ def bench_shape(args, model, name, k, n, m, results, sms):
             if label.startswith("gguf-int4"):      # against the f32 reference of its own weights
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], g_scales[0], mins=g_mins[0])
                 err = rel_err(out, ref)
-            elif label in ("int4", "int4 f32-gemv"):
+            elif label.startswith("probe-loads"):
+                err = 0.0                 # nothing computed: a read-bandwidth probe
+            elif label in ("int4", "int4 f32-gemv", "int4 prep-x"):
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], scales[0], zeros[0])
                 err = rel_err(out, ref)
             elif label == "gguf-q4k-xla":
@@ -234,6 +284,8 @@ def main():
     p.add_argument("--models", default="llama3-8b,qwen2-0.5b")
     p.add_argument("--rows", default="1,2,4,8,16,64")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--load-probe", action="store_true",
+                   help="at M = 1, the int4 GEMV's weight loads alone under several tilings (no arithmetic)")
     args = p.parse_args()
     device = jax.devices()[0]
     sms = int(getattr(device, "core_count", 0) or 132)
