@@ -138,7 +138,36 @@ def gguf_architecture(reader) -> tuple[str, _Arch]:
     return arch, (_MISTRAL if arch == "llama" and "mistral" in name else ARCHITECTURES[arch])
 
 
-def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.Path:
+def gguf_hf_tensors(reader):
+    """(HF name, thunk giving that tensor as float32 in HF's layout) for each weight of the file, in the file's
+    order: dequantized with the `gguf` package, llama's q and k rows un-permuted, Gemma's norm offset removed.
+    Nothing is dequantized until its thunk is called, so a reader of only some tensors (models/loader.py under
+    quantization="gguf") pays only for those."""
+    arch_name, arch = gguf_architecture(reader)
+    key = _metadata(reader, arch_name)
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    names = {t.name: _hf_name_or_raise(arch_name, arch, t.name) for t in reader.tensors}
+
+    def thunk(t, name):
+        def get() -> np.ndarray:
+            w = _dequantize(t)
+            module = t.name.split(".")[2] if t.name.startswith("blk.") else None
+            if arch.rope_permuted and module in ("attn_q", "attn_k"):
+                w = unpermute_rope(w, num_heads if module == "attn_q" else num_kv_heads)
+            if arch.norm_offset and name.endswith("norm.weight"):
+                w = w - np.float32(arch.norm_offset)
+            return np.ascontiguousarray(w)
+        return get
+
+    return [(names[t.name], thunk(t, names[t.name])) for t in reader.tensors if names[t.name]]
+
+
+def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike, weights: bool = True) -> pathlib.Path:
+    """The folder for a GGUF file: config.json, the tokenizer, CONVERTED_FROM (the file's path) and, with
+    weights, every tensor as float32 safetensors. Without weights the loader reads the GGUF file itself
+    (quantization="gguf" keeps most tensors in their blocks: writing them all dense would take an 8B model's
+    32 GB of disk)."""
     import gguf
 
     gguf_path, out_dir = pathlib.Path(gguf_path).resolve(), pathlib.Path(out_dir)
@@ -158,17 +187,8 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
         files = _shard_files(shapes)
         sizes = collections.Counter(files.values())
         shard: dict[str, np.ndarray] = {}
-        for t in reader.tensors:          # one file's tensors in memory at a time
-            name = names[t.name]
-            if name is None:
-                continue
-            w = _dequantize(t)
-            module = t.name.split(".")[2] if t.name.startswith("blk.") else None
-            if arch.rope_permuted and module in ("attn_q", "attn_k"):
-                w = unpermute_rope(w, num_heads if module == "attn_q" else num_kv_heads)
-            if arch.norm_offset and name.endswith("norm.weight"):
-                w = w - np.float32(arch.norm_offset)
-            shard[name] = np.ascontiguousarray(w)
+        for name, get in gguf_hf_tensors(reader):          # one file's tensors in memory at a time
+            shard[name] = get()
             if len(shard) == sizes[files[name]]:
                 save_file(shard, str(folder / files[name]), metadata={"format": "pt"})
                 shard = {}
@@ -176,7 +196,7 @@ def convert_gguf_to_hf(gguf_path: os.PathLike, out_dir: os.PathLike) -> pathlib.
             index = {"metadata": {"total_size": 4 * sum(math.prod(s) for s in shapes.values())}, "weight_map": files}
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
-    _write_folder(gguf_path, out_dir, config, write_weights)
+    _write_folder(gguf_path, out_dir, config, write_weights if weights else lambda folder: None)
     return out_dir
 
 
@@ -373,25 +393,35 @@ def _save_tokenizer(gguf_path, out_dir: pathlib.Path) -> None:
     tok.save_pretrained(str(out_dir))
 
 
-def default_model_dir(cache_root: os.PathLike) -> pathlib.Path:
-    """The cached HF folder of the default model, converting it on first use."""
-    gguf_path = find_default_gguf()
-    out = pathlib.Path(cache_root) / f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}"
-    if not (out / "config.json").exists():
-        convert_gguf_to_hf(gguf_path, out)
-    return out
+def _cached_folder(gguf_path: pathlib.Path, base: pathlib.Path, weights: bool) -> pathlib.Path:
+    """base (with the float32 weights) when weights are wanted or it exists already, else base-noweights: the
+    configuration and tokenizer only, for runs that read the GGUF file's own tensors."""
+    lean = base.with_name(base.name + "-noweights")
+    if not weights:
+        for folder in (base, lean):
+            if (folder / "config.json").exists():
+                return folder
+        convert_gguf_to_hf(gguf_path, lean, weights=False)
+        return lean
+    if not (base / "config.json").exists():
+        convert_gguf_to_hf(gguf_path, base)
+    return base
 
 
-def gguf_model_dir(gguf_path: os.PathLike, cache_root: os.PathLike) -> pathlib.Path:
+def default_model_dir(cache_root: os.PathLike, weights: bool = True) -> pathlib.Path:
+    """The cached HF folder of the default model, converting it on first use (weights: see _cached_folder)."""
+    return _cached_folder(find_default_gguf(), pathlib.Path(cache_root) / f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}",
+                          weights)
+
+
+def gguf_model_dir(gguf_path: os.PathLike, cache_root: os.PathLike, weights: bool = True) -> pathlib.Path:
     """The cached HF folder of a GGUF file (`--model file.gguf`), converting it on first use. The folder is
     keyed by the file's absolute path, size and modification time (sha256), so a file replaced in place
-    converts afresh: <cache_root>/<stem>-<16 hex digits>-v<converter version>."""
+    converts afresh: <cache_root>/<stem>-<16 hex digits>-v<converter version>[-noweights] (weights: see
+    _cached_folder)."""
     path = pathlib.Path(gguf_path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     stat = path.stat()
     digest = hashlib.sha256(f"{path}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = pathlib.Path(cache_root) / f"{path.stem}-{digest}-v{_CONVERTER_VERSION}"
-    if not (out / "config.json").exists():
-        convert_gguf_to_hf(path, out)
-    return out
+    return _cached_folder(path, pathlib.Path(cache_root) / f"{path.stem}-{digest}-v{_CONVERTER_VERSION}", weights)

@@ -77,8 +77,49 @@ def gguf_source(model_dir: os.PathLike) -> pathlib.Path:
 
 
 def _gguf_reader(model_dir: os.PathLike):
+    path = gguf_source(model_dir)
+    return _open_gguf(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int):
+    """One reader per file version for a load's several passes (parsing a file's metadata takes seconds: the
+    tokenizer's vocabulary is read entry by entry); the tensors stay memory-mapped."""
     import gguf
-    return gguf.GGUFReader(str(gguf_source(model_dir)))
+    return gguf.GGUFReader(path)
+
+
+class _GGUFTensors:
+    """A GGUF file's tensors under their HF names, read as a safetensors file is (keys, get_tensor), each
+    dequantized only when asked for (gguf_convert.gguf_hf_tensors): a folder converted without weights."""
+
+    def __init__(self, reader):
+        from .gguf_convert import gguf_hf_tensors
+        self._tensors = dict(gguf_hf_tensors(reader))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def keys(self):
+        return list(self._tensors)
+
+    def get_tensor(self, name: str) -> jax.Array:
+        return jnp.asarray(self._tensors[name]())
+
+
+def _weight_files(model_dir: pathlib.Path, from_gguf: bool):
+    """(file, opened reader) per weight file: the folder's safetensors, or the GGUF file it was converted from
+    where the run serves that file's blocks or the folder holds no weights (file None)."""
+    from safetensors import safe_open
+    if from_gguf or ((model_dir / "CONVERTED_FROM").exists() and not list(model_dir.glob("*.safetensors"))):
+        yield None, _GGUFTensors(_gguf_reader(model_dir))
+        return
+    for file in _safetensor_files(model_dir):
+        # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
+        yield file, safe_open(str(file), framework="flax")
 
 
 def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
@@ -86,7 +127,7 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     parts, every layer) is of a 4-bit type, whichever (repacked for the W4A16 kernel; the embedding, a lookup,
     keeps its blocks), else the GGUF type when one supported type holds them all (blocks expanded in the
     program). A bias (Qwen2's q/k/v) stays dense beside the weight. A linear layer whose tensors mix other
-    types (Q4_K_M files give some layers' v and down Q6_K) stays dense, from the converted folder's weights,
+    types (Q4_K_M files give some layers' v and down Q6_K) stays dense, dequantized from the file at load,
     and the log says so; unsupported types are refused, naming what is supported."""
     from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, INT4_TYPES
     floats = ("F32", "F16", "BF16")
@@ -284,7 +325,6 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     GGUF file's blocks (GGUF), the folder's quantized tensors (int4, int8 and fp8 checkpoints; quant_config is
     config.json's quantization_config), or its dense weights quantized here (fp8 without quant_config)."""
     import numpy as np
-    from safetensors import safe_open
 
     from jaxpaged.quantization.fp8 import read_fp8_tensor
     shapes = param_shapes(cfg, dtype)
@@ -297,9 +337,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     blocks, embedding = gguf_blocks(model_dir, cfg) if gguf else ({}, None)
     quant_tensors: dict[tuple[int, str], dict] = {}
     params: dict = {}
-    for file in _safetensor_files(model_dir):
-        # framework="flax" reads bf16 (numpy has no bf16); arrays go straight to the default device.
-        with safe_open(str(file), framework="flax") as f:
+    for file, opened in _weight_files(model_dir, gguf):
+        with opened as f:
             for stored in f.keys():
                 name = table_name(cfg.family, stored)
                 if name.startswith(LAYER_PREFIX):

@@ -48,7 +48,7 @@ class AsyncLLM:
         self.args = args
         # A GGUF file converts here, once, before the core reads its folder (both converting it would hold
         # the dequantized weights twice); for a folder this returns at once.
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(args.model, args.quantization)
         # The core starts first: it loads and compiles while this process imports transformers (seconds:
         # it brings torch) and loads the tokenizer.
         self.client = CoreProcClient(args, core_target) if client is None else client

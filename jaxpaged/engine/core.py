@@ -45,15 +45,17 @@ _FINISH = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINI
            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, quantization: str | None = None) -> str:
     """The model folder: the given one; for a GGUF file (as vLLM's --model file.gguf), its HF folder in the
-    cache (converted on first use, its tokenizer from the file); or the embedded SmolLM2-135M-Instruct."""
+    cache (converted on first use, its tokenizer from the file); or the embedded SmolLM2-135M-Instruct.
+    Under quantization="gguf" the folder need not hold the weights as float32 (the loader reads the file)."""
+    weights = quantization != "gguf"
     if model is None:
         from jaxpaged.models.gguf_convert import default_model_dir
-        return str(default_model_dir(envs.JAXPAGED_CACHE_ROOT / "models"))
+        return str(default_model_dir(envs.JAXPAGED_CACHE_ROOT / "models", weights))
     if model.endswith(".gguf") and os.path.isfile(model):
         from jaxpaged.models.gguf_convert import gguf_model_dir
-        return str(gguf_model_dir(model, envs.JAXPAGED_CACHE_ROOT / "models"))
+        return str(gguf_model_dir(model, envs.JAXPAGED_CACHE_ROOT / "models", weights))
     return model
 
 
@@ -75,7 +77,7 @@ class EngineCore:
         _configure_jax()
         t0 = time.perf_counter()
         platform = detect_platform()
-        self.model_path = resolve_model_path(args.model)
+        self.model_path = resolve_model_path(args.model, args.quantization)
         # The program is chosen from the model's shapes, then the weights load in the layout it runs on.
         cfg = model_config(self.model_path, args.quantization, args.kv_cache_dtype)
         self.run = run = resolve(args, platform, layer_bytes=layer_bytes(cfg, resolve_dtype(args.dtype, cfg,

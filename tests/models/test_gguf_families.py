@@ -415,6 +415,33 @@ def test_a_gguf_file_converts_once_into_a_folder_keyed_by_the_file(cases, tmp_pa
     assert gguf_model_dir(path, tmp_path / "cache") != first
 
 
+def test_a_quantized_run_reads_the_file_and_writes_no_weights(cases, tmp_path, monkeypatch):
+    """quantization="gguf" converts the file into a folder without weights (its config and tokenizer only: the
+    float32 copy of an 8B model would take 32 GB of disk) and reads the file itself, dequantizing only the
+    tensors it holds dense (the norms, the untied output head, and Llama 3's rope_freqs for config.json), not the
+    linear layers or the embedding; its tokens are those of the run beside the dense folder."""
+    from jaxpaged.models import gguf_convert
+    path = tmp_path / "lean.gguf"
+    path.write_bytes(cases("llama").gguf_path.read_bytes())
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path / "cache")
+    dequantized = []
+    real = gguf_convert._dequantize
+    monkeypatch.setattr(gguf_convert, "_dequantize", lambda t: dequantized.append(t.name) or real(t))
+    llm = LLM(model=str(path), quantization="gguf", dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
+              seed=0)
+    [folder] = (tmp_path / "cache" / "models").iterdir()
+    assert folder.name.endswith("-noweights") and (folder / "config.json").exists()
+    assert not list(folder.glob("*.safetensors"))
+    held_dense = {n for n in dequantized if not n.endswith("norm.weight")}
+    assert dequantized and held_dense == {"rope_freqs.weight", "output.weight"}
+    case = cases("llama")
+    for a, b in zip(_run(llm, case), _run(cases.engine("llama", "gguf"), case)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    # a dense run of the same file converts the float32 folder beside it
+    dense_dir = gguf_model_dir(path, tmp_path / "cache" / "models")
+    assert dense_dir.name.endswith("-v2") and list(dense_dir.glob("*.safetensors"))
+
+
 def test_a_large_model_converts_into_shards_the_loader_reads(cases, tmp_path, monkeypatch):
     """Files of at most _SHARD_BYTES (the converter holds one at a time), indexed as HF shards; the loaded
     weights are the single file's."""
