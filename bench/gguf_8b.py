@@ -11,6 +11,8 @@ request, wall clock), the bytes the run wrote into the model cache, and which li
 --dense: the first file also dense in bf16 (from its folder without weights: the loader dequantizes the file).
 
     python3 bench/gguf_8b.py --out DIR [--types q4k,q4km] [--dense] [--work /tmp/gguf8b] [--git-rev REV]
+        [--tokenizer-from tok.gguf]
+    python3 bench/gguf_8b.py --out . --write-tokenizer tok.gguf      (here, before a GPU call: the fields alone)
 """
 from __future__ import annotations
 
@@ -37,12 +39,36 @@ def random_blocks(rng, qtype: str, rows: int, cols: int):
     return raw.reshape(rows, -1)
 
 
-def write_file(path: Path, types: str) -> None:
+def write_tokenizer_file(path: Path) -> None:
+    """The default model's tokenizer fields alone, in a GGUF file of no tensors (a few MB: what --tokenizer-from
+    needs where the 100 MB default model is not installed, such as a GPU machine)."""
+    import gguf
+
+    from jaxpaged.models.gguf_convert import find_default_gguf
+    src = gguf.GGUFReader(str(find_default_gguf()))
+    w = gguf.GGUFWriter(str(path), "llama")
+    _copy_tokenizer(src, w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _copy_tokenizer(src, w) -> None:
+    import gguf
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            w.add_key_value(key, field.contents(), vtype,
+                            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+
+
+def write_file(path: Path, types: str, tokenizer_from: str | None) -> None:
     import gguf
     import numpy as np
 
     from jaxpaged.models.gguf_convert import find_default_gguf
-    src = gguf.GGUFReader(str(find_default_gguf()))
+    src = gguf.GGUFReader(tokenizer_from or str(find_default_gguf()))
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     h, ffn, heads, kv = SHAPE["hidden"], SHAPE["ffn"], SHAPE["heads"], SHAPE["kv_heads"]
     head_dim = h // heads
@@ -58,11 +84,7 @@ def write_file(path: Path, types: str) -> None:
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            vtype = field.types[0]
-            w.add_key_value(key, field.contents(), vtype,
-                            sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    _copy_tokenizer(src, w)
     rng = np.random.default_rng(0)
 
     def add(name: str, qtype: str, rows: int, cols: int):
@@ -120,7 +142,13 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true", help="also the dense bf16 run of the first file")
     ap.add_argument("--work", default="/tmp/gguf8b")
     ap.add_argument("--git-rev", default="unknown")
+    ap.add_argument("--tokenizer-from", help="a GGUF file whose tokenizer fields to copy (default: the default "
+                                             "model's)")
+    ap.add_argument("--write-tokenizer", help="only write the default model's tokenizer fields to this file")
     args = ap.parse_args()
+    if args.write_tokenizer:
+        write_tokenizer_file(Path(args.write_tokenizer))
+        return
     import jax
 
     from jaxpaged import envs
@@ -131,7 +159,7 @@ def main() -> None:
     for types in args.types.split(","):
         path = work / f"random-8b-{types}.gguf"
         t0 = time.perf_counter()
-        write_file(path, types)
+        write_file(path, types, args.tokenizer_from)
         print(f"{types}: wrote {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
         r = {"types": types, "label": "gguf", **run(str(path), "gguf", models_dir)}
         print(json.dumps(r), flush=True)
