@@ -14,7 +14,6 @@ For each model's four linear layers (K, N) and each row count M:
   gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
 --sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages);
 --load-probe, at M = 1, the int4 GEMV's weight loads alone (no arithmetic) under several tilings.
-At M = 1 "prep-x" variants run the f16x2 GEMV with x's operands prepared before the kernel (prepare_x).
 Each Pallas variant's output is checked against XLA's dot first (relative error printed). Times: median of
 device-synchronised samples (bench_kernels.time_op), each sample's ops reading weight copies that together
 exceed the 50 MB L2 (>= 1 GiB or 32 copies); TB/s counts the weight bytes only. Writes
@@ -173,13 +172,6 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         variants["gguf-int4 f32-gemv"] = (
             lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets],
                                                 gemv_math="f32"), (xs, qweights, g_scales, g_mins), gguf_int4_bytes)
-    if m == 1:      # x's f16x2 operands computed once before the kernel, not in every program
-        variants["int4 prep-x"] = (
-            lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], b[i % nsets],
-                                                prepare_x=True), (xs, qweights, scales, zeros), int4_bytes)
-        variants["gguf-int4 prep-x"] = (
-            lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets],
-                                                prepare_x=True), (xs, qweights, g_scales, g_mins), gguf_int4_bytes)
     if args.load_probe and m == 1:
         ns0 = choose_int4_tiling(m, k, n, sms)[2]
         slabs = k // 128
@@ -231,7 +223,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
                 err = rel_err(out, ref)
             elif label.startswith("probe-loads"):
                 err = 0.0                 # nothing computed: a read-bandwidth probe
-            elif label in ("int4", "int4 f32-gemv", "int4 prep-x"):
+            elif label in ("int4", "int4 f32-gemv"):
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], scales[0], zeros[0])
                 err = rel_err(out, ref)
             elif label == "gguf-q4k-xla":

@@ -151,8 +151,6 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
 # the dot kernel. One: on the H100 (llama3-8b's qkv and o, bench_matmul.py) the GEMV kernel at 4 rows took
 # 39.3 / 25.1 us, the dot kernel at 16 rows 26.3 / 19.8.
 GEMV_MAX_ROWS = 1
-# Whether the f16x2 GEMV takes x's operands prepared before the kernel (prepare_gemv_x) by default.
-GEMV_PREPARE_X = False
 # Warps of the GEMV kernel. 8 took 19.8 / 13.2 us on qkv and o at one row against 4 warps' 22.6 / 15.7, but
 # llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
 # included): 4.
@@ -322,33 +320,11 @@ def _pow2_scale(amax):
             jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32))
 
 
-def prepare_gemv_x(x, group_size: int, offsets: bool):
-    """The f16x2 GEMV's x operands, computed once (by XLA, before the kernel) instead of in every program:
-    x dtype[1, K] -> (xw i32[K/2]: for slab t, pair p (nibbles p, p + 4) and row r, word 64 t + 16 p + r holds
-    x's float16 pair scaled by the slab's power of two (and by 1/16 for odd p: those nibbles come scaled by 16),
-    unscale f32[K/128]: each slab's inverse power of two, xsum f32[K/min(G, 128)]: sums of x per group,
-    offsets only (else one unused zero))."""
-    k = x.shape[1]
-    xf = x.astype(jnp.float32).reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS)
-    scale, unscale = _pow2_scale(jnp.max(jnp.abs(xf), axis=(1, 2)))                   # [slabs] each
-    odd = jnp.where(jnp.arange(8) % 2 == 1, 1.0 / 16, 1.0).reshape(1, 8, 1)
-    bits = _f16_bits(xf * scale[:, None, None] * odd)                                  # [slabs, 8, 16]
-    xw = (bits[:, :4] | (bits[:, 4:] << 16)).reshape(-1)
-    xsum = (jnp.sum(x.astype(jnp.float32).reshape(-1, min(group_size, PACK_ROWS)), axis=1) if offsets
-            else jnp.zeros((1,), jnp.float32))
-    return xw, unscale, xsum
-
-
-def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_per_iter, offsets, asm,
-                            prepared):
-    # Not prepared: x_ref dtype[1, K] (bf16 or f16). Prepared: xw_ref, u_ref, xs_ref (prepare_gemv_x's).
-    # Then w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
+def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
+                            slabs_per_iter, offsets, asm):
+    # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
-    if prepared:
-        xw_ref, u_ref, xs_ref, w_ref, s_ref, z_ref, o_ref = refs
-    else:
-        x_ref, w_ref, s_ref, z_ref, o_ref = refs
     jn, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(jn * block_n, block_n)
     tile = (_NIBBLE_ROWS, block_n)
@@ -359,19 +335,14 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
         return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
 
     def slab_step(slab, w, acc, off):
-        if prepared:
-            words = [xw_ref[pl.ds(slab * 64 + p * _NIBBLE_ROWS, _NIBBLE_ROWS)] for p in range(4)]
-            unscale = u_ref[slab]
-        else:
-            xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
-                  for j in range(8)]                                                     # [16] each
-            # the slab's power-of-two scale (its inverse folded into the group scales below)
-            scale, unscale = _pow2_scale(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in xj]))
-            bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
-            words = [bits[p] | (bits[p + 4] << 16) for p in range(4)]
+        xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
+              for j in range(8)]                                                         # [16] each
+        # the slab's power-of-two scale (its inverse folded into the group scales below)
+        scale, unscale = _pow2_scale(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in xj]))
+        bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
         for pairs in calls:
             g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
-            xs = [jnp.broadcast_to(words[p][:, None], tile) for p in pairs]
+            xs = [jnp.broadcast_to((bits[p] | (bits[p + 4] << 16))[:, None], tile) for p in pairs]
             one_group = group_size >= PACK_ROWS              # both lanes in one group: its row read once
             if offsets:
                 zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
@@ -392,10 +363,9 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
             else:
                 acc = _f16x2_jnp(acc, w, xs, zlo, zhi, s_lo, s_hi, pairs)
         if offsets:
-            groups = max(1, PACK_ROWS // group_size)
-            for g in range(groups):
+            for g in range(max(1, PACK_ROWS // group_size)):
                 nib = range(8) if group_size >= PACK_ROWS else range(g * group_size // 16, (g + 1) * group_size // 16)
-                x_sum = xs_ref[slab * groups + g] if prepared else sum(jnp.sum(xj[j]) for j in nib)
+                x_sum = sum(jnp.sum(xj[j]) for j in nib)
                 off += x_sum * z_ref[group_row(slab, nib[0]), cols].astype(jnp.float32)[None, :]
         return acc, off
 
@@ -439,20 +409,18 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "prepare_x", "interpret"))
+                                             "num_stages", "gemv_math", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                prepare_x: bool | None = None, interpret: bool | None = None) -> jax.Array:
+                interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
     Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the GEMV kernel, 4 for the dot kernel.
     slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs.
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
-    None: "f16x2" where use_f16x2 allows it, else "f32". prepare_x (f16x2 forms): x's float16 pairs, slab scales
-    and group sums computed once before the kernel (prepare_gemv_x), not in every program; None:
-    GEMV_PREPARE_X where the f16x2 GEMV runs."""
+    None: "f16x2" where use_f16x2 allows it, else "f32"."""
     zeros, offsets = _affine(zeros, mins)
     m, k = x.shape
     k8, n = qweight.shape
@@ -481,18 +449,14 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         raise ValueError(f"gemv_math {gemv_math!r}: f32, f16x2 or f16x2-jnp")
     if m <= GEMV_MAX_ROWS and (slabs // num_splits) % slabs_per_iter:
         raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
-    f16x2_gemv = m <= GEMV_MAX_ROWS and gemv_math != "f32"
-    prepared = (GEMV_PREPARE_X if prepare_x is None else prepare_x) and f16x2_gemv
-    if prepare_x and not prepared:
-        raise ValueError("prepare_x applies to the f16x2 GEMV only (one row, gemv_math f16x2 or f16x2-jnp)")
-    if f16x2_gemv:
+    if m <= GEMV_MAX_ROWS and gemv_math != "f32":
         if m != 1 or group_size < F16X2_MIN_GROUP:
             raise ValueError(f"the f16x2 GEMV takes one row and groups of {F16X2_MIN_GROUP} or more, not {m} rows "
                              f"in groups of {group_size}")
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
-                                   asm=gemv_math == "f16x2" and not interpret, prepared=prepared)
+                                   asm=gemv_math == "f16x2" and not interpret)
         grid: tuple[int, ...] = (n // block_n, num_splits)
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
@@ -502,7 +466,6 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_m=block_m, block_n=block_n, offsets=offsets)
         grid = (pl.cdiv(m, block_m), n // block_n, num_splits)
-    x_operands = prepare_gemv_x(x, group_size, offsets) if prepared else (x,)
     out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1
                  else jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32))
     out = pl.pallas_call(
@@ -512,10 +475,9 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul",
-    )(*x_operands, qweight, scales, zeros)
+    )(x, qweight, scales, zeros)
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 __all__ = ["F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
-           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_int4", "prepare_gemv_x", "unpack_int4",
-           "use_f16x2"]
+           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_int4", "unpack_int4", "use_f16x2"]

@@ -28,14 +28,12 @@ class MatmulCase:
     slabs_per_iter: int = 1
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
     gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
-    prepare_x: bool = False             # the f16x2 GEMV with x's operands computed before the kernel
 
     def __str__(self):
         form = "-min" if self.offsets else ""
         math = f"-{self.gemv_math}" if self.gemv_math else ""
-        prep = "-prep" if self.prepare_x else ""
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
-                f"-it{self.slabs_per_iter}{math}{prep}")
+                f"-it{self.slabs_per_iter}{math}")
 
 
 def make_inputs(case: MatmulCase):
@@ -80,19 +78,12 @@ CASES = [
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
     MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
-    MatmulCase(1, 512, 128, 128, "bfloat16", num_splits=2, prepare_x=True),    # f16x2, x prepared: K split
-    MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=1, prepare_x=True),     # two calls a word
-    MatmulCase(1, 512, 64, 256, "bfloat16", num_splits=1, slabs_per_iter=2, prepare_x=True),  # group over 2 slabs
-    MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, prepare_x=True),      # offsets: group sums prepared
-    MatmulCase(1, 512, 128, 64, "bfloat16", offsets=True, num_splits=2, prepare_x=True),
 ]
 CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 3, 8, 64) for n in (6144, 4096))
 CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 4096, 28672, 128, "bfloat16")])
 CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
 CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, gemv_math=math)
                   for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128) for math in ("f32", "f16x2-jnp"))
-CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, prepare_x=True)
-                  for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128))
 
 
 class TestInt4Matmul:
@@ -102,27 +93,23 @@ class TestInt4Matmul:
         ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
-                          slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, prepare_x=case.prepare_x,
-                          interpret=INTERPRET)
+                          slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
 
-    @pytest.mark.parametrize("prepare_x", [False, True], ids=["in-kernel", "prepared"])
     @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
     @pytest.mark.parametrize("magnitude", [1e4, 1e-6])
-    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets, prepare_x):
+    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets):
         """Rows far outside float16's comfortable range (products past 65504, values below its normals): each
         slab's power-of-two scale keeps the f16x2 GEMV as close to the reference as at unit scale."""
         case = MatmulCase(1, 256, 128, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
         x = (x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
         ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
-        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", prepare_x=prepare_x,
-                          interpret=INTERPRET)
+        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", interpret=INTERPRET)
         assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, ref) <= TOL["bfloat16"]
-        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), prepare_x=prepare_x,
-                           interpret=INTERPRET)
+        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), interpret=INTERPRET)
         assert not bool(jnp.any(zero))
 
     def test_f16x2_only_for_half_rows_and_groups_of_32_up(self):
@@ -135,18 +122,15 @@ class TestInt4Matmul:
             int4_matmul(x, qweight, scales, b, gemv_math="f16x2", interpret=INTERPRET)
         with pytest.raises(ValueError, match="gemv_math"):
             int4_matmul(x, qweight, scales, b, gemv_math="f8", interpret=INTERPRET)
-        with pytest.raises(ValueError, match="prepare_x"):
-            int4_matmul(x.astype(jnp.float32), qweight, scales, b, prepare_x=True, interpret=INTERPRET)
 
     @pytest.mark.skipif(INTERPRET, reason="PTX runs only on a GPU (interpret mode runs the jnp form)")
-    @pytest.mark.parametrize("prepare_x", [False, True], ids=["in-kernel", "prepared"])
     @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
-    def test_f16x2_ptx_equals_its_jnp_form(self, offsets, prepare_x):
+    def test_f16x2_ptx_equals_its_jnp_form(self, offsets):
         """On the GPU: the PTX and the jnp form of the f16x2 GEMV, both compiled, agree to float16's last bits
         (the PTX's FMA rounds once, the jnp form twice), at llama3-8b's qkv size."""
         case = MatmulCase(1, 4096, 6144, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
-        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", prepare_x=prepare_x)
+        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2")
         emulated = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2-jnp")
         assert rel_err(ptx, emulated) <= 2e-3
 
