@@ -21,6 +21,11 @@ Why this order: nibble j of a slab's 16 int32 rows is 16 consecutive input rows,
 the loaded [16, BN] tile is a ready [16, BN] operand of a tensor-core dot against x's matching 16
 columns. No register shuffles, and the kernel reads a quarter of the bf16 bytes.
 
+8-bit values (bits=8: GGUF's 5-, 6- and 8-bit types repacked, see gguf_blocks.int8_parts) take the same
+layout with bytes for nibbles: i32[K/4, N], slab t is input rows 64t..64t+63, byte j of row 16t + r holds q
+of input row 64t + 16j + r, q in 0..255; the kernels are the same code with the width as a parameter (the
+GEMV in its f32 form), and read half of bf16's bytes.
+
 Two kernels. Up to GEMV_MAX_ROWS rows (one decode row), the GEMV kernel, grid (N tiles, NS): no
 tensor-core dot (whose operand layouts would cost more than the multiplies), one FMA per weight and row into
 a [16, BN] accumulator, scaled once per group (its f32 form); a bf16 or fp16 row takes its f16x2 form, two
@@ -41,39 +46,60 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-PACK_ROWS = 128          # input rows per packed slab: 16 int32 rows x 8 nibbles
-_NIBBLE_ROWS = 16        # input rows of one nibble of a slab (a tensor-core dot's K)
+_NIBBLE_ROWS = 16        # input rows of one value position of a slab (a tensor-core dot's K)
+BITS = (4, 8)
 
 
-def check_group_size(in_features: int, group_size: int) -> str | None:
-    """Why (K, G) cannot use this layout, or None: K a multiple of 128; G 16, 32, 64 or a multiple of 128
-    that divides K."""
-    if in_features % PACK_ROWS:
-        return f"input features {in_features} not a multiple of {PACK_ROWS}"
-    if group_size in (16, 32, 64) or (group_size % PACK_ROWS == 0 and in_features % group_size == 0):
+def slab_rows(bits: int = 4) -> int:
+    """Input rows of one packed slab: 16 int32 rows x (32 / bits) values a word (128 for 4 bits, 64 for 8)."""
+    return _NIBBLE_ROWS * (32 // bits)
+
+
+PACK_ROWS = slab_rows(4)  # the 4-bit slab
+
+
+def check_group_size(in_features: int, group_size: int, bits: int = 4) -> str | None:
+    """Why (K, G) cannot use this layout, or None: K a multiple of the slab (128 rows, 64 for 8 bits); G 16, 32,
+    64 or a multiple of the slab that divides K."""
+    slab = slab_rows(bits)
+    if in_features % slab:
+        return f"input features {in_features} not a multiple of {slab}"
+    if group_size in (16, 32, 64) or (group_size % slab == 0 and in_features % group_size == 0):
         return None
-    return f"group size {group_size} (supported: 16, 32, 64, or a multiple of 128 dividing {in_features})"
+    return f"group size {group_size} (supported: 16, 32, 64, or a multiple of {slab} dividing {in_features})"
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Values u8[K, N] of `bits` bits -> i32[K * bits / 32, N] in the layout above (host side, at load)."""
+    k, n = q.shape
+    slab, per_word = slab_rows(bits), 32 // bits
+    if k % slab:
+        raise ValueError(f"input features {k} not a multiple of {slab}")
+    # [K, N] -> [slab, value position j, row r, N]; int32 row (slab, r) = sum_j q[slab, j, r] << (bits j)
+    q = q.astype(np.uint32).reshape(k // slab, per_word, _NIBBLE_ROWS, n)
+    packed = np.zeros((k // slab, _NIBBLE_ROWS, n), np.uint32)
+    for j in range(per_word):
+        packed |= q[:, j] << np.uint32(bits * j)
+    return packed.reshape(k // per_word, n).view(np.int32)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """4-bit values u8[K, N] (0..15) -> i32[K/8, N] in the layout above (host side, at load)."""
-    k, n = q.shape
-    if k % PACK_ROWS:
-        raise ValueError(f"input features {k} not a multiple of {PACK_ROWS}")
-    # [K, N] -> [slab, nibble j, row r, N]; int32 row (slab, r) = sum_j q[slab, j, r] << 4j
-    q = q.astype(np.uint32).reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS, n)
-    packed = np.zeros((k // PACK_ROWS, _NIBBLE_ROWS, n), np.uint32)
-    for j in range(8):
-        packed |= q[:, j] << np.uint32(4 * j)
-    return packed.reshape(k // 8, n).view(np.int32)
+    """4-bit values u8[K, N] (0..15) -> i32[K/8, N]."""
+    return pack_bits(q, 4)
+
+
+def unpack_bits(qweight, bits: int = 4) -> jax.Array:
+    """i32[K * bits / 32, N] -> the values i32[K, N] (jnp; the references and the large-M path)."""
+    rows, n = qweight.shape
+    per_word = 32 // bits
+    slabs = qweight.reshape(rows // _NIBBLE_ROWS, 1, _NIBBLE_ROWS, n)
+    shifts = (bits * jnp.arange(per_word, dtype=jnp.int32)).reshape(1, per_word, 1, 1)
+    return ((slabs >> shifts) & ((1 << bits) - 1)).reshape(rows * per_word, n)
 
 
 def unpack_int4(qweight) -> jax.Array:
-    """i32[K/8, N] -> the 4-bit values i32[K, N] (jnp; the references and the large-M path)."""
-    k8, n = qweight.shape
-    slabs = qweight.reshape(k8 // _NIBBLE_ROWS, 1, _NIBBLE_ROWS, n)
-    shifts = (4 * jnp.arange(8, dtype=jnp.int32)).reshape(1, 8, 1, 1)
-    return ((slabs >> shifts) & 15).reshape(k8 * 8, n)
+    """i32[K/8, N] -> the 4-bit values i32[K, N]."""
+    return unpack_bits(qweight, 4)
 
 
 def _affine(zeros, mins):
@@ -83,10 +109,10 @@ def _affine(zeros, mins):
     return (zeros, False) if mins is None else (mins, True)
 
 
-def dequantize_int4(qweight, scales, zeros=None, dtype=jnp.float32, *, mins=None) -> jax.Array:
+def dequantize_int4(qweight, scales, zeros=None, dtype=jnp.float32, *, mins=None, bits: int = 4) -> jax.Array:
     """The dense weight dtype[K, N], per group (q - zero) * scale, or q * scale + min; computed in f32."""
     b, offsets = _affine(zeros, mins)
-    q = unpack_int4(qweight).astype(jnp.float32)
+    q = unpack_bits(qweight, bits).astype(jnp.float32)
     groups = scales.shape[0]
     q = q.reshape(groups, q.shape[0] // groups, -1)
     s, b = scales.astype(jnp.float32)[:, None], b.astype(jnp.float32)[:, None]
@@ -94,14 +120,14 @@ def dequantize_int4(qweight, scales, zeros=None, dtype=jnp.float32, *, mins=None
     return w.reshape(-1, w.shape[-1]).astype(dtype)
 
 
-def int4_matmul_reference(x, qweight, scales, zeros=None, *, mins=None) -> jax.Array:
+def int4_matmul_reference(x, qweight, scales, zeros=None, *, mins=None, bits: int = 4) -> jax.Array:
     """Plain jnp, f32 math: x dtype[M, K] -> dtype[M, N]."""
-    w = dequantize_int4(qweight, scales, zeros, mins=mins)
+    w = dequantize_int4(qweight, scales, zeros, mins=mins, bits=bits)
     return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
 def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_m, block_n,
-                 offsets):
+                 offsets, bits):
     # x_ref: dtype[M, K]
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
@@ -113,8 +139,9 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
     row_ok = rows < num_rows
     cols = pl.ds(jn * block_n, block_n)
     precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
-    groups_per_slab = max(1, PACK_ROWS // group_size)
-    nibbles_per_group = 8 // groups_per_slab
+    slab_len, per_word, mask = slab_rows(bits), 32 // bits, (1 << bits) - 1
+    groups_per_slab = max(1, slab_len // group_size)
+    nibbles_per_group = per_word // groups_per_slab
 
     def body(i, acc):
         slab = split * slabs_per_split + i
@@ -124,12 +151,12 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
             x_sum = jnp.zeros((block_m,), jnp.float32)
             for j in range(g * nibbles_per_group, (g + 1) * nibbles_per_group):
                 xj = plgpu.load(x_ref.at[pl.ds(im * block_m, block_m),
-                                         pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)],
+                                         pl.ds(slab * slab_len + j * _NIBBLE_ROWS, _NIBBLE_ROWS)],
                                 mask=row_ok, other=0.0)                                  # [BM, 16]
-                qj = ((w >> (4 * j)) & 15).astype(xj.dtype)                              # [16, BN]
+                qj = ((w >> (bits * j)) & mask).astype(xj.dtype)                         # [16, BN]
                 part += plgpu.dot(xj, qj, precision=precision)
                 x_sum += jnp.sum(xj.astype(jnp.float32), axis=1)
-            group_row = (slab * PACK_ROWS + g * group_size) // group_size
+            group_row = (slab * slab_len + g * group_size) // group_size
             s = s_ref[group_row, cols].astype(jnp.float32)                               # [BN]
             z = z_ref[group_row, cols].astype(jnp.float32)
             if offsets:
@@ -165,17 +192,23 @@ GEMV_WARPS = 4
 # rate integer pipe) bound this kernel before its bytes do.
 _MAGIC_BITS = 0x4B000000
 _MAGIC = 8388608.0
-_IN_PLACE_NIBBLES = 5           # nibbles 0-4 (bits 0-19); 5-7 are nibbles 0-2 of the word shifted by 20
-_HIGH_SHIFT = 4 * _IN_PLACE_NIBBLES
+# 8-bit values: bytes 0-1 in place, 2-3 after a shift by 16 (a byte at bit b needs b + 8 <= 23).
 
 
-def _nibble_source(j: int) -> tuple[bool, int]:
-    """Where nibble j of a word is masked: (from the word shifted by _HIGH_SHIFT, bit offset there)."""
-    return (False, 4 * j) if j < _IN_PLACE_NIBBLES else (True, 4 * (j - _IN_PLACE_NIBBLES))
+def _in_place(bits: int) -> int:
+    """Values of a word masked in place (at bits b..b+bits-1 with b + bits <= 23): 5 nibbles, or 2 bytes."""
+    return (23 - bits) // bits + 1
+
+
+def _nibble_source(j: int, bits: int = 4) -> tuple[bool, int]:
+    """Where value j of a word is masked: (from the word shifted right by bits * _in_place(bits), bit offset
+    there)."""
+    n = _in_place(bits)
+    return (False, bits * j) if j < n else (True, bits * (j - n))
 
 
 def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
-                      slabs_per_iter, offsets):
+                      slabs_per_iter, offsets, bits):
     # x_ref: dtype[M, K], M <= GEMV_MAX_ROWS
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
@@ -188,27 +221,28 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
     jn, split = pl.program_id(0), pl.program_id(1)
     num_rows = x_ref.shape[0]
     cols = pl.ds(jn * block_n, block_n)
-    groups_per_slab = max(1, PACK_ROWS // group_size)
-    nibbles_per_group = 8 // groups_per_slab
+    slab_len, mask = slab_rows(bits), (1 << bits) - 1
+    groups_per_slab = max(1, slab_len // group_size)
+    nibbles_per_group = (32 // bits) // groups_per_slab
     tile = (_NIBBLE_ROWS, block_n)
 
     def slab_step(slab, w, accs, offs):
-        w_high = w >> _HIGH_SHIFT                          # (arithmetic: the sign bits land above bit 11, masked off)
+        w_high = w >> (bits * _in_place(bits))             # (arithmetic: the sign bits land above, masked off)
         for g in range(groups_per_slab):
-            group_row = (slab * PACK_ROWS + g * group_size) // group_size
+            group_row = (slab * slab_len + g * group_size) // group_size
             s = s_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
             z = z_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
             zb: dict[int, jax.Array] = {}                                                 # 2**23 + z 2**b
             parts = [jnp.zeros(tile, jnp.float32) for _ in range(num_rows)]
             x_sums = [jnp.zeros((), jnp.float32) for _ in range(num_rows)]
             for j in range(g * nibbles_per_group, (g + 1) * nibbles_per_group):
-                high, b = _nibble_source(j)
+                high, b = _nibble_source(j, bits)
                 if b not in zb:
                     zb[b] = jnp.full_like(z, _MAGIC) if offsets else z * float(2 ** b) + _MAGIC
-                bits = ((w_high if high else w) & (15 << b)) | _MAGIC_BITS
-                qz = jax.lax.bitcast_convert_type(bits, jnp.float32) - zb[b]             # [16, BN]: (q - z) 2**b
+                word = ((w_high if high else w) & (mask << b)) | _MAGIC_BITS
+                qz = jax.lax.bitcast_convert_type(word, jnp.float32) - zb[b]             # [16, BN]: (q - z) 2**b
                 for r in range(num_rows):
-                    xj = x_ref[r, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
+                    xj = x_ref[r, pl.ds(slab * slab_len + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
                     parts[r] += (xj * float(2.0 ** -b))[:, None] * qz
                     if offsets:
                         x_sums[r] += jnp.sum(xj)
@@ -391,7 +425,7 @@ def use_f16x2(dtype, group_size: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and group_size >= F16X2_MIN_GROUP
 
 
-def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int, int]:
+def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4) -> tuple[int, int, int]:
     """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
     M rows in one program); K split until the programs fill about four per SM (decode sizes leave too few N
     tiles for the GPU alone). Columns: 128 a program for the dot kernel; 64 for the GEMV kernel, with eight
@@ -400,7 +434,7 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
     gemv = m <= GEMV_MAX_ROWS
     block_m = m if gemv else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
     block_n = 64 if gemv or n % 128 else 128
-    slabs = k // PACK_ROWS
+    slabs = k // slab_rows(bits)
     programs = -(-m // block_m) * (n // block_n)
     want = max(1, (8 if gemv else 4) * sms // programs)
     # the largest divisor of the slab count not above want: every split walks the same number of slabs
@@ -409,42 +443,48 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132) -> tuple[int, int
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "interpret"))
+                                             "num_stages", "gemv_math", "bits", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
     Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the GEMV kernel, 4 for the dot kernel.
     slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs.
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
-    None: "f16x2" where use_f16x2 allows it, else "f32"."""
+    None: "f16x2" where use_f16x2 allows it, else "f32". bits: 4, or 8 (qweight i32[K/4, N], 64-row slabs; the
+    GEMV's f32 form)."""
     zeros, offsets = _affine(zeros, mins)
+    if bits not in BITS:
+        raise ValueError(f"bits {bits}: 4 or 8")
     m, k = x.shape
-    k8, n = qweight.shape
-    if x.ndim != 2 or k8 * 8 != k or qweight.dtype != jnp.int32:
+    rows, n = qweight.shape
+    per_word = 32 // bits
+    if x.ndim != 2 or rows * per_word != k or qweight.dtype != jnp.int32:
         raise ValueError(f"x {x.shape} and qweight {qweight.shape} {qweight.dtype} do not match (qweight "
-                         "is int32 [K/8, N])")
+                         f"is int32 [K/{per_word}, N])")
     if scales.shape != zeros.shape or scales.ndim != 2 or scales.shape[1] != n or k % scales.shape[0]:
         raise ValueError(f"scales {scales.shape} / {'mins' if offsets else 'zeros'} {zeros.shape} do not match "
                          f"K {k}, N {n}")
     group_size = k // scales.shape[0]
-    why = check_group_size(k, group_size)
+    why = check_group_size(k, group_size, bits)
     if why is not None:
         raise ValueError(why)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    bm, bn, ns = choose_int4_tiling(m, k, n)
+    bm, bn, ns = choose_int4_tiling(m, k, n, bits=bits)
     block_m, block_n, num_splits = block_m or bm, block_n or bn, num_splits or ns
-    slabs = k // PACK_ROWS
+    slabs = k // slab_rows(bits)
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
     if num_warps is None:
         num_warps = GEMV_WARPS if m <= GEMV_MAX_ROWS else 4
     if gemv_math is None:
-        gemv_math = "f16x2" if use_f16x2(x.dtype, group_size) else "f32"
+        gemv_math = "f16x2" if bits == 4 and use_f16x2(x.dtype, group_size) else "f32"
+    if bits != 4 and gemv_math != "f32":
+        raise ValueError(f"gemv_math {gemv_math!r} takes 4-bit weights; 8-bit ones take f32")
     if gemv_math not in ("f32", "f16x2", "f16x2-jnp"):
         raise ValueError(f"gemv_math {gemv_math!r}: f32, f16x2 or f16x2-jnp")
     if m <= GEMV_MAX_ROWS and (slabs // num_splits) % slabs_per_iter:
@@ -460,11 +500,11 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         grid: tuple[int, ...] = (n // block_n, num_splits)
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
-                                   block_n=block_n, slabs_per_iter=slabs_per_iter, offsets=offsets)
+                                   block_n=block_n, slabs_per_iter=slabs_per_iter, offsets=offsets, bits=bits)
         grid = (n // block_n, num_splits)
     else:
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
-                                   block_m=block_m, block_n=block_n, offsets=offsets)
+                                   block_m=block_m, block_n=block_n, offsets=offsets, bits=bits)
         grid = (pl.cdiv(m, block_m), n // block_n, num_splits)
     out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1
                  else jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32))
@@ -479,5 +519,6 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
-__all__ = ["F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
-           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_int4", "unpack_int4", "use_f16x2"]
+__all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
+           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_bits", "pack_int4", "slab_rows",
+           "unpack_bits", "unpack_int4", "use_f16x2"]

@@ -13,8 +13,8 @@ import pytest
 
 from kernel_cases import INTERPRET, TOL, gpu_only, lowered_calls, rel_err
 from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, check_group_size, choose_int4_tiling,
-                                                 dequantize_int4, int4_matmul, int4_matmul_reference, pack_int4,
-                                                 unpack_int4, use_f16x2)
+                                                 dequantize_int4, int4_matmul, int4_matmul_reference, pack_bits,
+                                                 pack_int4, unpack_bits, unpack_int4, use_f16x2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,29 +28,32 @@ class MatmulCase:
     slabs_per_iter: int = 1
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
     gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
+    bits: int = 4                       # 8: byte values (GGUF's wider types repacked)
 
     def __str__(self):
         form = "-min" if self.offsets else ""
         math = f"-{self.gemv_math}" if self.gemv_math else ""
+        width = "" if self.bits == 4 else f"-u{self.bits}"
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
-                f"-it{self.slabs_per_iter}{math}")
+                f"-it{self.slabs_per_iter}{math}{width}")
 
 
 def make_inputs(case: MatmulCase):
     """x, qweight, scales, and the zeros (whole numbers 0..15) or, in the offset form, the mins (floats of
     either sign, scales and mins float32 as the GGUF loader holds them); random values, scales > 0; and q."""
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-    q = rng.integers(0, 16, (case.k, case.n), dtype=np.uint8)
+    levels = 1 << case.bits
+    q = rng.integers(0, levels, (case.k, case.n), dtype=np.uint8)
     groups = case.k // case.group_size
     dtype = jnp.dtype(case.dtype)
     affine_dtype = jnp.float32 if case.offsets else dtype
-    scales = jnp.asarray(rng.uniform(0.005, 0.05, (groups, case.n)), affine_dtype)
+    scales = jnp.asarray(rng.uniform(0.005, 0.05, (groups, case.n)) * 16 / levels, affine_dtype)
     if case.offsets:
         b = jnp.asarray(rng.uniform(-0.4, 0.1, (groups, case.n)), jnp.float32)
     else:
-        b = jnp.asarray(rng.integers(0, 16, (groups, case.n)), dtype)
+        b = jnp.asarray(rng.integers(0, levels, (groups, case.n)), dtype)
     x = jnp.asarray(rng.standard_normal((case.m, case.k)), dtype)
-    return x, jnp.asarray(pack_int4(q)), scales, b, q
+    return x, jnp.asarray(pack_bits(q, case.bits)), scales, b, q
 
 
 def affine(case: MatmulCase, b) -> dict:
@@ -78,22 +81,32 @@ CASES = [
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
     MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
+    # 8-bit values: 64-row slabs, bytes 0-1 masked in place and 2-3 after the shift
+    MatmulCase(1, 256, 128, 16, offsets=True, num_splits=2, bits=8),    # GEMV, four groups a slab, K split
+    MatmulCase(1, 192, 64, 32, "bfloat16", offsets=True, bits=8),       # GEMV, bf16, three slabs
+    MatmulCase(1, 256, 128, 64, num_splits=1, slabs_per_iter=2, bits=8),   # zero points, two slabs an iteration
+    MatmulCase(1, 256, 128, 128, "bfloat16", bits=8),                   # a group over two slabs
+    MatmulCase(3, 256, 128, 16, offsets=True, num_splits=2, bits=8),    # the dot kernel
+    MatmulCase(20, 320, 192, 32, "bfloat16", offsets=True, bits=8),
 ]
 CASES += gpu_only(MatmulCase(m, 4096, n, 128, "bfloat16") for m in (1, 3, 8, 64) for n in (6144, 4096))
 CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 4096, 28672, 128, "bfloat16")])
 CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
 CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, gemv_math=math)
                   for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128) for math in ("f32", "f16x2-jnp"))
+CASES += gpu_only(MatmulCase(m, k, n, g, "bfloat16", offsets=True, bits=8)
+                  for m in (1, 8) for k, n in ((4096, 6144), (14336, 4096)) for g in (16, 32))
 
 
 class TestInt4Matmul:
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_matches_reference(self, case):
         x, qweight, scales, b, _ = make_inputs(case)
-        ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
+        ref = int4_matmul_reference(x, qweight, scales, **affine(case, b), bits=case.bits)
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
-                          slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, interpret=INTERPRET)
+                          slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, bits=case.bits,
+                          interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
@@ -143,6 +156,12 @@ class TestInt4Matmul:
         assert (np.asarray(unpack_int4(jnp.asarray(packed))) == q).all()
         word = int(packed[16 + 5, 2]) & 0xFFFFFFFF                       # slab 1, row r = 5
         assert [(word >> (4 * j)) & 15 for j in range(8)] == [q[128 + 16 * j + 5, 2] for j in range(8)]
+        # bytes: byte j of int32 row 16t + r is input row 64t + 16j + r
+        q8 = np.random.default_rng(1).integers(0, 256, (128, 3), dtype=np.uint8)
+        packed8 = pack_bits(q8, 8)
+        assert packed8.shape == (32, 3) and (np.asarray(unpack_bits(jnp.asarray(packed8), 8)) == q8).all()
+        word = int(packed8[16 + 5, 1]) & 0xFFFFFFFF
+        assert [(word >> (8 * j)) & 255 for j in range(4)] == [q8[64 + 16 * j + 5, 1] for j in range(4)]
 
     def test_dequantize_is_affine_per_group(self):
         case = MatmulCase(1, 128, 4, 32)
@@ -161,6 +180,8 @@ class TestInt4Matmul:
                                             (4096, 96, False), (576, 32, False), (4864, 128, True)])
     def test_group_sizes(self, k, group, ok):
         assert (check_group_size(k, group) is None) == ok
+        assert check_group_size(576, 32, bits=8) is None and check_group_size(576, 64, bits=8) is None
+        assert check_group_size(608, 32, bits=8) is not None
 
     def test_rejects_bad_inputs(self):
         case = MatmulCase(1, 256, 128, 128)
@@ -174,6 +195,13 @@ class TestInt4Matmul:
         for both in ({}, {"zeros": zeros, "mins": zeros}):
             with pytest.raises(ValueError, match="zero points .* or the offsets"):
                 int4_matmul(x, qweight, scales, interpret=INTERPRET, **both)
+        with pytest.raises(ValueError, match="bits 5"):
+            int4_matmul(x, qweight, scales, zeros, bits=5, interpret=INTERPRET)
+        with pytest.raises(ValueError, match=r"int32 \[K/4, N\]"):                # 4-bit words read as bytes
+            int4_matmul(x, qweight, scales, zeros, bits=8, interpret=INTERPRET)
+        x8, qweight8, scales8, zeros8, _ = make_inputs(MatmulCase(1, 256, 128, 128, "bfloat16", bits=8))
+        with pytest.raises(ValueError, match="8-bit ones take f32"):
+            int4_matmul(x8, qweight8, scales8, zeros8, bits=8, gemv_math="f16x2", interpret=INTERPRET)
 
     def test_tiling_fills_the_gpu_at_decode_sizes(self):
         """choose_int4_tiling: llama3-8b's decode GEMVs get about eight programs of 64 columns per SM of the
@@ -188,7 +216,7 @@ class TestInt4Matmul:
         assert choose_int4_tiling(256, 4096, 28672) == (64, 128, 1)
 
     def test_lowers_to_triton(self):
-        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call."""
+        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call, 4- and 8-bit."""
         s = jax.ShapeDtypeStruct
         op = functools.partial(int4_matmul, interpret=False)
         for rows in (1, GEMV_MAX_ROWS + 1):                            # the GEMV kernel, the dot kernel
@@ -197,3 +225,6 @@ class TestInt4Matmul:
             offsets = lambda x, w, sc, m: op(x, w, sc, mins=m)              # noqa: E731
             assert lowered_calls(offsets, s((rows, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
                                  s((128, 6144), jnp.float32), s((128, 6144), jnp.float32)) == (1,)
+            bytes_ = lambda x, w, sc, m: op(x, w, sc, mins=m, bits=8)       # noqa: E731
+            assert lowered_calls(bytes_, s((rows, 4096), jnp.bfloat16), s((1024, 6144), jnp.int32),
+                                 s((256, 6144), jnp.float32), s((256, 6144), jnp.float32)) == (1,)
