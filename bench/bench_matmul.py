@@ -10,7 +10,9 @@ For each model's four linear layers (K, N) and each row count M:
   int4-xla      dequantize_int4 then the dot, all in XLA (what a model does without the kernel)
   gguf-int4     the same kernel in its offset form, group 32, float32 scales and mins: a GGUF file's 4-bit
                 blocks (Q4_0, Q4_1, Q4_K) as quantization="gguf" repacks them
-  gguf-q4k-xla  Q4_K blocks expanded in XLA then the dot: the other GGUF types' path (GGUFLinear)
+  gguf-int8     the same kernel on 8-bit values (bits=8), groups of 16 with float32 scales and mins: GGUF's
+                other types (Q8_0, Q5_x, Q6_K) and their mixes with 4-bit ones, as quantization="gguf" repacks them
+  gguf-q4k-xla  Q4_K blocks expanded in XLA then the dot (what a GGUF layer cost without the kernel)
   gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
 --sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages);
 --load-probe, at M = 1, the int4 GEMV's weight loads alone (no arithmetic) under several tilings.
@@ -40,7 +42,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from bench.bench_kernels import rel_err, time_op  # noqa: E402
-from pallas_kernels.int4_matmul import choose_int4_tiling, dequantize_int4, int4_matmul, pack_int4  # noqa: E402
+from pallas_kernels.int4_matmul import (choose_int4_tiling, dequantize_int4, int4_matmul, pack_bits,  # noqa: E402
+                                        pack_int4)
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, INT4_GROUP, dequantize  # noqa: E402
 
 LINEARS = {   # (name, K, N): qkv, o, gate_up, down
@@ -144,6 +147,12 @@ def bench_shape(args, model, name, k, n, m, results, sms):
     g_scales = tuple(jnp.asarray(rng.uniform(0.001, 0.01, (k // INT4_GROUP, n)), jnp.float32) for _ in range(nsets))
     g_mins = tuple(jnp.asarray(rng.uniform(-0.08, 0, (k // INT4_GROUP, n)), jnp.float32) for _ in range(nsets))
     gguf_int4_bytes = k * n // 2 + 2 * 4 * (k // INT4_GROUP) * n
+    q8 = [pack_bits(rng.integers(0, 256, (k, n), dtype=np.uint8), 8) for _ in range(min(nsets, 2))]
+    nsets8 = weight_sets(k * n)
+    q8weights = tuple(jnp.asarray(q8[i % len(q8)]) for i in range(nsets8))
+    g8_scales = tuple(jnp.asarray(rng.uniform(1e-4, 1e-3, (k // 16, n)), jnp.float32) for _ in range(nsets8))
+    g8_mins = tuple(jnp.asarray(rng.uniform(-0.1, 0, (k // 16, n)), jnp.float32) for _ in range(nsets8))
+    gguf_int8_bytes = k * n + 2 * 4 * (k // 16) * n
     q4k_size = BLOCK_SIZES["Q4_K"]
     q4k_bytes = n * k // q4k_size[0] * q4k_size[1]
     raw = []
@@ -161,6 +170,9 @@ def bench_shape(args, model, name, k, n, m, results, sms):
                      (xs, qweights, scales, zeros), int4_bytes),
         "gguf-int4": (lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets], mins=b[i % nsets]),
                       (xs, qweights, g_scales, g_mins), gguf_int4_bytes),
+        "gguf-int8": (lambda i, xs, qw, s, b: int4_matmul(xs[i % 64], qw[i % nsets8], s[i % nsets8],
+                                                          mins=b[i % nsets8], bits=8),
+                      (xs, q8weights, g8_scales, g8_mins), gguf_int8_bytes),
         "gguf-q4k-xla": (lambda i, xs, w: jax.lax.dot_general(
             xs[i % 64], dequantize(w[i % len(w)], "Q4_K").astype(jnp.bfloat16), (((1,), (1,)), ((), ()))),
             (xs, q4k), q4k_bytes),
@@ -220,6 +232,10 @@ def bench_shape(args, model, name, k, n, m, results, sms):
             out = jax.jit(lambda *a: op(0, *a))(*data)
             if label.startswith("gguf-int4"):      # against the f32 reference of its own weights
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], g_scales[0], mins=g_mins[0])
+                err = rel_err(out, ref)
+            elif label == "gguf-int8":
+                ref = data[0][0].astype(jnp.float32) @ dequantize_int4(q8weights[0], g8_scales[0], mins=g8_mins[0],
+                                                                       bits=8)
                 err = rel_err(out, ref)
             elif label.startswith("probe-loads"):
                 err = 0.0                 # nothing computed: a read-bandwidth probe

@@ -58,8 +58,9 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     # Linear layers whose weights stay quantized on the device: sorted (name, scheme) pairs, the scheme a GGUF
-    # type (("o_proj", "Q8_0"), ...: GGUF blocks, models/loader.py gguf_weight_quant), "gguf-int4" (GGUF's 4-bit
-    # blocks repacked for the W4A16 kernel: gguf_blocks.GGUF_INT4), or a checkpoint's
+    # type for the embedding (("embed_tokens", "Q8_0"): its blocks, models/loader.py gguf_weight_quant),
+    # "gguf-int4" or "gguf-int8-g16" / "-g32" (GGUF's blocks repacked for the W4A16 kernel as 4- or 8-bit
+    # values: gguf_blocks.GGUF_INT4, GGUF_INT8), or a checkpoint's
     # (models/quant_loader.py weight_quant_of): "int4-g<group>[-actorder]" (AWQ, GPTQ, compressed-tensors
     # W4A16; group 0: one group per output channel), "int8..." (jaxpaged/quantization/int8.py's names) or
     # "fp8..." (fp8.py's); () for dense weights.

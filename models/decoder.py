@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import PACK_ROWS, dequantize_int4, int4_matmul
+from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, slab_rows
 from jaxpaged.quantization import fp8, int8
-from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, INT4_GROUP, dequantize
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, GGUF_INT8, INT4_GROUP, dequantize
 
 from . import rope
 from .config import DecoderConfig
@@ -160,24 +160,6 @@ def _dot_t(x, w, dtype):
     return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
 
-class GGUFLinear(nn.Module):
-    """y = x @ W.T (+ b) with W kept in GGUF blocks (uint8[features, blocks of the input dim]) and expanded
-    inside the program (jaxpaged/quantization/gguf_blocks.py): the device holds the file's bytes. The bias
-    (Qwen2's q/k/v) is dense."""
-    features: int
-    in_features: int
-    qtype: str
-    dtype: Any
-    use_bias: bool = False
-
-    @nn.compact
-    def __call__(self, x):
-        qweight = self.param("qweight", nn.initializers.zeros,
-                             _blocks_shape(self.features, self.in_features, self.qtype), jnp.uint8)
-        y = _dot_t(x, dequantize(qweight, self.qtype), self.dtype)
-        return y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype) if self.use_bias else y
-
-
 class GGUFEmbed(nn.Module):
     """The token embedding kept in GGUF blocks (uint8[V, blocks of H]): a lookup expands only the rows it
     gathers; attend (the tied LM head) expands the table."""
@@ -200,9 +182,9 @@ class GGUFEmbed(nn.Module):
 class Int4Linear(nn.Module):
     """y = x @ W with W in 4-bit groups, in the W4A16 kernel's layout (pallas_kernels/int4_matmul.py):
     qweight i32[K/8, N] with scales and zeros dtype[K/G, N] (AWQ, GPTQ), and with act order perm i32[K], the
-    input rows in the order the packed rows follow; or, offsets (GGUF's 4-bit blocks), scales and mins
-    f32[Kp/G, N] with K padded to Kp, a multiple of the kernel's 128-row slab, by zero weights (x is padded
-    alike)."""
+    input rows in the order the packed rows follow; or, offsets (GGUF's blocks), scales and mins f32[Kp/G, N]
+    with K padded to Kp, a multiple of the kernel's slab, by zero weights (x is padded alike), the values
+    4-bit (GGUF's 4-bit types) or, bits=8, 8-bit (qweight i32[Kp/4, N]: GGUF's other types)."""
     features: int
     in_features: int
     group_size: int           # 0: one group over all of K
@@ -211,15 +193,16 @@ class Int4Linear(nn.Module):
     dtype: Any
     options: RuntimeOptions
     offsets: bool = False
+    bits: int = 4
 
     @nn.compact
     def __call__(self, x):
         k, n = self.in_features, self.features
         if self.offsets:
-            k += -k % PACK_ROWS
+            k += -k % slab_rows(self.bits)
         groups = k // (self.group_size or k)
         affine_dtype = jnp.float32 if self.offsets else self.dtype
-        qweight = self.param("qweight", nn.initializers.zeros, (k // 8, n), jnp.int32)
+        qweight = self.param("qweight", nn.initializers.zeros, (k * self.bits // 32, n), jnp.int32)
         scales = self.param("scales", nn.initializers.ones, (groups, n), affine_dtype)
         form = "mins" if self.offsets else "zeros"
         affine = {form: self.param(form, nn.initializers.zeros, (groups, n), affine_dtype)}
@@ -229,9 +212,9 @@ class Int4Linear(nn.Module):
         if x.shape[1] < k:
             x = jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
         if self.options.pallas and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            y = int4_matmul(x, qweight, scales, **affine, interpret=self.options.interpret)
+            y = int4_matmul(x, qweight, scales, **affine, bits=self.bits, interpret=self.options.interpret)
         else:
-            y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine))
+            y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
 
 
@@ -287,13 +270,16 @@ def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.M
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
             options: RuntimeOptions) -> nn.Module:
     """A linear layer: dense (Linear, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
-    (an "int4-g<group>[-actorder]" scheme, or GGUF_INT4: GGUF's 4-bit blocks repacked), Int8Linear (an
-    "int8..." scheme), Fp8Linear (an "fp8..." scheme) or GGUFLinear (a GGUF type)."""
+    (an "int4-g<group>[-actorder]" scheme, or GGUF_INT4 / GGUF_INT8: GGUF's blocks repacked as 4- or 8-bit
+    values), Int8Linear (an "int8..." scheme) or Fp8Linear (an "fp8..." scheme)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
         return Linear(features, bias, dtype, held_dtype(cfg, dtype), name=name)
     if qtype == GGUF_INT4:
         return Int4Linear(features, in_features, INT4_GROUP, False, bias, dtype, options, offsets=True, name=name)
+    if qtype.startswith(GGUF_INT8):
+        return Int4Linear(features, in_features, int(qtype.removeprefix(GGUF_INT8)), False, bias, dtype, options,
+                          offsets=True, bits=8, name=name)
     if qtype.startswith("int4-g"):
         group, _, order = qtype[len("int4-g"):].partition("-")
         return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)
@@ -302,7 +288,7 @@ def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bo
     if qtype.startswith("fp8"):
         static, block_cols = fp8.parse_scheme_name(qtype)
         return Fp8Linear(features, in_features, static, block_cols, bias, dtype, name=name)
-    return GGUFLinear(features, in_features, qtype, dtype, bias, name=name)
+    raise ValueError(f"{name}: unknown weight scheme {qtype!r}")
 
 
 class Attention(nn.Module):

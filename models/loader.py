@@ -124,12 +124,13 @@ def _weight_files(model_dir: pathlib.Path, from_gguf: bool):
 
 def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     """(linear name, scheme) for each linear layer that stays quantized: GGUF_INT4 where every tensor of it (its
-    parts, every layer) is of a 4-bit type, whichever (repacked for the W4A16 kernel; the embedding, a lookup,
-    keeps its blocks), else the GGUF type when one supported type holds them all (blocks expanded in the
-    program). A bias (Qwen2's q/k/v) stays dense beside the weight. A linear layer whose tensors mix other
-    types (Q4_K_M files give some layers' v and down Q6_K) stays dense, dequantized from the file at load,
-    and the log says so; unsupported types are refused, naming what is supported."""
-    from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, INT4_TYPES
+    parts, every layer) is of a 4-bit type, whichever, else GGUF_INT8 with its group where every tensor is of a
+    supported block type, in any mix (llama.cpp's Q4_K_M and Q5_K_M give some layers' v and down Q6_K): both
+    repacked for the W4A16 kernel (4- or 8-bit values). The embedding, a lookup, keeps its blocks where one type
+    holds it all. A bias (Qwen2's q/k/v) stays dense beside the weight. A tensor held as floats (F32, F16,
+    BF16) makes its layer dense, dequantized from the file at load, and the log says so where it mixes with
+    blocks; unsupported types are refused, naming what is supported."""
+    from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, GGUF_INT8, INT4_TYPES, int8_group
     floats = ("F32", "F16", "BF16")
     types: dict[str, set] = {}
     for t in reader.tensors:
@@ -146,7 +147,9 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
                              f"{', '.join(BLOCK_SIZES)}, F32, F16, BF16")
         if linear != "embed_tokens" and found <= set(INT4_TYPES):
             out.append((linear, GGUF_INT4))
-        elif len(found) == 1 and not found <= set(floats):
+        elif linear != "embed_tokens" and found <= set(BLOCK_SIZES):
+            out.append((linear, f"{GGUF_INT8}{int8_group(found)}"))
+        elif linear == "embed_tokens" and len(found) == 1 and not found <= set(floats):
             out.append((linear, next(iter(found))))
         elif not found <= set(floats):
             logger.warning("GGUF %s: its tensors come in several types (%s); it is held dense, dequantized at load",
@@ -154,33 +157,35 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _gguf_int4(raw_parts: list[tuple[object, str]], in_features: int) -> dict[str, jax.Array]:
-    """A linear layer's 4-bit GGUF tensors ((uint8 [out, bytes], type) per part, concatenated on the output
-    axis) in the W4A16 kernel's offset form: qweight i32[Kp/8, N], scales and mins f32[Kp/32, N], the input
-    axis padded to Kp, a multiple of the kernel's 128-row slab, with zero weights (DecoderConfig's
-    Int4Linear pads x alike). Repacked on the host (the CPU backend for int4_parts)."""
+def _gguf_repacked(raw_parts: list[tuple[object, str]], in_features: int, bits: int, group: int
+                   ) -> dict[str, jax.Array]:
+    """A linear layer's GGUF tensors ((uint8 [out, bytes], type) per part, concatenated on the output axis) in
+    the W4A16 kernel's offset form with `bits`-bit values: qweight i32[Kp * bits / 32, N], scales and mins
+    f32[Kp / group, N], the input axis padded to Kp, a multiple of the kernel's slab, with zero weights
+    (DecoderConfig's Int4Linear pads x alike). Repacked on the host (the CPU backend for the parts)."""
     import numpy as np
 
-    from jaxpaged.pallas_kernels.int4_matmul import PACK_ROWS, pack_int4
-    from jaxpaged.quantization.gguf_blocks import INT4_GROUP, int4_parts
+    from jaxpaged.pallas_kernels.int4_matmul import pack_bits, slab_rows
+    from jaxpaged.quantization.gguf_blocks import int4_parts, int8_parts
     with jax.default_device(jax.devices("cpu")[0]):
-        pieces = [jax.device_get(int4_parts(raw, qtype)) for raw, qtype in raw_parts]
-    q, scales, mins = (np.concatenate([p[i] for p in pieces]).T for i in range(3))       # [K, N], [K/32, N] x 2
-    pad = -in_features % PACK_ROWS
+        pieces = [jax.device_get(int4_parts(raw, qtype) if bits == 4 else int8_parts(raw, qtype, group))
+                  for raw, qtype in raw_parts]
+    q, scales, mins = (np.concatenate([p[i] for p in pieces]).T for i in range(3))   # [K, N], [K/G, N] x 2
+    pad = -in_features % slab_rows(bits)
     q = np.pad(q, ((0, pad), (0, 0)))
-    scales, mins = (np.pad(a, ((0, pad // INT4_GROUP), (0, 0))) for a in (scales, mins))
-    return {"qweight": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(mins)}
+    scales, mins = (np.pad(a, ((0, pad // group), (0, 0))) for a in (scales, mins))
+    return {"qweight": jnp.asarray(pack_bits(q, bits)), "scales": jnp.asarray(scales), "mins": jnp.asarray(mins)}
 
 
 def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple, list], jax.Array | None]:
     """The tensors cfg keeps quantized, in one pass over the file: (param path under a layer -> each layer's
-    array: ("self_attn", "qkv_proj", "qweight") holds the GGUF blocks as the file stores them (uint8 [out,
-    bytes]), or for a GGUF_INT4 layer "qweight", "scales" and "mins" in the W4A16 kernel's layout; q and k
-    rows in HF's rotary order (un-permuted where llama.cpp permuted them: the llama architecture), parts
-    concatenated on the output axis; the embedding's blocks, or None when it is dense)."""
+    array: "qweight", "scales" and "mins" of a GGUF_INT4 or GGUF_INT8 layer in the W4A16 kernel's layout,
+    e.g. ("self_attn", "qkv_proj", "qweight"); q and k rows in HF's rotary order (un-permuted where
+    llama.cpp permuted them: the llama architecture), parts concatenated on the output axis; the embedding's
+    blocks, or None when it is dense)."""
     import numpy as np
 
-    from jaxpaged.quantization.gguf_blocks import GGUF_INT4
+    from jaxpaged.quantization.gguf_blocks import GGUF_INT4, GGUF_INT8, INT4_GROUP
 
     from .gguf_convert import gguf_architecture, unpermute_rope
     from .quant_loader import linear_inputs
@@ -200,14 +205,14 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
     layers: dict[tuple, list] = {}
     inputs = linear_inputs(cfg)
     for linear, (path, names) in GGUF_LINEARS.items():
-        if cfg.quant_of(linear) == GGUF_INT4:
-            for i in range(cfg.num_layers):
-                repacked = _gguf_int4([parts[linear, i][n] for n in names], inputs[linear])
-                for leaf, array in repacked.items():
-                    layers.setdefault(path + (leaf,), []).append(array)
-        elif cfg.quant_of(linear):
-            layers[path + ("qweight",)] = [jnp.asarray(np.concatenate([parts[linear, i][n][0] for n in names]))
-                                          for i in range(cfg.num_layers)]
+        scheme = cfg.quant_of(linear)
+        if scheme is None:
+            continue
+        bits, group = (4, INT4_GROUP) if scheme == GGUF_INT4 else (8, int(scheme.removeprefix(GGUF_INT8)))
+        for i in range(cfg.num_layers):
+            repacked = _gguf_repacked([parts[linear, i][n] for n in names], inputs[linear], bits, group)
+            for leaf, array in repacked.items():
+                layers.setdefault(path + (leaf,), []).append(array)
     return layers, embedding
 
 

@@ -157,6 +157,62 @@ def int4_parts(raw, qtype: str):
     return (q.reshape(*lead, -1), scale.reshape(*lead, -1), offset.reshape(*lead, -1))
 
 
+# DecoderConfig.weight_quant's names for a linear layer whose GGUF tensors are not all 4-bit, repacked as 8-bit
+# values with a float32 scale and offset per 16 or 32 weights (the W4A16 kernel's bits=8 layout): gguf-int8-g16
+# where a Q6_K tensor (scales per 16) is among them, else gguf-int8-g32.
+GGUF_INT8 = "gguf-int8-g"
+
+
+def int8_group(types) -> int:
+    """The group int8_parts gives a linear layer of these GGUF types: 16 with a Q6_K among them, else 32."""
+    return 16 if "Q6_K" in types else 32
+
+
+def int8_parts(raw, qtype: str, group: int = 32):
+    """uint8[..., n * type_size] of any supported type -> (q uint8[..., K], scale f32[..., K / group], min
+    f32[..., K / group]) with q * scale + min equal to dequantize(raw, qtype): the values as unsigned integers
+    (Q8_0's int8 + 128, Q6_K's 6 bits, Q5's 5, the 4-bit types' 4) with the signed types' zero folded into the
+    offset (-128 d, -32 d sc, -16 d, -8 d: exact, as every such product is). Each product q * scale and the
+    sum are exact in float32 (at most 24 significant bits: Q6_K's d * sc has 18, its q 6), so the sum is the
+    reference's d * (q - zero) bit for bit. group 16 or 32; Q6_K (scales per 16) needs 16, the others' scales
+    repeat for it."""
+    if qtype not in _DEQUANTIZE:
+        raise ValueError(f"GGUF type {qtype} is not supported; supported: {', '.join(_DEQUANTIZE)}")
+    if group not in (16, 32) or (qtype == "Q6_K" and group != 16):
+        raise ValueError(f"group {group} for {qtype}: 16 (any type) or 32 (not Q6_K)")
+    if qtype in INT4_TYPES:
+        q, scale, offset = int4_parts(raw, qtype)
+    else:
+        _, type_size = BLOCK_SIZES[qtype]
+        lead = raw.shape[:-1]
+        b = jnp.asarray(raw, jnp.uint8).reshape(*lead, -1, type_size)
+        d = _f16(b[..., 0:2])[..., None]                                        # [..., n, 1] (not Q6_K's)
+        if qtype == "Q8_0":
+            q = b[..., 2:] ^ jnp.uint8(0x80)                                     # int8 + 128
+            scale, offset = d, -128.0 * d
+        elif qtype == "Q5_0":
+            q, scale, offset = _q5(b, 2), d, -16.0 * d
+        elif qtype == "Q5_1":
+            q, scale, offset = _q5(b, 4), d, _f16(b[..., 2:4])[..., None]
+        elif qtype == "Q5_K":
+            scale, dm = _k_scales(b)                                             # [..., n, 8, 1] each
+            ql = _nibbles(b[..., 48:176], 64).reshape(*lead, -1, 8, 32)
+            qh = (b[..., None, 16:48] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1
+            q, offset = ql | (qh << 4), -dm
+        else:                                                                    # Q6_K
+            lo = _nibbles(b[..., 0:128], 128).reshape(*lead, -1, 8, 32)
+            hi = b[..., 128:192].reshape(*lead, -1, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)
+            q = (lo | ((hi & 0x03).reshape(*lead, -1, 8, 32) << 4)).reshape(*lead, -1, QK_K // 16, 16)
+            scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+            scale = (_f16(b[..., 208:210])[..., None] * scales)[..., None]       # [..., n, 16, 1]
+            offset = -32.0 * scale
+        q, scale, offset = (a.reshape(*lead, -1) for a in (q, scale, offset))
+    native = 16 if qtype == "Q6_K" else 32
+    if group < native:
+        scale, offset = (jnp.repeat(a, native // group, axis=-1) for a in (scale, offset))
+    return q, scale, offset
+
+
 _DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
                "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 

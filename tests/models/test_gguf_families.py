@@ -294,12 +294,14 @@ def test_tokenizer_is_hfs_from_the_file(cases, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gguf_blocks_give_the_dense_run(cases, name):
-    """quantization="gguf": the linear layers and the embedding stay in the file's Q8_0 blocks (Qwen2's q/k/v
-    with their dense bias beside) and compute what the dense float32 run computes."""
+    """quantization="gguf": the linear layers' Q8_0 blocks repacked as 8-bit values for the kernel's offset form
+    (Qwen2's q/k/v with their dense bias beside), the embedding in its blocks, computing what the dense float32
+    run computes."""
     case = cases(name)
     quant = cases.engine(name, "gguf")
-    linears = {"embed_tokens", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    assert dict(quant.llm_engine.model_config.weight_quant) == dict.fromkeys(linears, "Q8_0")
+    linears = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert dict(quant.llm_engine.model_config.weight_quant) == {"embed_tokens": "Q8_0",
+                                                                 **dict.fromkeys(linears, "gguf-int8-g32")}
     for d, q in zip(_run(cases.engine(name), case), _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], q.prompt_token_ids[1:]),
@@ -308,20 +310,21 @@ def test_gguf_blocks_give_the_dense_run(cases, name):
                                    _chosen(d.outputs[0].logprobs, d.outputs[0].token_ids), rtol=0, atol=LOGPROB_ATOL)
 
 
-# Each layer's tensor types in a file of mixed types (as llama.cpp's Q4_K_M mixes Q4_K and Q6_K): 4-bit types
-# mixed within one linear layer (q / k / v, gate / up) and across layers (v), a K format (down), and one linear
-# layer (o) mixing a 4-bit type with Q8_0
+# Each layer's tensor types in a file of mixed types: 4-bit types mixed within one linear layer (q / k / v) and
+# across layers (v); 4-bit types with Q8_0 and Q5_0 (gate / up); Q4_K with Q6_K across layers (down, as llama.cpp's
+# Q4_K_M mixes them); and one linear layer (o) mixing a float type (F16) with a 4-bit one
 MIXED_TYPES = {"attn_q": ("Q4_0", "Q4_0"), "attn_k": ("Q4_1", "Q4_1"), "attn_v": ("Q4_0", "Q4_1"),
-               "attn_output": ("Q8_0", "Q4_0"), "ffn_gate": ("Q4_1", "Q4_1"), "ffn_up": ("Q4_0", "Q4_0"),
-               "ffn_down": ("Q4_K", "Q4_K")}
+               "attn_output": ("F16", "Q4_0"), "ffn_gate": ("Q4_1", "Q8_0"), "ffn_up": ("Q5_0", "Q4_0"),
+               "ffn_down": ("Q4_K", "Q6_K")}
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_4bit_blocks_of_any_mix_run_as_int4_and_other_mixes_dense(cases, caplog, backend):
+def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog, backend):
     """quantization="gguf" on a file of mixed types: a linear layer whose tensors are all 4-bit (Q4_0, Q4_1,
-    Q4_K, in any mix) runs repacked for the W4A16 kernel (the pallas backend runs the kernel, interpreted
-    here; hidden 320 pads its input rows to 384), one that mixes in another type is held dense and logged,
-    and the run computes what the dense float32 run computes."""
+    Q4_K, in any mix) runs repacked for the W4A16 kernel as 4-bit values (hidden 320 pads its input rows to
+    384), one whose tensors mix in wider block types as 8-bit values (groups of 16 with a Q6_K among them, else
+    32), one that mixes in a float tensor is held dense and logged (the pallas backend runs the kernel,
+    interpreted here), and the run computes what the dense float32 run computes."""
     family = dataclasses.replace(FAMILIES["llama"], metadata=dict(FAMILIES["llama"].metadata, rope_dimension_count=64))
     folder = cases.tmp_path_factory.mktemp("gguf-mixed")
     vocab = vocabulary(family.vocab)
@@ -338,8 +341,8 @@ def test_4bit_blocks_of_any_mix_run_as_int4_and_other_mixes_dense(cases, caplog,
     with caplog.at_level("WARNING", logger="jaxpaged.engine"):
         quant = LLM(model=str(path), quantization="gguf", attention_backend=backend, **kw)
     assert dict(quant.llm_engine.model_config.weight_quant) == {
-        "embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4"}
-    assert "GGUF o_proj: its tensors come in several types (Q4_0, Q8_0); it is held dense" in caplog.text
+        "embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "gate_up_proj": "gguf-int8-g32", "down_proj": "gguf-int8-g16"}
+    assert "GGUF o_proj: its tensors come in several types (F16, Q4_0); it is held dense" in caplog.text
     for d, q in zip(dense, _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], q.prompt_token_ids[1:]),
