@@ -11,7 +11,7 @@ request, wall clock), the bytes the run wrote into the model cache, and which li
 --dense: the first file also dense in bf16 (from its folder without weights: the loader dequantizes the file).
 
     python3 bench/gguf_8b.py --out DIR [--types q4k,q4km] [--dense] [--work /tmp/gguf8b] [--git-rev REV]
-        [--tokenizer-from tok.gguf]
+        [--tokenizer-from tok.gguf] [--probe TRACE_DIR]
     python3 bench/gguf_8b.py --out . --write-tokenizer tok.gguf      (here, before a GPU call: the fields alone)
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ def folder_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
 
-def run(model: str, quantization: str | None, models_dir: Path) -> dict:
+def run(model: str, quantization: str | None, models_dir: Path, probe_dir: str | None = None) -> dict:
     import jax
 
     from jaxpaged import LLM, SamplingParams
@@ -131,6 +131,11 @@ def run(model: str, quantization: str | None, models_dir: Path) -> dict:
     out = {"quantization": quantization, "weight_quant": dict(llm.llm_engine.model_config.weight_quant),
            "start_s": round(start_s, 1), "c1_ms_per_token": round(per_token_ms, 3),
            "cache_bytes_written": folder_bytes(models_dir) - before, "device": jax.devices()[0].device_kind}
+    if probe_dir:      # one request's decode step under the profiler: its kernels by total time
+        from bench.step_probe import time_decode_steps
+        probe = time_decode_steps(llm, (1,), 256, probe_dir)[1]
+        out["probe"] = {k: probe.get(k) for k in ("blocking_us", "pipelined_us", "launch_us", "busy",
+                                                   "top_kernels_per_10_steps")}
     del llm
     return out
 
@@ -145,6 +150,8 @@ def main() -> None:
     ap.add_argument("--tokenizer-from", help="a GGUF file whose tokenizer fields to copy (default: the default "
                                              "model's)")
     ap.add_argument("--write-tokenizer", help="only write the default model's tokenizer fields to this file")
+    ap.add_argument("--probe", help="folder: trace one request's decode steps (bench/step_probe.py), print the "
+                                    "top kernels")
     args = ap.parse_args()
     if args.write_tokenizer:
         write_tokenizer_file(Path(args.write_tokenizer))
@@ -161,7 +168,8 @@ def main() -> None:
         t0 = time.perf_counter()
         write_file(path, types, args.tokenizer_from)
         print(f"{types}: wrote {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
-        r = {"types": types, "label": "gguf", **run(str(path), "gguf", models_dir)}
+        r = {"types": types, "label": "gguf",
+             **run(str(path), "gguf", models_dir, args.probe and f"{args.probe}/{types}")}
         print(json.dumps(r), flush=True)
         results.append(r)
         if args.dense and len(results) == 1:
