@@ -123,10 +123,11 @@ def run(model: str, quantization: str | None, models_dir: Path, probe_dir: str |
               seed=0)
     start_s = time.perf_counter() - t0
     one = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    prompt = [{"prompt_token_ids": list(range(100, 128))}]
-    llm.generate(prompt, one, use_tqdm=False)                       # compiles what one request runs
+    # two prompts of one length: the second shares no prefix with the first, so it runs the programs the first
+    # compiled (a repeated prompt would hit the prefix cache and run, and compile, another prefill shape)
+    llm.generate([{"prompt_token_ids": list(range(100, 128))}], one, use_tqdm=False)
     t0 = time.perf_counter()
-    llm.generate(prompt, one, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": list(range(200, 228))}], one, use_tqdm=False)
     per_token_ms = (time.perf_counter() - t0) / 128 * 1e3
     out = {"quantization": quantization, "weight_quant": dict(llm.llm_engine.model_config.weight_quant),
            "start_s": round(start_s, 1), "c1_ms_per_token": round(per_token_ms, 3),

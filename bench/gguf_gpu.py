@@ -30,9 +30,12 @@ def run(dtype: str, quantization: str | None) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     one = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    llm.generate(PROMPTS[:1], one, use_tqdm=False)                     # compiles what one request runs
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)    # compiles what one request runs
+    # the same length, no shared prefix: the programs the first compiled (a repeated prompt would hit the
+    # prefix cache and run, and compile, another prefill shape inside the timing)
     t0 = time.perf_counter()
-    llm.generate(PROMPTS[:1], one, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": ids[::-1]}], one, use_tqdm=False)
     per_token_ms = (time.perf_counter() - t0) / 128 * 1e3
     cfg = llm.llm_engine.model_config
     out = {"dtype": dtype, "quantization": quantization, "weight_quant": dict(cfg.weight_quant),
