@@ -116,19 +116,14 @@ def folder_bytes(root: Path) -> int:
 def run(model: str, quantization: str | None, models_dir: Path, probe_dir: str | None = None) -> dict:
     import jax
 
-    from jaxpaged import LLM, SamplingParams
+    from bench.gguf_gpu import one_request_ms
+    from jaxpaged import LLM
     before = folder_bytes(models_dir)
     t0 = time.perf_counter()
     llm = LLM(model=model, quantization=quantization, dtype="bfloat16", max_model_len=2048, compile_buckets=False,
               seed=0)
     start_s = time.perf_counter() - t0
-    one = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    # two prompts of one length: the second shares no prefix with the first, so it runs the programs the first
-    # compiled (a repeated prompt would hit the prefix cache and run, and compile, another prefill shape)
-    llm.generate([{"prompt_token_ids": list(range(100, 128))}], one, use_tqdm=False)
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": list(range(200, 228))}], one, use_tqdm=False)
-    per_token_ms = (time.perf_counter() - t0) / 128 * 1e3
+    per_token_ms = one_request_ms(llm, list(range(100, 128)))
     out = {"quantization": quantization, "weight_quant": dict(llm.llm_engine.model_config.weight_quant),
            "start_s": round(start_s, 1), "c1_ms_per_token": round(per_token_ms, 3),
            "cache_bytes_written": folder_bytes(models_dir) - before, "device": jax.devices()[0].device_kind}
@@ -157,8 +152,7 @@ def main() -> None:
     if args.write_tokenizer:
         write_tokenizer_file(Path(args.write_tokenizer))
         return
-    import jax
-
+    from bench.gguf_gpu import save_results
     from jaxpaged import envs
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -181,11 +175,7 @@ def main() -> None:
             r = {"types": types, "label": "dense", **run(str(lean), None, models_dir)}
             print(json.dumps(r), flush=True)
             results.append(r)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
-            "command": " ".join(sys.argv)}
-    (out / "gguf_8b.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    save_results(args.out, "gguf_8b", args.git_rev, results)
 
 
 if __name__ == "__main__":

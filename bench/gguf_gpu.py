@@ -20,6 +20,28 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # an installed jax
 from bench.gpu_e2e import PROMPTS, first_diff  # noqa: E402
 
 
+def one_request_ms(llm, ids: list[int], max_tokens: int = 128) -> float:
+    """Wall milliseconds a token of one greedy request of prompt ids, after a warm-up request of the same length
+    that shares no prefix with it (so the timed one runs the programs the warm-up compiled: a repeated prompt
+    would hit the prefix cache and run, and compile, another prefill shape inside the timing)."""
+    from jaxpaged import SamplingParams
+    one = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": ids[::-1]}], one, use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+    return (time.perf_counter() - t0) / max_tokens * 1e3
+
+
+def save_results(out: str, name: str, git_rev: str, results: list) -> None:
+    """out/name.json: the device, JAX version, revision and command beside the results."""
+    import jax
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": git_rev,
+            "command": " ".join(sys.argv)}
+    (folder / f"{name}.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+
+
 def run(dtype: str, quantization: str | None) -> dict:
     import jax
 
@@ -29,14 +51,7 @@ def run(dtype: str, quantization: str | None) -> dict:
     start_s = time.perf_counter() - t0
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    one = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    ids = llm.get_tokenizer().encode(PROMPTS[0])
-    llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)    # compiles what one request runs
-    # the same length, no shared prefix: the programs the first compiled (a repeated prompt would hit the
-    # prefix cache and run, and compile, another prefill shape inside the timing)
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": ids[::-1]}], one, use_tqdm=False)
-    per_token_ms = (time.perf_counter() - t0) / 128 * 1e3
+    per_token_ms = one_request_ms(llm, llm.get_tokenizer().encode(PROMPTS[0]))
     cfg = llm.llm_engine.model_config
     out = {"dtype": dtype, "quantization": quantization, "weight_quant": dict(cfg.weight_quant),
            "start_s": round(start_s, 1), "c1_ms_per_token": round(per_token_ms, 3), "tokens": tokens,
@@ -51,7 +66,6 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--git-rev", default="unknown")
     args = ap.parse_args()
-    import jax
     results = []
     for dtype in args.dtypes.split(","):
         dense, gguf = run(dtype, None), run(dtype, "gguf")
@@ -62,11 +76,7 @@ def main() -> None:
               f"{gguf['c1_ms_per_token']} ms/token against dense {dense['c1_ms_per_token']}; start-up "
               f"{gguf['start_s']} / {dense['start_s']} s", flush=True)
         results.append({"dtype": dtype, "dense": dense, "gguf": gguf, "prompts_equal": same, "first_diffs": diffs})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "git_rev": args.git_rev,
-            "command": " ".join(sys.argv)}
-    (out / "gguf_gpu.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    save_results(args.out, "gguf_gpu", args.git_rev, results)
 
 
 if __name__ == "__main__":

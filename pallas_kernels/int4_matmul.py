@@ -187,12 +187,12 @@ GEMV_WARPS = 4
 # A nibble need not be shifted down first: at bits b..b+3 (b + 4 <= 23, inside the mantissa) the same OR
 # gives 2**23 + q * 2**b, and subtracting 2**23 + zero * 2**b leaves (q - zero) * 2**b, which x's element
 # times 2**-b turns back into x * (q - zero) exactly (whole numbers below 2**24, powers of two). So nibbles
-# 0-4 of a word are masked in place and 5-7 after one shift by 20: one shift per word, not one per nibble.
-# Why it matters: by count, the integer instructions (shift, and, or: about three a weight, on Hopper's half-
-# rate integer pipe) bound this kernel before its bytes do.
+# 0-4 of a word are masked in place and 5-7 after one shift by 20: one shift per word, not one per nibble
+# (8-bit values alike: bytes 0-1 in place, 2-3 after a shift by 16). Why it matters: by count, the integer
+# instructions (shift, and, or: about three a weight, on Hopper's half-rate integer pipe) bound this kernel
+# before its bytes do.
 _MAGIC_BITS = 0x4B000000
 _MAGIC = 8388608.0
-# 8-bit values: bytes 0-1 in place, 2-3 after a shift by 16 (a byte at bit b needs b + 8 <= 23).
 
 
 def _in_place(bits: int) -> int:
