@@ -17,7 +17,9 @@ MistralForCausalLM, without a sliding window: llama.cpp runs arch llama without 
 The tensors (quantized blocks, F16, BF16, F32) are dequantized with the `gguf` package, which computes in
 float32, and stored as float32 safetensors as they come (in files of at most 4 GiB, the converter holding one
 at a time): nothing is rounded, so the folder holds the weights HF transformers gets from loading the GGUF
-file itself (`from_pretrained(folder, gguf_file=...)`). config.json's `torch_dtype` is bfloat16 (the
+file itself (`from_pretrained(folder, gguf_file=...)`). A run that serves the file's blocks (quantization="gguf")
+gets a folder without the weights (`...-noweights`: config, tokenizer, the file's path) and the loader reads the
+file's tensors itself (gguf_hf_tensors). config.json's `torch_dtype` is bfloat16 (the
 published SmolLM2's; a GGUF file does not record its source's), so `dtype="auto"` runs bf16 on GPUs; the
 loader casts to the run's dtype. The tokenizer is transformers' reading of the file's tokenizer.ggml.*
 fields, saved with the folder.
