@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxpaged import pallas_kernels
 from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, slab_rows
 from jaxpaged.quantization import fp8, int8
-from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, GGUF_INT8, INT4_GROUP, dequantize
+from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 
 from . import rope
 from .config import DecoderConfig
@@ -275,11 +275,11 @@ def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bo
     qtype = cfg.quant_of(name)
     if qtype is None:
         return Linear(features, bias, dtype, held_dtype(cfg, dtype), name=name)
-    if qtype == GGUF_INT4:
-        return Int4Linear(features, in_features, INT4_GROUP, False, bias, dtype, options, offsets=True, name=name)
-    if qtype.startswith(GGUF_INT8):
-        return Int4Linear(features, in_features, int(qtype.removeprefix(GGUF_INT8)), False, bias, dtype, options,
-                          offsets=True, bits=8, name=name)
+    gguf_form = repacked_form(qtype)
+    if gguf_form is not None:
+        bits, group = gguf_form
+        return Int4Linear(features, in_features, group, False, bias, dtype, options, offsets=True, bits=bits,
+                          name=name)
     if qtype.startswith("int4-g"):
         group, _, order = qtype[len("int4-g"):].partition("-")
         return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)

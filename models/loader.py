@@ -185,7 +185,7 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
     blocks, or None when it is dense)."""
     import numpy as np
 
-    from jaxpaged.quantization.gguf_blocks import GGUF_INT4, GGUF_INT8, INT4_GROUP
+    from jaxpaged.quantization.gguf_blocks import repacked_form
 
     from .gguf_convert import gguf_architecture, unpermute_rope
     from .quant_loader import linear_inputs
@@ -208,7 +208,7 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
         scheme = cfg.quant_of(linear)
         if scheme is None:
             continue
-        bits, group = (4, INT4_GROUP) if scheme == GGUF_INT4 else (8, int(scheme.removeprefix(GGUF_INT8)))
+        bits, group = repacked_form(scheme)
         for i in range(cfg.num_layers):
             repacked = _gguf_repacked([parts[linear, i][n] for n in names], inputs[linear], bits, group)
             for leaf, array in repacked.items():

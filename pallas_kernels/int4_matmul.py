@@ -364,6 +364,7 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
     tile = (_NIBBLE_ROWS, block_n)
     first = split * slabs_per_split
     calls = _lane_groups(group_size)
+    one_group = group_size >= PACK_ROWS              # both lanes of a word in one group: its rows read once
 
     def group_row(slab, j):
         return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
@@ -377,7 +378,6 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         for pairs in calls:
             g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
             xs = [jnp.broadcast_to((bits[p] | (bits[p + 4] << 16))[:, None], tile) for p in pairs]
-            one_group = group_size >= PACK_ROWS              # both lanes in one group: its row read once
             if offsets:
                 zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
             else:

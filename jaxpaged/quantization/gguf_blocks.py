@@ -163,6 +163,16 @@ def int4_parts(raw, qtype: str):
 GGUF_INT8 = "gguf-int8-g"
 
 
+def repacked_form(scheme: str) -> tuple[int, int] | None:
+    """(bits, group) of a GGUF_INT4 or GGUF_INT8 scheme name (the kernel layout its layer is repacked into), else
+    None: what the loader repacks and the decoder reads back."""
+    if scheme == GGUF_INT4:
+        return 4, INT4_GROUP
+    if scheme.startswith(GGUF_INT8):
+        return 8, int(scheme.removeprefix(GGUF_INT8))
+    return None
+
+
 def int8_group(types) -> int:
     """The group int8_parts gives a linear layer of these GGUF types: 16 with a Q6_K among them, else 32."""
     return 16 if "Q6_K" in types else 32
