@@ -190,6 +190,8 @@ def decode_bench(args, results):
                     print(f"jax paged_attention failed: {type(e).__name__}: {str(e)[:300]}")
                 _time_decode_mgpu(args, row, (q, pool, tables, lens), nrot, kv_bytes, d ** -0.5)
                 _routed(row, r * k)
+                if args.fp8_cache:
+                    _time_routed_fp8(row)
                 del kp, vp, pool
                 print("decode", json.dumps({k_: (round(v, 3) if isinstance(v, float) else v)
                                             for k_, v in row.items()}), flush=True)
@@ -230,6 +232,44 @@ def _time_decode_fp8(row, data, nrot, scale):
             row["fp8_best_us"], row["fp8_best_cfg"] = t * 1e6, cfg
     if "fp8_best_us" in row and "default_us" in row:
         row["fp8_best_speedup"] = row["default_us"] / row["fp8_best_us"]
+    _time_decode_mgpu_fp8(row, (q, pool8, tables, lens), nrot, scale, row.get("fp8_default_us"))
+
+
+# (block_kv, slots) of the Mosaic decode kernel tried on the e4m3 pool (128 keys leave SMEM for two slots)
+FP8_MGPU_CONFIGS = ((128, 2), (64, 2), (64, 3), (64, 4))
+
+
+def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us):
+    """The Mosaic decode kernel on the e4m3 pool (each slot widened to float16 in SMEM), each config first
+    checked against the Triton kernel on the same pool: fp8_mgpu_us[block_kv,slots]; then what attention()
+    routes for this batch, bf16 pool against e4m3 pool (routed_fp8_speedup: issue 26's decode figure)."""
+    from pallas_kernels.paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu as mgpu
+    q, pool8, tables, lens = data
+    if mgpu_decode_supported(q, pool8) is not None:
+        return
+    ref = pk.paged_decode_attention(q, pool8, jnp.int32(0), tables[0], lens, scale=scale)
+    for block_kv, slots in FP8_MGPU_CONFIGS:
+        label = f"{block_kv},{slots}"
+
+        def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots)):
+            return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
+        t = _checked_time(f"fp8_mgpu:{label}", f, data, nrot, row, ref)
+        if t is not None:
+            row[f"fp8_mgpu_us[{label}]"] = us = t * 1e6
+            if us < row.get("fp8_mgpu_us", math.inf):
+                row["fp8_mgpu_us"], row["fp8_mgpu_cfg"] = us, label
+    if "fp8_mgpu_us[128,2]" in row and triton_fp8_us:
+        row["fp8_mgpu_vs_triton"] = triton_fp8_us / row["fp8_mgpu_us[128,2]"]
+
+
+def _time_routed_fp8(row):
+    """routed_fp8_us: attention()'s choice on the e4m3 pool (the Mosaic kernel's default config from
+    MOSAIC_DECODE_MIN_PAIRS pairs where it ran, else the Triton kernel's default); routed_fp8_speedup: the
+    bf16 pool's routed time over it."""
+    mosaic = row.get("routed_kernel") == "mosaic" and "fp8_mgpu_us[128,2]" in row
+    us = row["fp8_mgpu_us[128,2]"] if mosaic else row.get("fp8_default_us")
+    if us is not None and "routed_us" in row:
+        row["routed_fp8_us"], row["routed_fp8_speedup"] = us, row["routed_us"] / us
 
 
 def _variant_label(kw: dict) -> str:
@@ -439,6 +479,24 @@ def _time_prefill_variants(args, row, flops, d, data, reps):
         row["ours_us"], row["ours_cfg"], row["ours_tflops"] = best[0] * 1e6, best[1], flops / best[0] / 1e12
 
 
+def _time_prefill_fp8(row, flops, d, data, reps):
+    """The same prefill over the pool in e4m3: the Triton kernel and the Mosaic kernel's default config
+    (fp8_triton_tflops, fp8_mgpu_tflops), the Mosaic run checked against the Triton one first."""
+    from pallas_kernels._checks import FP8_CACHE_DTYPE, to_cache
+    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
+    qs, pool, *rest = data
+    data8 = (qs, to_cache(pool, FP8_CACHE_DTYPE), *rest)
+    ref = None
+    for label, op in (("triton", pk.ragged_paged_attention_pallas), ("mgpu", ragged_paged_attention_mgpu)):
+        def f(i, qs, pool, tables, lens, qsl, op=op):
+            return op(qs[i], pool, jnp.int32(0), tables, lens, qsl, scale=d ** -0.5)
+        t = _checked_time(f"fp8_{label}", f, data8, reps, row, ref)
+        if t is not None:
+            row[f"fp8_{label}_us"], row[f"fp8_{label}_tflops"] = t * 1e6, flops / t / 1e12
+        if label == "triton":
+            ref = f(0, *data8)
+
+
 def prefill_bench(args, results):
     rng = np.random.default_rng(1)
     rows = results["prefill"] = []
@@ -460,6 +518,8 @@ def prefill_bench(args, results):
             flops = 4 * seqs * length * length * n * d / 2
             row = {"layout": name, "seqs": seqs, "len": length, "reps": reps}
             _time_prefill_variants(args, row, flops, d, (qs, pool, tables, lens, qsl), reps)
+            if args.fp8_cache:
+                _time_prefill_fp8(row, flops, d, (qs, pool, tables, lens, qsl), reps)
             qd = [q.reshape(seqs, length, n, d) for q in qs]
             kd = jax.random.normal(jax.random.PRNGKey(7), (seqs, length, k, d)).astype(jnp.bfloat16)
             vd = jax.random.normal(jax.random.PRNGKey(8), (seqs, length, k, d)).astype(jnp.bfloat16)
@@ -621,7 +681,8 @@ def main():
                     help=f"parts to run, of {list(PART_SHARE)}")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"head layouts to run, of {list(LAYOUTS)}")
     ap.add_argument("--fp8-cache", action="store_true",
-                    help="decode: also time the default configuration on the pool in e4m3 (--kv-cache-dtype fp8)")
+                    help="also time the pool in e4m3 (--kv-cache-dtype fp8): decode on the Triton kernel (default and "
+                         "FP8_DECODE_CONFIGS) and the Mosaic one (FP8_MGPU_CONFIGS), prefill on both")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpret mode)")
     ap.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32),
                     help="KV cache block size (tokens) of every pool and table; the engine's default is 16")

@@ -3,7 +3,8 @@
 # table (bench/bench_matmul.py), the fp8 GEMM probe (bench/fp8_probe.py), llama3-8b's concurrency-1 TPOT over
 # HTTP as AWQ int4 (dummy weights) beside bf16, then (--fp8-throughput) llama3-8b offline ShareGPT 1000 with
 # fp8 weights quantized at load beside bf16 (dummy weights).
-# --fp8-kv: decode attention over a bf16 pool and the same pool in e4m3 (bench_kernels.py --fp8-cache).
+# --fp8-kv: decode and prefill attention over a bf16 pool and the same pool in e4m3, on the Triton and the
+#   Mosaic GPU kernels, and what attention() routes (bench_kernels.py --fp8-cache); the Mosaic kernels' tests.
 # --gguf: the default SmolLM2 with quantization="gguf" (its Q4_1 layers through the W4A16 kernel) against its
 #   dense run (bench/gguf_gpu.py).
 #   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv] [--gguf]
@@ -28,8 +29,10 @@ source bench/gpu_env.sh
 echo "quant_gpu: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
 if [ $TESTS = 1 ]; then
   echo "== kernel tests (GPU)"
-  JAX_PLATFORMS=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o pythonpath= "$REPO/tests/kernels/test_int4_matmul.py" \
-    "$REPO/tests/kernels/test_fp8_cache.py" 2>&1 | tail -5
+  MOSAIC=""; [ $FP8_KV = 1 ] && MOSAIC="$REPO/tests/kernels/test_mosaic_gpu.py"
+  # shellcheck disable=SC2086
+  JAX_PLATFORMS=cuda timeout 300 $PY -m pytest -q -p no:cacheprovider -o pythonpath= "$REPO/tests/kernels/test_int4_matmul.py" \
+    "$REPO/tests/kernels/test_fp8_cache.py" $MOSAIC 2>&1 | grep -E "passed|failed|FAILED|Error" | tail -12
 fi
 if [ $TABLE = 1 ]; then
   echo "== linear layers (bench_matmul.py $TABLE_ARGS)"
@@ -51,11 +54,12 @@ if [ $C1 = 1 ]; then
   for model in ${C1_MODELS//,/ }; do echo "== c1 $model"; c1 $model; done
 fi
 if [ $FP8_KV = 1 ]; then
-  echo "== decode attention, bf16 against fp8 cache (bench_kernels.py --fp8-cache)"
-  timeout 260 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode \
-    --fp8-cache --decode-shapes 256x4096,64x4096 --budget-s 200 2>&1 | grep -E "fp8_speedup|failed" \
-    | grep -oE '"layout"[^,]*, "seqs"[^,]*, "ctx"[^,]*|"default_us"[^,]*|"fp8_[a-z0-9_]*(\[[0-9x]*\])?": [^,}]*|failed.*' \
-    | tr '\n' ' ' | sed 's/"layout"/\n"layout"/g'; echo
+  echo "== attention, bf16 against fp8 cache (bench_kernels.py --fp8-cache)"
+  timeout 330 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode,prefill \
+    --fp8-cache --decode-shapes 256x4096,64x4096 --decode-configs "" --decode-mgpu-configs "128,2" \
+    --prefill-configs "" --budget-s 280 2>&1 | grep -E '^(decode|prefill) |failed' \
+    | grep -oE '^(decode|prefill)|"layout"[^,]*|"(seqs|ctx|len)"[^,]*|"(default|routed|mgpu)_us"[^,]*|"routed_kernel"[^,]*|"(fp8_|routed_fp8)[a-z0-9_]*(\[[0-9,x]*\])?": [^,}]*|failed.*' \
+    | tr '\n' ' ' | sed -E 's/ (decode|prefill) /\n\1 /g'; echo
 fi
 if [ $FP8_TPUT = 1 ]; then
   for q in fp8 none; do

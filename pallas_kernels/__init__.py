@@ -8,7 +8,8 @@ which implementation runs below them is chosen by `backend`:
   "pallas"     Pallas GPU kernels on the Triton backend (the default on GPUs other than Hopper)
   "mosaic"     as "pallas", but the ragged (prefill / mixed) attention runs the persistent Mosaic GPU kernel
                for Hopper (ragged_paged_attention_mgpu.py: TMA, wgmma, warp specialisation) wherever it
-               supports the call (bf16/fp16, head dim 64/128, no window or soft cap), the Triton kernel
+               supports the call (bf16/fp16 q over a cache of q's dtype or e4m3, head dim 64/128, no
+               window, soft cap or ALiBi), the Triton kernel
                elsewhere. The default on Hopper (sm_90): on the H100 it runs prefill about as fast as
                cuDNN's dense attention, well ahead of the Triton kernel, and that shows end to end.
                Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
@@ -62,8 +63,7 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     lower for a GPU from a process without one (the engine's lowering workers) name both.
     kv_scales: (k_scale, v_scale) f32[] for an e4m3 cache (FP8_CACHE_DTYPE), whose K/V hold k / k_scale and
     v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
-    convert each tile to q's dtype. (The Mosaic GPU kernels take bf16/fp16 caches only: an e4m3 cache runs
-    the Triton kernels.)
+    convert each tile to q's dtype (the Mosaic GPU kernels: to float16, and compute in it).
     alibi_slopes: f32[N] or None: ALiBi's bias slope[n] * (key position - query position) on head n's
     scores (the Mosaic GPU kernels have none: the Triton kernels run).
     """

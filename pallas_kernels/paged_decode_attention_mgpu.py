@@ -44,8 +44,9 @@ def mgpu_decode_supported(q, kv_cache, *, sliding_window=None, soft_cap=None) ->
 def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                                 block_kv: int = 128, max_concurrent_steps: int = 2,
                                 num_ctas: int | None = None, interpret=None):
-    """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16, D 64/128,
-    G = N // K <= 64; no sliding window or soft cap: mgpu_decode_supported says where it applies)."""
+    """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16 over a cache of q's
+    dtype or e4m3, D 64/128, G = N // K <= 64; no sliding window or soft cap: mgpu_decode_supported says where it
+    applies)."""
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
     num_reqs, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape

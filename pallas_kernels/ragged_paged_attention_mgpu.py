@@ -26,6 +26,14 @@ touched.
 
 Causal: key step j is unmasked when all its keys are <= the tile's first query position; later steps
 mask per row (key_pos <= row_pos). Query token i of request r sits at seq_lens[r] - q_len[r] + i.
+
+An e4m3 pool (FP8_CACHE_DTYPE bytes, --kv-cache-dtype fp8) is read at half the bytes: the memory warpgroup
+gathers the bytes into 1-byte slots (one 8-row swizzled tile per row group, as the 2-byte slots), and each
+compute warpgroup widens a slot into its own float16 buffer (one register round trip: Hopper converts two
+e4m3 values to float16 in one instruction; every e4m3 value is exact in float16) before the slot's wgmma,
+freeing the slot as soon as it is read. K and V take turns in that buffer: a step's QK wgmma has finished
+before V is widened, and its PV wgmma before the next step's K. The kernel then computes in float16: q
+is rounded to it (a bf16 q loses nothing in float16's range) and the output converted back.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import _mgpu_schedule as ms
 from . import _mgpu_ops as ops
-from ._checks import is_hopper, validate_q_and_cache
+from ._checks import FP8_CACHE_DTYPE, from_cache, is_hopper, validate_q_and_cache
 from .paged_decode_attention import device_num_sms
 
 _LOG2E = math.log2(math.e)
@@ -49,17 +57,36 @@ _COMPUTE_WGS = ms.COMPUTE_WGS
 _INTERPRET_CTAS = 3              # the interpreter's default CTA count: several items per CTA
 
 
+def _widen(src, dst, interpret):
+    """An e4m3 slot (its bytes, [BKV, D]) -> dst, this warpgroup's float16 wgmma operand buffer."""
+    if interpret:
+        dst[...] = from_cache(src[...], dst.dtype)
+    else:
+        # UPCAST_2X: 32-bit SMEM loads of 8-bit values, one shuffle away from the WGMMA layout
+        x = ops.smem_load(src, plgpu.Layout.WGMMA_UPCAST_2X)
+        x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn).astype(dst.dtype)
+        dst[...] = ops.layout(x, plgpu.Layout.WGMMA, interpret)
+    plgpu.commit_smem()                              # generic-proxy writes -> visible to wgmma
+
+
 def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_smem, k_smem, v_smem,
-             bars, sched, qk_scale, interpret):
+             wide, bars, sched, qk_scale, interpret):
     """Key step j of the item (the first_step + j-th of the CTA) of online softmax for one compute
     warpgroup, in FA3's ping-pong order. Masked steps hide keys past each row's position (causal) or,
-    where key_last is given (not causal), past key_last for every row."""
+    where key_last is given (not causal), past key_last for every row. wide: None, or (e4m3 pool) this
+    warpgroup's float16 buffer that each slot is widened into before its wgmma."""
     acc, m, l = carry                                # f32[BQ, D], f32[BQ], f32[BQ] (log2 domain)
     k_bar, v_bar, k_free, v_free = bars
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
     slot = lax.rem(first_step + j, num_slots)
-    qk = ops.qk(q_smem, k_smem.at[slot], sched, interpret)            # f32[BQ, BKV]
-    plgpu.barrier_arrive(k_free.at[slot])
+    k_src = k_smem.at[slot]
+    if wide is not None:
+        _widen(k_src, wide, interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        k_src = wide
+    qk = ops.qk(q_smem, k_src, sched, interpret)                      # f32[BQ, BKV]
+    if wide is None:
+        plgpu.barrier_arrive(k_free.at[slot])
     if masked:
         cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
         last = ops.iota(qk.shape, 0, interpret) + row_pos0 if key_last is None else key_last
@@ -73,14 +100,20 @@ def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_s
     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
     plgpu.barrier_arrive(sched.barrier)              # softmax done: let the other warpgroup's wgmma go
     plgpu.barrier_wait(v_bar.at[slot])
+    v_src = v_smem.at[slot]
+    if wide is not None:                             # the QK wgmma has read `wide`: V may take it
+        _widen(v_src, wide, interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        v_src = wide
     plgpu.barrier_wait(sched.barrier)                # wait until the tensor core is ours again
 
     def wait_next_k():
         @pl.when(j + 1 < num_steps)
         def _():
             plgpu.barrier_wait(k_bar.at[lax.rem(first_step + j + 1, num_slots)])
-    acc = ops.pv(acc, p16, v_smem.at[slot], wait_next_k, interpret)
-    plgpu.barrier_arrive(v_free.at[slot])
+    acc = ops.pv(acc, p16, v_src, wait_next_k, interpret)         # returns once the wgmma is done
+    if wide is None:
+        plgpu.barrier_arrive(v_free.at[slot])
     return acc, m_new, l
 
 
@@ -166,10 +199,11 @@ def _wg_tile(sched_ref, tile, wg, block_kv):
 
 def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, causal, interpret):
     """Compute warpgroup wg: its half of each item's tile, online softmax over the item's keys."""
-    q_smem2, qbuf2, obuf2, k_smem, v_smem = smem
+    q_smem2, qbuf2, obuf2, k_smem, v_smem, *wide2 = smem
     k_bar, v_bar, q_bar, k_free, v_free, sched_bar = bars
     plgpu.set_max_registers(232, action="increase")
     q_smem, qbuf, obuf = q_smem2.at[wg], qbuf2.at[wg], obuf2.at[wg]          # [BQ, D] each
+    wide = wide2[0].at[wg] if wide2 else None                                # [BKV, D] (e4m3 pool)
     block_q, head_dim = q_smem.shape
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
     sched = _Sched(sched_bar)
@@ -206,7 +240,7 @@ def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, causal,
         key_last = None if causal else pos + rows - 1
         step = functools.partial(_kv_step, first_step=first_step, row_pos0=pos - lo, key_last=key_last,
                                  num_steps=num_steps, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
-                                 bars=load_bars, sched=sched, qk_scale=scale * _LOG2E, interpret=interpret)
+                                 wide=wide, bars=load_bars, sched=sched, qk_scale=scale * _LOG2E, interpret=interpret)
         # Steps whose keys all sit at or before the first written row's position (causal; the last row's
         # otherwise) need no mask.
         num_full = jnp.clip((pos + 1 if causal else pos + rows) // block_kv, 0, num_steps)  # idle: pos < 0
@@ -230,7 +264,7 @@ def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, causal,
 def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, group, num_blocks,
                num_kv_heads):
     """Memory warpgroup: gathers every item's K/V steps into the C slots, P TMA copies per slot."""
-    k_smem, v_smem = smem[3:]
+    k_smem, v_smem = smem[3:5]
     k_bar, v_bar, _, k_free, v_free, _ = bars
     plgpu.set_max_registers(40, action="decrease")
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
@@ -272,10 +306,12 @@ def _kernel(sched_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, *scratch, sca
     # meta_ref:   i32[2]                      layer, live tiles (the first rows of sched)
     # tables_ref: i32[R, Mp]                  Mp = M rounded up to P; padding is the null block 0
     # q_ref:      dtype[Tp, N, D]
-    # kv_ref:     dtype[L * 2 * B * K, S, D]  the pool with its leading axes flattened
+    # kv_ref:     dtype[L * 2 * B * K, S, D]  the pool with its leading axes flattened (or its e4m3 bytes)
     # o_ref:      dtype[Tp, N, D]             rows [0, T) written, the others untouched
-    # scratch:    5 SMEM buffers (see _launch), then barriers k, v, q, k free, v free, schedule
-    smem, bars = scratch[:5], scratch[5:]
+    # scratch:    5 SMEM buffers (6 over an e4m3 pool; see _launch), then barriers k, v, q, k free, v free,
+    #             schedule
+    num_smem = len(scratch) - 6
+    smem, bars = scratch[:num_smem], scratch[num_smem:]
     wg = lax.axis_index("wg")
     work = _Work(meta_ref[1], num_ctas, num_heads)
     pl.when(wg < _COMPUTE_WGS)(lambda: _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars,
@@ -291,12 +327,19 @@ def _launch(sched, meta, tables, qp, kv_rows, *, num_ctas, scale, group, num_blo
     per_step = block_kv // kv_rows.shape[1]
     # 128-byte rows (64 bf16/fp16 columns) in 8-row tiles, swizzled: the layout wgmma reads.
     mma = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    fp8 = kv_rows.dtype == FP8_CACHE_DTYPE
+    # e4m3 slots: rows of D bytes in 8-row tiles, swizzled by their width (the layout the widening reads)
+    slot = dict(transforms=(plgpu.TilingTransform((8, head_dim)), plgpu.SwizzleTransform(head_dim))) if fp8 else mma
     scratch = [
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype, **mma),   # q (wgmma operand)
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # next q, untiled
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # output, untiled
-        plgpu.SMEM((num_slots, block_kv, head_dim), qp.dtype, **mma),     # K slots
-        plgpu.SMEM((num_slots, block_kv, head_dim), qp.dtype, **mma),     # V slots
+        plgpu.SMEM((num_slots, block_kv, head_dim), kv_rows.dtype, **slot),  # K slots
+        plgpu.SMEM((num_slots, block_kv, head_dim), kv_rows.dtype, **slot),  # V slots
+    ]
+    if fp8:                                                               # each warpgroup's widened K or V
+        scratch.append(plgpu.SMEM((_COMPUTE_WGS, block_kv, head_dim), qp.dtype, **mma))
+    scratch += [
         plgpu.Barrier(num_arrivals=per_step, num_barriers=num_slots),     # K slot loaded (P copies)
         plgpu.Barrier(num_arrivals=per_step, num_barriers=num_slots),     # V slot loaded
         plgpu.Barrier(num_barriers=_COMPUTE_WGS),                         # q tile loaded
@@ -318,8 +361,9 @@ def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=Non
     """None when the Mosaic GPU kernel handles this call, else the reason (callers fall back)."""
     if sliding_window is not None or soft_cap is not None:
         return "the Mosaic GPU kernel supports neither sliding windows nor soft caps"
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or kv_cache.dtype != q.dtype:
-        return f"the Mosaic GPU kernel needs bf16/fp16 q and cache; got {q.dtype}, {kv_cache.dtype}"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or kv_cache.dtype not in (q.dtype, FP8_CACHE_DTYPE):
+        return (f"the Mosaic GPU kernel needs bf16/fp16 q and a cache of q's dtype or e4m3 "
+                f"({FP8_CACHE_DTYPE}); got {q.dtype}, {kv_cache.dtype}")
     head_dim = q.shape[-1]
     if head_dim not in (64, 128):
         return f"the Mosaic GPU kernel needs head dim 64 or 128; got {head_dim}"
@@ -339,6 +383,14 @@ def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=Non
     if 12080 <= cuda < 12091:  # the guard JAX's attention_mgpu.py has for its causal mask
         return f"CUDA runtime {cuda}: ptxas 12.8.0-12.9.0 miscompiles the causal mask"
     return None
+
+
+def _smem_bytes(head_dim, cache_dtype, block_q, block_kv, num_slots) -> int:
+    """The SMEM buffers _launch allocates (2-byte q and output tiles; slots of the cache's dtype; over an
+    e4m3 pool one float16 [BKV, D] buffer per compute warpgroup)."""
+    fp8 = jnp.dtype(cache_dtype) == FP8_CACHE_DTYPE
+    rows = 3 * _COMPUTE_WGS * block_q * 2 + 2 * num_slots * block_kv * jnp.dtype(cache_dtype).itemsize
+    return (rows + (_COMPUTE_WGS * block_kv * 2 if fp8 else 0)) * head_dim
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale, block_q,
@@ -361,7 +413,7 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
                          f"of the block size; got {block_q}, {block_kv}, S={kv_cache.shape[4]}")
     if max_concurrent_steps < 2:
         raise ValueError(f"max_concurrent_steps must be >= 2; got {max_concurrent_steps}")
-    need = (3 * _COMPUTE_WGS * block_q + 2 * max_concurrent_steps * block_kv) * q.shape[-1] * q.dtype.itemsize
+    need = _smem_bytes(q.shape[-1], kv_cache.dtype, block_q, block_kv, max_concurrent_steps)
     if need > _SMEM_BYTES:
         raise ValueError(f"{need} bytes of shared memory needed, {_SMEM_BYTES} available: lower "
                          "block_kv, block_q or max_concurrent_steps")
@@ -376,7 +428,8 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
                                 soft_cap: float | None = None, num_ctas: int | None = None,
                                 causal: bool = True, interpret=None,
                                 lowering_semantics: str | None = None):
-    """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D].
+    """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D]; the cache is
+    q's dtype or e4m3 (FP8_CACHE_DTYPE bytes: the kernel then computes in float16).
 
     block_q: query tokens per compute warpgroup (a CTA holds 2 * block_q); block_kv: keys per pipeline
     step; max_concurrent_steps: K/V slots in flight; num_ctas: persistent CTAs (None: one per SM on the
@@ -391,6 +444,9 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     per_step = block_kv // block_size
+    out_dtype = q.dtype
+    if kv_cache.dtype == FP8_CACHE_DTYPE:           # e4m3 widens exactly to float16 (one instruction a pair)
+        q = q.astype(jnp.float16)
     num_rows = max(num_tokens, block_q)          # a clamped q tile always fits inside [0, Tp)
     qp = jnp.pad(q, ((0, num_rows - num_tokens), (0, 0), (0, 0)))
     # Whole steps of table entries; the extra entries point at the null block (keys masked anyway).
@@ -409,4 +465,4 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,
                   num_slots=max_concurrent_steps, causal=causal, interpret=interpret,
                   lowering_semantics=lowering_semantics)
-    return out[:num_tokens]
+    return out[:num_tokens].astype(out_dtype)

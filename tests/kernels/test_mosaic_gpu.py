@@ -23,6 +23,7 @@ import pytest
 from kernel_cases import (INTERPRET, POOL_TOO_SMALL, REAL_DECODE, REAL_LAYOUTS, REAL_RAGGED, Case, DecodeBatch, Layout,
                           RaggedBatch, case_id, chunked_reference, decode_inputs, gpu_only, max_rel_err,
                           ragged_inputs, reference)
+from jaxpaged.pallas_kernels._checks import FP8_CACHE_DTYPE, to_cache
 from jaxpaged.pallas_kernels._mgpu_schedule import tile_schedule
 from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attention_reference
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -113,11 +114,16 @@ class MosaicCase(Case):
     num_ctas: int | None = None         # persistent CTAs; None: the kernel's (3 interpreted, one per SM)
     detect_races: bool = False          # the interpreter's race detector (the CPU only)
     chunked_reference: bool = False     # real sizes: the XLA path in f32 (kernel_cases.chunked_reference)
+    fp8: bool = False                   # the pool rounded into e4m3 bytes (--kv-cache-dtype fp8)
 
     @property
     def id(self) -> str:
         ctas = f"-ctas{self.num_ctas}" if self.num_ctas else ""
-        return f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}"
+        return f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}" + ("-fp8" if self.fp8 else "")
+
+    def pool(self, kv_cache):
+        """The case's pool: as made, or its values rounded into e4m3 bytes."""
+        return to_cache(kv_cache, FP8_CACHE_DTYPE) if self.fp8 else kv_cache
 
 
 # 37: not a multiple of BQ; 64: exactly BQ, mid-sequence; 1: a decode; 150: > 2 BQ (last CTA shifted
@@ -137,6 +143,10 @@ RAGGED_CASES += [MosaicCase(layout=Layout(16, 64, 2, 1, "bfloat16"),
 RAGGED_CASES += [MosaicCase(layout=Layout(16, 64, 2, 1, "bfloat16"),
                             batch=RaggedBatch("long-context", (70, 2, 130), (250, 100, 3), 5), block_kv=64,
                             num_ctas=num_ctas, detect_races=True) for num_ctas in (1, 3)]
+# An e4m3 pool: every slot widened to float16 by each compute warpgroup before its wgmma (a bf16 q computed in
+# float16); long contexts through two slots, several items per CTA, the race detector on.
+RAGGED_CASES += [MosaicCase(layout=Layout(16, head_dim, 4, 2, "bfloat16"), batch=_MIXED, block_kv=64, num_ctas=2,
+                            detect_races=True, fp8=True) for head_dim in (64, 128)]
 # Real sizes: the kernel's defaults (one CTA per SM).
 RAGGED_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_RAGGED, chunked_reference=True)
                          for layout in REAL_LAYOUTS)
@@ -147,10 +157,15 @@ _DECODES = DecodeBatch("5reqs", 12, (1, 17, 64, 150, 0), full_tables=True)
 DECODE_CASES = [MosaicCase(layout=Layout(16, head_dim, 2 * group, 2, "bfloat16"), batch=_DECODES, block_kv=block_kv,
                            num_ctas=num_ctas, detect_races=True)
                 for head_dim, group, block_kv, num_ctas in [(64, 7, 64, 3), (128, 4, 128, 2)]]
-DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE) for layout in REAL_LAYOUTS)
+DECODE_CASES += [MosaicCase(layout=Layout(16, head_dim, 2 * group, 2, "bfloat16"), batch=_DECODES, block_kv=block_kv,
+                            num_ctas=2, detect_races=True, fp8=True)
+                 for head_dim, group, block_kv in [(64, 7, 64), (128, 4, 128)]]
+DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=fp8) for layout in REAL_LAYOUTS
+                         for fp8 in (False, True))
 
 
 def _check(out, ref, case, padding_rows):
+    assert out.dtype == ref.dtype                                     # an e4m3 pool's float16 math returns q's dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert not (case.detect_races and races_found())
     assert out.shape == ref.shape and np.isfinite(out).all()
@@ -163,6 +178,7 @@ class TestRaggedPrefillMosaic:
     @pytest.mark.parametrize("case", RAGGED_CASES, ids=case_id)
     def test_matches_reference(self, case):
         x = ragged_inputs(case.rng(), case.layout, case.batch)
+        x = x._replace(kv_cache=case.pool(x.kv_cache))
         scale = case.layout.head_dim ** -0.5
         out = ragged_paged_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
                                           max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
@@ -190,11 +206,14 @@ class TestRaggedPrefillMosaic:
 
     @on_hopper
     @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
-    def test_lowers_for_cuda(self, semantics):
+    @pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
+    def test_lowers_for_cuda(self, semantics, cache):
         """The real (wgmma, swizzled SMEM, TMA) path lowers to a Mosaic GPU module without a GPU: catches
-        layout-inference and TMA-tiling errors the interpreter cannot see (e.g. unaligned tiled TMA)."""
+        layout-inference and TMA-tiling errors the interpreter cannot see (e.g. unaligned tiled TMA), and
+        over an e4m3 pool the widening's 8-bit loads, conversions and relayout."""
         sds = jax.ShapeDtypeStruct
-        args = (sds((300, 8, 128), jnp.bfloat16), sds((2, 2, 100, 2, 16, 128), jnp.bfloat16),
+        cache_dtype = FP8_CACHE_DTYPE if cache == "fp8" else jnp.bfloat16
+        args = (sds((300, 8, 128), jnp.bfloat16), sds((2, 2, 100, 2, 16, 128), cache_dtype),
                 sds((), jnp.int32), sds((4, 32), jnp.int32), sds((4,), jnp.int32), sds((5,), jnp.int32))
         lowered = ragged_paged_attention_mgpu.trace(*args, scale=0.1, interpret=False,
                                                     lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
@@ -207,6 +226,7 @@ class TestPagedDecodeMosaic:
     def test_matches_reference(self, case):
         """paged_decode_attention_mgpu: the G heads of a kv head as one tile (not causal)."""
         x = decode_inputs(case.rng(), case.layout, case.batch)
+        x = x._replace(kv_cache=case.pool(x.kv_cache))
         scale = case.layout.head_dim ** -0.5
         out = paged_decode_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
                                           max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
@@ -215,10 +235,14 @@ class TestPagedDecodeMosaic:
         _check(out, ref, case, np.asarray(x.seq_lens) == 0)
 
     @on_hopper
-    def test_lowers_for_cuda(self):
-        """The packed decode call (llama3-8b's heads) lowers to a Mosaic GPU module for CUDA."""
+    @pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
+    @pytest.mark.parametrize("head_dim", [64, 128])
+    def test_lowers_for_cuda(self, cache, head_dim):
+        """The packed decode call (llama3-8b's heads; qwen2-0.5b's head size) lowers to a Mosaic GPU module for
+        CUDA, over a bf16 or an e4m3 pool."""
         sds = jax.ShapeDtypeStruct
-        args = (sds((64, 32, 128), jnp.bfloat16), sds((2, 2, 100, 8, 16, 128), jnp.bfloat16),
+        cache_dtype = FP8_CACHE_DTYPE if cache == "fp8" else jnp.bfloat16
+        args = (sds((64, 32, head_dim), jnp.bfloat16), sds((2, 2, 100, 8, 16, head_dim), cache_dtype),
                 sds((), jnp.int32), sds((64, 32), jnp.int32), sds((64,), jnp.int32))
         lowered = jax.jit(lambda *a: paged_decode_attention_mgpu(*a, scale=0.1, interpret=False)).trace(
             *args).lower(lowering_platforms=("cuda",))
