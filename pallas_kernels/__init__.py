@@ -9,7 +9,7 @@ which implementation runs below them is chosen by `backend`:
   "mosaic"     as "pallas", but the ragged (prefill / mixed) attention runs the persistent Mosaic GPU kernel
                for Hopper (ragged_paged_attention_mgpu.py: TMA, wgmma, warp specialisation) wherever it
                supports the call (bf16/fp16 q over a cache of q's dtype or e4m3, head dim 64/128, no
-               window, soft cap or ALiBi), the Triton kernel
+               window or soft cap), the Triton kernel
                elsewhere. The default on Hopper (sm_90): on the H100 it runs prefill about as fast as
                cuDNN's dense attention, well ahead of the Triton kernel, and that shows end to end.
                Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
@@ -65,7 +65,7 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
     convert each tile to q's dtype (the Mosaic GPU kernels: to float16, and compute in it).
     alibi_slopes: f32[N] or None: ALiBi's bias slope[n] * (key position - query position) on head n's
-    scores (the Mosaic GPU kernels have none: the Triton kernels run).
+    scores (the Mosaic decode kernel takes it with one query head per kv head, as ALiBi models have).
     """
     if kv_scales is None:
         return _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, scale=scale,
@@ -96,13 +96,15 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
         # jitted step jax 0.10.2 fails to lower it (safe_zip length mismatch in lower_jaxpr_to_fun).
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        mosaic = backend == "mosaic" and not interpret and alibi_slopes is None
+        mosaic = backend == "mosaic" and not interpret
         if decode_only:
             if mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS:
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
-                if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap) is None:
+                if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap,
+                                         alibi=alibi_slopes is not None) is None:
                     return paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
-                                                       scale=scale, num_ctas=num_sms, interpret=False)
+                                                       scale=scale, num_ctas=num_sms, alibi_slopes=alibi_slopes,
+                                                       interpret=False)
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap,
                                           alibi_slopes=alibi_slopes, interpret=interpret, num_sms=num_sms)
@@ -113,7 +115,7 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
                               soft_cap=soft_cap) is None:
                 return ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
                                                    query_start_loc, scale=scale, num_ctas=num_sms,
-                                                   interpret=False)
+                                                   alibi_slopes=alibi_slopes, interpret=False)
         return ragged_paged_attention_pallas(q, kv_cache, layer_idx, block_tables, seq_lens,
                                              query_start_loc, scale=scale,
                                              sliding_window=sliding_window, soft_cap=soft_cap,

@@ -31,11 +31,13 @@ from .paged_decode_attention import validate_decode_inputs
 from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
 
 
-def mgpu_decode_supported(q, kv_cache, *, sliding_window=None, soft_cap=None) -> str | None:
+def mgpu_decode_supported(q, kv_cache, *, sliding_window=None, soft_cap=None, alibi=False) -> str | None:
     """None when paged_decode_attention_mgpu takes this call, else the reason (callers fall back)."""
     group = q.shape[1] // kv_cache.shape[3]
     if group > 64:
         return f"{group} query heads per kv head: more than one 64-row tile"
+    if alibi and group > 1:
+        return "ALiBi with grouped queries: a packed tile's rows would need one slope each"
     return mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window, soft_cap=soft_cap)
 
 
@@ -43,25 +45,27 @@ def mgpu_decode_supported(q, kv_cache, *, sliding_window=None, soft_cap=None) ->
                                              "interpret"))
 def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                                 block_kv: int = 128, max_concurrent_steps: int = 2,
-                                num_ctas: int | None = None, interpret=None):
+                                num_ctas: int | None = None, alibi_slopes=None, interpret=None):
     """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16 over a cache of q's
     dtype or e4m3, D 64/128, G = N // K <= 64; no sliding window or soft cap: mgpu_decode_supported says where it
-    applies)."""
+    applies; ALiBi (alibi_slopes f32[N]) only with one query head per kv head)."""
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
     num_reqs, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    reason = mgpu_decode_supported(q, kv_cache)
+    reason = mgpu_decode_supported(q, kv_cache, alibi=alibi_slopes is not None)
     if reason:
         raise ValueError(reason)
     pairs = num_reqs * num_kv_heads
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
     tables = (block_tables[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(pairs, -1)
+    # pair r * K + h holds query head h (G = 1 with ALiBi): its slope
+    slopes = None if alibi_slopes is None else jnp.tile(jnp.asarray(alibi_slopes, jnp.float32), num_reqs)[:, None]
     out = ragged_paged_attention_mgpu(
         q.reshape(pairs * group, 1, head_dim),
         kv_cache.reshape(num_layers, 2, num_blocks * num_kv_heads, 1, block_size, head_dim),
         layer_idx, tables, jnp.repeat(seq_lens, num_kv_heads),
         jnp.arange(pairs + 1, dtype=jnp.int32) * group,
         scale=scale, block_q=64, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-        num_ctas=num_ctas, causal=False, interpret=interpret)
+        num_ctas=num_ctas, causal=False, alibi_slopes=slopes, interpret=interpret)
     return out.reshape(num_reqs, num_heads, head_dim)

@@ -34,6 +34,10 @@ e4m3 values to float16 in one instruction; every e4m3 value is exact in float16)
 freeing the slot as soon as it is read. K and V take turns in that buffer: a step's QK wgmma has finished
 before V is widened, and its PV wgmma before the next step's K. The kernel then computes in float16: q
 is rounded to it (a bf16 q loses nothing in float16's range) and the output converted back.
+
+ALiBi: every key step (masked or not) adds slope * (key position - row position) to the scores, the slope
+read once per item from a (request, head) table (a decode's packed rows share one position, and one slope
+while each pair holds one query head).
 """
 from __future__ import annotations
 
@@ -70,11 +74,12 @@ def _widen(src, dst, interpret):
 
 
 def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_smem, k_smem, v_smem,
-             wide, bars, sched, qk_scale, interpret):
+             wide, bars, sched, qk_scale, alibi_slope, interpret):
     """Key step j of the item (the first_step + j-th of the CTA) of online softmax for one compute
     warpgroup, in FA3's ping-pong order. Masked steps hide keys past each row's position (causal) or,
     where key_last is given (not causal), past key_last for every row. wide: None, or (e4m3 pool) this
-    warpgroup's float16 buffer that each slot is widened into before its wgmma."""
+    warpgroup's float16 buffer that each slot is widened into before its wgmma. alibi_slope: None, or the
+    item's ALiBi slope over the softmax scale (the scores' units before qk_scale)."""
     acc, m, l = carry                                # f32[BQ, D], f32[BQ], f32[BQ] (log2 domain)
     k_bar, v_bar, k_free, v_free = bars
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
@@ -87,9 +92,12 @@ def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_s
     qk = ops.qk(q_smem, k_src, sched, interpret)                      # f32[BQ, BKV]
     if wide is None:
         plgpu.barrier_arrive(k_free.at[slot])
-    if masked:
+    if masked or alibi_slope is not None:
         cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
         last = ops.iota(qk.shape, 0, interpret) + row_pos0 if key_last is None else key_last
+    if alibi_slope is not None:                      # `last` is each row's own position
+        qk = qk + (cols - last).astype(jnp.float32) * alibi_slope
+    if masked:
         qk = jnp.where(cols <= last, qk, -jnp.inf)
     m_new = jnp.maximum(m, qk.max(axis=1) * qk_scale)
     alpha = jnp.exp2(m - m_new)
@@ -197,7 +205,7 @@ def _wg_tile(sched_ref, tile, wg, block_kv):
     return load, lo, rows, pos, jnp.minimum(steps, sched_ref[tile, ms.STEPS])
 
 
-def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, causal, interpret):
+def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, scale, causal, alibi, interpret):
     """Compute warpgroup wg: its half of each item's tile, online softmax over the item's keys."""
     q_smem2, qbuf2, obuf2, k_smem, v_smem, *wide2 = smem
     k_bar, v_bar, q_bar, k_free, v_free, sched_bar = bars
@@ -238,9 +246,12 @@ def _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars, *, scale, causal,
         pl.when(wg == 1)(sched)                      # offset the two warpgroups by half a step
         # Not causal: every row sees the keys up to the last written row's position (decode rows).
         key_last = None if causal else pos + rows - 1
+        # a zero tile's request is -1: it takes no key steps, and reads row 0 of the table
+        slope = slopes_ref[jnp.maximum(sched_ref[tile, ms.REQ], 0), head] * (1.0 / scale) if alibi else None
         step = functools.partial(_kv_step, first_step=first_step, row_pos0=pos - lo, key_last=key_last,
                                  num_steps=num_steps, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
-                                 wide=wide, bars=load_bars, sched=sched, qk_scale=scale * _LOG2E, interpret=interpret)
+                                 wide=wide, bars=load_bars, sched=sched, qk_scale=scale * _LOG2E,
+                                 alibi_slope=slope, interpret=interpret)
         # Steps whose keys all sit at or before the first written row's position (causal; the last row's
         # otherwise) need no mask.
         num_full = jnp.clip((pos + 1 if causal else pos + rows) // block_kv, 0, num_steps)  # idle: pos < 0
@@ -300,11 +311,12 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
         plgpu.barrier_wait(v_free.at[lax.rem(step, num_slots)])
 
 
-def _kernel(sched_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, *scratch, scale, group, num_heads,
-            num_ctas, num_blocks, num_kv_heads, causal, interpret):
+def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *scratch, scale, group, num_heads,
+            num_ctas, num_blocks, num_kv_heads, causal, alibi, interpret):
     # sched_ref:  i32[NT, 10]                 see _mgpu_schedule.tile_schedule
     # meta_ref:   i32[2]                      layer, live tiles (the first rows of sched)
     # tables_ref: i32[R, Mp]                  Mp = M rounded up to P; padding is the null block 0
+    # slopes_ref: f32[R, N]                   ALiBi slope of request r's head n (read only when alibi)
     # q_ref:      dtype[Tp, N, D]
     # kv_ref:     dtype[L * 2 * B * K, S, D]  the pool with its leading axes flattened (or its e4m3 bytes)
     # o_ref:      dtype[Tp, N, D]             rows [0, T) written, the others untouched
@@ -314,15 +326,15 @@ def _kernel(sched_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, *scratch, sca
     smem, bars = scratch[:num_smem], scratch[num_smem:]
     wg = lax.axis_index("wg")
     work = _Work(meta_ref[1], num_ctas, num_heads)
-    pl.when(wg < _COMPUTE_WGS)(lambda: _compute_wg(wg, work, sched_ref, q_ref, o_ref, smem, bars,
-                                                   scale=scale, causal=causal, interpret=interpret))
+    pl.when(wg < _COMPUTE_WGS)(lambda: _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars,
+                                                   scale=scale, causal=causal, alibi=alibi, interpret=interpret))
     pl.when(wg == _COMPUTE_WGS)(functools.partial(
         _memory_wg, work, sched_ref, meta_ref, tables_ref, kv_ref, smem, bars, group=group,
         num_blocks=num_blocks, num_kv_heads=num_kv_heads))
 
 
-def _launch(sched, meta, tables, qp, kv_rows, *, num_ctas, scale, group, num_blocks, num_kv_heads,
-            block_q, block_kv, num_slots, causal, interpret, lowering_semantics):
+def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group, num_blocks, num_kv_heads,
+            block_q, block_kv, num_slots, causal, alibi, interpret, lowering_semantics):
     _, num_heads, head_dim = qp.shape
     per_step = block_kv // kv_rows.shape[1]
     # 128-byte rows (64 bf16/fp16 columns) in 8-row tiles, swizzled: the layout wgmma reads.
@@ -348,13 +360,13 @@ def _launch(sched, meta, tables, qp, kv_rows, *, num_ctas, scale, group, num_blo
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                         # tensor-core ping-pong
     ]
     kernel = functools.partial(_kernel, scale=scale, group=group, num_heads=num_heads, num_ctas=num_ctas,
-                               num_blocks=num_blocks, num_kv_heads=num_kv_heads, causal=causal,
+                               num_blocks=num_blocks, num_kv_heads=num_kv_heads, causal=causal, alibi=alibi,
                                interpret=interpret is not None)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(qp.shape, qp.dtype), scratch_types=scratch,
         grid=(num_ctas,), grid_names=("ctas",), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=ops.compiler_params(lowering_semantics), interpret=interpret,
-    )(sched, meta, tables, qp, kv_rows)
+    )(sched, meta, tables, slopes, qp, kv_rows)
 
 
 def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=None) -> str | None:
@@ -426,11 +438,13 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
                                 scale: float, block_q: int = 64, block_kv: int = 128,
                                 max_concurrent_steps: int = 2, sliding_window: int | None = None,
                                 soft_cap: float | None = None, num_ctas: int | None = None,
-                                causal: bool = True, interpret=None,
+                                causal: bool = True, alibi_slopes=None, interpret=None,
                                 lowering_semantics: str | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D]; the cache is
     q's dtype or e4m3 (FP8_CACHE_DTYPE bytes: the kernel then computes in float16).
 
+    alibi_slopes: None, f32[N] (ALiBi, the reference's meaning) or f32[R, N] (each request's own: the
+    packed decode rows of paged_decode_attention_mgpu, whose "requests" are (request, kv head) pairs).
     block_q: query tokens per compute warpgroup (a CTA holds 2 * block_q); block_kv: keys per pipeline
     step; max_concurrent_steps: K/V slots in flight; num_ctas: persistent CTAs (None: one per SM on the
     GPU, 3 in the interpreter). causal=False: every query row of a request sees all its seq_lens[r]
@@ -456,13 +470,16 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
                                                     block_q, block_kv)
     kv_rows = kv_cache.reshape(num_layers * 2 * num_blocks * num_kv_heads, block_size, head_dim)
     meta = jnp.stack([jnp.asarray(layer_idx, jnp.int32), live_tiles])
+    alibi = alibi_slopes is not None
+    slopes = (jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (seq_lens.shape[0], num_heads)) if alibi
+              else jnp.zeros((1, 1), jnp.float32))
     interpret = ops.interpret_params(interpret)
     if num_ctas is None:
         # one CTA per SM (the H100 SXM's count when lowering for CUDA without a GPU)
         num_ctas = _INTERPRET_CTAS if interpret is not None else device_num_sms()
-    out = _launch(sched, meta, tables, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
+    out = _launch(sched, meta, tables, slopes, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
                   scale=scale, group=num_heads // num_kv_heads, num_blocks=num_blocks,
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,
-                  num_slots=max_concurrent_steps, causal=causal, interpret=interpret,
+                  num_slots=max_concurrent_steps, causal=causal, alibi=alibi, interpret=interpret,
                   lowering_semantics=lowering_semantics)
     return out[:num_tokens].astype(out_dtype)

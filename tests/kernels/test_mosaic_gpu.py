@@ -29,7 +29,7 @@ from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attentio
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 try:
-    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
+    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
     from jaxpaged.pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
     _NO_MGPU = None
 except ImportError as e:  # pragma: no cover - a jax without Pallas's Mosaic GPU module
@@ -115,11 +115,19 @@ class MosaicCase(Case):
     detect_races: bool = False          # the interpreter's race detector (the CPU only)
     chunked_reference: bool = False     # real sizes: the XLA path in f32 (kernel_cases.chunked_reference)
     fp8: bool = False                   # the pool rounded into e4m3 bytes (--kv-cache-dtype fp8)
+    alibi: bool = False                 # ALiBi slopes (ALiBi's geometric series over the query heads)
 
     @property
     def id(self) -> str:
         ctas = f"-ctas{self.num_ctas}" if self.num_ctas else ""
-        return f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}" + ("-fp8" if self.fp8 else "")
+        return (f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}" + ("-fp8" if self.fp8 else "")
+                + ("-alibi" if self.alibi else ""))
+
+    @property
+    def slopes(self):
+        """{} or {"alibi_slopes": f32[N]}: the keyword both the kernel and its reference take."""
+        n = self.layout.num_heads
+        return {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, n + 1, dtype=jnp.float32) / n)} if self.alibi else {}
 
     def pool(self, kv_cache):
         """The case's pool: as made, or its values rounded into e4m3 bytes."""
@@ -147,6 +155,9 @@ RAGGED_CASES += [MosaicCase(layout=Layout(16, 64, 2, 1, "bfloat16"),
 # float16); long contexts through two slots, several items per CTA, the race detector on.
 RAGGED_CASES += [MosaicCase(layout=Layout(16, head_dim, 4, 2, "bfloat16"), batch=_MIXED, block_kv=64, num_ctas=2,
                             detect_races=True, fp8=True) for head_dim in (64, 128)]
+# ALiBi: multi-head (Baichuan's layout) and grouped, the bias on every key step, masked or not.
+RAGGED_CASES += [MosaicCase(layout=Layout(16, 64, 2 * group, 2, "bfloat16"), batch=_MIXED, block_kv=64, num_ctas=2,
+                            alibi=True) for group in (1, 2)]
 # Real sizes: the kernel's defaults (one CTA per SM).
 RAGGED_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_RAGGED, chunked_reference=True)
                          for layout in REAL_LAYOUTS)
@@ -160,8 +171,13 @@ DECODE_CASES = [MosaicCase(layout=Layout(16, head_dim, 2 * group, 2, "bfloat16")
 DECODE_CASES += [MosaicCase(layout=Layout(16, head_dim, 2 * group, 2, "bfloat16"), batch=_DECODES, block_kv=block_kv,
                             num_ctas=2, detect_races=True, fp8=True)
                  for head_dim, group, block_kv in [(64, 7, 64), (128, 4, 128)]]
+# ALiBi decodes: one query head per kv head (the packed tile's one row takes its pair's slope), bf16 and e4m3.
+DECODE_CASES += [MosaicCase(layout=Layout(16, 128, 3, 3, "bfloat16"), batch=_DECODES, block_kv=64, num_ctas=2,
+                            alibi=True, fp8=fp8) for fp8 in (False, True)]
 DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=fp8) for layout in REAL_LAYOUTS
                          for fp8 in (False, True))
+DECODE_CASES += gpu_only([MosaicCase(layout=Layout(16, 128, 40, 40, "bfloat16", "baichuan2-13b"), batch=REAL_DECODE,
+                                     alibi=True)])
 
 
 def _check(out, ref, case, padding_rows):
@@ -182,9 +198,9 @@ class TestRaggedPrefillMosaic:
         scale = case.layout.head_dim ** -0.5
         out = ragged_paged_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
                                           max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
-                                          interpret=interpret_arg(case.detect_races))
+                                          interpret=interpret_arg(case.detect_races), **case.slopes)
         ref_fn = chunked_reference if case.chunked_reference else ragged_paged_attention_reference
-        _check(out, reference(ref_fn, *x.args, scale=scale), case, slice(x.num_real_tokens, None))
+        _check(out, reference(ref_fn, *x.args, scale=scale, **case.slopes), case, slice(x.num_real_tokens, None))
 
     @on_hopper
     def test_rejects_unsupported(self):
@@ -230,9 +246,29 @@ class TestPagedDecodeMosaic:
         scale = case.layout.head_dim ** -0.5
         out = paged_decode_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
                                           max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
-                                          interpret=interpret_arg(case.detect_races))
-        ref = reference(paged_decode_attention_reference, *x.args, scale=scale)
+                                          interpret=interpret_arg(case.detect_races), **case.slopes)
+        ref = reference(paged_decode_attention_reference, *x.args, scale=scale, **case.slopes)
         _check(out, ref, case, np.asarray(x.seq_lens) == 0)
+
+    @on_hopper
+    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+    def test_alibi_lowers_for_cuda(self, semantics):
+        """ALiBi's per-item slope (a scalar load) and its bias on every key step lower for CUDA, over both pools,
+        packed as a multi-head decode's pairs (one row a tile, one slope a pair)."""
+        sds = jax.ShapeDtypeStruct
+        for cache_dtype in (jnp.bfloat16, FP8_CACHE_DTYPE):
+            args = (sds((64 * 40, 1, 128), jnp.bfloat16), sds((2, 2, 100 * 40, 1, 16, 128), cache_dtype),
+                    sds((), jnp.int32), sds((64 * 40, 32), jnp.int32), sds((64 * 40,), jnp.int32),
+                    sds((64 * 40 + 1,), jnp.int32))
+            lowered = ragged_paged_attention_mgpu.trace(
+                *args, scale=0.1, causal=False, alibi_slopes=sds((64 * 40, 1), jnp.float32), interpret=False,
+                lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
+
+    def test_alibi_needs_one_query_head_per_kv_head(self):
+        q, kv = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((1, 2, 4, 2, 16, 128), jnp.bfloat16)
+        assert "ALiBi" in mgpu_decode_supported(q, kv, alibi=True)
+        assert "ALiBi" not in (mgpu_decode_supported(q[:, :2], kv, alibi=True) or "")
 
     @on_hopper
     @pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
