@@ -8,13 +8,14 @@ which implementation runs below them is chosen by `backend`:
   "pallas"     Pallas GPU kernels on the Triton backend (the default on GPUs other than Hopper)
   "mosaic"     as "pallas", but the ragged (prefill / mixed) attention runs the persistent Mosaic GPU kernel
                for Hopper (ragged_paged_attention_mgpu.py: TMA, wgmma, warp specialisation) wherever it
-               supports the call (bf16/fp16 q over a cache of q's dtype or e4m3, head dim 64/128, no
-               window or soft cap), the Triton kernel
-               elsewhere. The default on Hopper (sm_90): on the H100 it runs prefill about as fast as
+               supports the call (bf16/fp16, head dim 64/128, no window or soft cap; ALiBi), the Triton
+               kernel elsewhere. The default on Hopper (sm_90): on the H100 it runs prefill about as fast as
                cuDNN's dense attention, well ahead of the Triton kernel, and that shows end to end.
-               Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs
-               outside while loops (per-layer or unrolled dispatch, one step per program) run the Mosaic
-               decode kernel (paged_decode_attention_mgpu), other decodes the Triton split-K one.
+               Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs outside while
+               loops (per-layer or unrolled dispatch, one step per program) run the Mosaic decode kernel
+               (paged_decode_attention_mgpu), other decodes the Triton split-K one. Over an e4m3 pool:
+               the Mosaic decode kernel from head size MOSAIC_FP8_DECODE_MIN_HEAD_DIM, the Triton prefill
+               kernel.
 
 The caller names the backend (jaxpaged.config.resolve picks it by platform: "xla" on the CPU, "mosaic"
 on Hopper, "pallas" on other GPUs); this package reads no environment and makes no configuration choice.
@@ -38,6 +39,13 @@ BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # below it slower, since without split-K a few dozen CTAs leave most SMs idle (16 qwen2-0.5b requests are
 # 32 pairs).
 MOSAIC_DECODE_MIN_PAIRS = 128
+# Over an e4m3 pool the Mosaic decode kernel widens every K/V slot to float16 in its one busy compute
+# warpgroup, so it is no longer bound by bytes alone: on the H100 it beat the Triton decode kernel on the same
+# pool for head size 128 (llama3-8b 64 x 4k: 324 against 357 us) and lost for 64 (qwen2-0.5b, whose seven
+# query heads a kv head make the tile's softmax the larger share: 62 against 54 us at 64 x 4k, 208 against 180
+# at 256 x 4k). Prefill over an e4m3 pool keeps to the Triton kernel: there both compute warpgroups would widen
+# every slot, and the Mosaic kernel was not shown faster.
+MOSAIC_FP8_DECODE_MIN_HEAD_DIM = 128
 
 __all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype", "is_hopper",
            "paged_decode_attention", "paged_decode_attention_reference", "ragged_paged_attention_reference",
@@ -63,7 +71,8 @@ def attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
     lower for a GPU from a process without one (the engine's lowering workers) name both.
     kv_scales: (k_scale, v_scale) f32[] for an e4m3 cache (FP8_CACHE_DTYPE), whose K/V hold k / k_scale and
     v / v_scale (write_kv): the scores take k_scale through q and the output v_scale, so the kernels only
-    convert each tile to q's dtype (the Mosaic GPU kernels: to float16, and compute in it).
+    convert each tile to q's dtype (the Mosaic decode kernel, from head size MOSAIC_FP8_DECODE_MIN_HEAD_DIM: to
+    float16, and computes in it).
     alibi_slopes: f32[N] or None: ALiBi's bias slope[n] * (key position - query position) on head n's
     scores (the Mosaic decode kernel takes it with one query head per kv head, as ALiBi models have).
     """
@@ -97,8 +106,10 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
         mosaic = backend == "mosaic" and not interpret
+        fp8 = kv_cache.dtype == FP8_CACHE_DTYPE
         if decode_only:
-            if mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS:
+            if (mosaic and not in_loop and q.shape[0] * kv_cache.shape[3] >= MOSAIC_DECODE_MIN_PAIRS
+                    and not (fp8 and q.shape[-1] < MOSAIC_FP8_DECODE_MIN_HEAD_DIM)):
                 from .paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
                 if mgpu_decode_supported(q, kv_cache, sliding_window=sliding_window, soft_cap=soft_cap,
                                          alibi=alibi_slopes is not None) is None:
@@ -108,7 +119,7 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap,
                                           alibi_slopes=alibi_slopes, interpret=interpret, num_sms=num_sms)
-        if mosaic:
+        if mosaic and not fp8:
             # imported here: only this backend needs Mosaic GPU's Pallas module
             from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
             if mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,
