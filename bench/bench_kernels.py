@@ -206,9 +206,12 @@ FP8_DECODE_CONFIGS = ((64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2), (128, 4
 def _time_decode_fp8(row, data, nrot, scale):
     """The default configuration on the same pool in e4m3 (--kv-cache-dtype fp8): half the bytes read; then
     FP8_DECODE_CONFIGS (split count the op's own), the best as fp8_best_us / fp8_best_cfg."""
-    from pallas_kernels._checks import FP8_CACHE_DTYPE, to_cache
+    from pallas_kernels._checks import FP8_CACHE_DTYPE, in_triton_32bit_window, to_cache
     q, pool, tables, lens = data
     pool8 = to_cache(pool, FP8_CACHE_DTYPE)
+    if in_triton_32bit_window(pool8.size, 1):     # the Triton kernels refuse 2-4 GiB of bytes: grow it past 4 GiB
+        per_block = pool8.size // pool8.shape[2]
+        pool8 = jnp.pad(pool8, ((0, 0), (0, 0), (0, 2**32 // per_block + 1 - pool8.shape[2])) + ((0, 0),) * 3)
     try:
         t, _ = time_op(lambda i, q, pool, tables, lens: pk.paged_decode_attention(
             q, pool, jnp.int32(0), tables[i], lens, scale=scale), (q, pool8, tables, lens), nrot)

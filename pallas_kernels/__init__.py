@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import jax
 
-from ._checks import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, cache_values_dtype, is_hopper
+from ._checks import (CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, cache_values_dtype, in_triton_32bit_window, is_hopper,
+                      pool_blocks_outside_window)
 from .kv_write import write_kv_pallas, write_kv_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
@@ -47,7 +48,8 @@ MOSAIC_DECODE_MIN_PAIRS = 128
 # every slot, and the Mosaic kernel was not shown faster.
 MOSAIC_FP8_DECODE_MIN_HEAD_DIM = 128
 
-__all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype", "is_hopper",
+__all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype",
+           "in_triton_32bit_window", "is_hopper", "pool_blocks_outside_window",
            "paged_decode_attention", "paged_decode_attention_reference", "ragged_paged_attention_reference",
            "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]
 

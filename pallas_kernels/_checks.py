@@ -44,6 +44,35 @@ def to_cache(x, cache_dtype):
     return x if values == jnp.dtype(cache_dtype) else jax.lax.bitcast_convert_type(x, cache_dtype)
 
 
+# JAX's Pallas Triton lowering addresses an operand with signed 32-bit offsets unless the operand holds more
+# than 2**32 bytes, so a 1-byte array of more than 2**31 and at most 2**32 bytes (an e4m3 pool of 2-4 GiB) has
+# elements its offsets cannot reach: the Triton kernels read garbage from its last blocks (NaN in e4m3, seen on
+# the H100 with jax 0.11.2) and would write there likewise. Wider dtypes cross 2**31 elements only past 2**32
+# bytes, where the offsets are 64-bit. 1-byte pools stay out of this window (pool_blocks_outside_window).
+_TRITON_32BIT_WINDOW = (2**31, 2**32)
+
+
+def in_triton_32bit_window(nbytes: int, itemsize: int) -> bool:
+    """A 1-byte array of this size has elements past the 32-bit offsets JAX's Triton lowering gives it."""
+    return itemsize == 1 and _TRITON_32BIT_WINDOW[0] < nbytes <= _TRITON_32BIT_WINDOW[1]
+
+
+def pool_blocks_outside_window(num_blocks: int, block_bytes: int, itemsize: int) -> int:
+    """num_blocks, or for a pool of 1-byte values inside the window, the most blocks that keep it to 2**31
+    bytes (the window's lower edge; its upper edge would need more memory than the pool was given)."""
+    if in_triton_32bit_window(num_blocks * block_bytes, itemsize):
+        return _TRITON_32BIT_WINDOW[0] // block_bytes
+    return num_blocks
+
+
+def check_triton_offsets(kv_cache) -> None:
+    """ValueError for a pool the Triton kernels cannot address (in_triton_32bit_window)."""
+    if in_triton_32bit_window(kv_cache.size * kv_cache.dtype.itemsize, kv_cache.dtype.itemsize):
+        raise ValueError(f"a {kv_cache.dtype} pool of {kv_cache.size} bytes (over 2 GiB, at most 4 GiB) has elements "
+                         "past the 32-bit offsets JAX's Triton lowering uses below 4 GiB; size it to at most "
+                         "2**31 bytes or past 2**32 (pool_blocks_outside_window)")
+
+
 def validate_q_and_cache(q, kv_cache, layer_idx) -> None:
     """Shared checks of a query batch against the pool layout [L, 2, B, K, S, D]."""
     if q.ndim != 3 or kv_cache.ndim != 6:

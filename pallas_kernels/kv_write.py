@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._checks import to_cache
+from ._checks import check_triton_offsets, to_cache
 
 
 def write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping):
@@ -61,6 +61,7 @@ def write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping, *, interpret: bool 
                          f"{list(slot_mapping.shape)}")
     if head_dim & (head_dim - 1):
         raise ValueError(f"head dim {head_dim} must be a power of two")
+    check_triton_offsets(kv_cache)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)

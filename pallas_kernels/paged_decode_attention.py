@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import from_cache, validate_q_and_cache
+from ._checks import check_triton_offsets, from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 NUM_SMS = 132            # H100 SXM: the SM count where no GPU says its own (lowering on the CPU)
@@ -187,6 +187,7 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     num_sms: the SM count the split count is fitted to (None: the device's, device_num_sms()).
     """
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
+    check_triton_offsets(kv_cache)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     num_reqs, num_heads, head_dim = q.shape

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import from_cache, validate_q_and_cache
+from ._checks import check_triton_offsets, from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -206,6 +206,7 @@ def _launch(q_rows, kv_cache, layer, tile_req, tile_start, query_start_loc, seq_
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc):
     validate_q_and_cache(q, kv_cache, layer_idx)
+    check_triton_offsets(kv_cache)
     num_reqs = seq_lens.shape[0]
     if (block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or seq_lens.ndim != 1
             or query_start_loc.shape != (num_reqs + 1,)):

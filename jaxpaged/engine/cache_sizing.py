@@ -41,8 +41,15 @@ def _stable_round(num_blocks: int) -> int:
 
 
 def size_kv_cache(per_block: int, weights_bytes: int, activation_bytes: int, gpu_memory_utilization: float,
-                  override: int | None) -> CacheSize:
+                  override: int | None, itemsize: int = 2) -> CacheSize:
+    """itemsize: bytes of one pool value (1 for an e4m3 pool, which is kept out of the 2-4 GiB sizes JAX's Triton
+    kernels cannot address: pallas_kernels.pool_blocks_outside_window)."""
+    from jaxpaged.pallas_kernels import pool_blocks_outside_window
     if override is not None:
+        if pool_blocks_outside_window(override, per_block, itemsize) != override:
+            raise ValueError(f"num_gpu_blocks_override {override} makes a pool of {override * per_block / 2**30:.2f} "
+                             "GiB of 1-byte values, inside the 2-4 GiB that JAX's Triton kernels cannot address: "
+                             f"choose at most {2**31 // per_block} blocks or more than {2**32 // per_block}")
         return CacheSize(override, per_block, override * per_block)
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
@@ -60,6 +67,12 @@ def size_kv_cache(per_block: int, weights_bytes: int, activation_bytes: int, gpu
                     device_total / 2**30, limit / 2**30, stats.get("bytes_in_use", 0) / 2**30,
                     activation_bytes / 2**30)
     num_blocks = _stable_round(max(budget // per_block, 0))
+    capped = pool_blocks_outside_window(num_blocks, per_block, itemsize)
+    if capped != num_blocks:
+        logger.warning("KV cache: %d blocks (%.2f GiB of 1-byte values) cut to %d (2 GiB): JAX's Triton kernels "
+                       "address a pool of 2-4 GiB with 32-bit offsets that cannot reach its end",
+                       num_blocks, num_blocks * per_block / 2**30, capped)
+        num_blocks = capped
     if num_blocks < 2:
         raise ValueError(f"No memory left for the KV cache (budget {budget / 2**30:.2f} GiB after weights "
                          f"{weights_bytes / 2**30:.2f} GiB and activations {activation_bytes / 2**30:.2f} GiB; "

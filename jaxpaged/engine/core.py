@@ -123,7 +123,7 @@ class EngineCore:
         per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, pool_dtype)
         activations = self._activation_estimate(cfg, run.max_num_batched_tokens, run.max_num_seqs)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
-                             args.num_gpu_blocks_override)
+                             args.num_gpu_blocks_override, np.dtype(pool_dtype).itemsize)
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
         self.num_blocks, self.block_size = size.num_blocks, args.block_size
         self.buckets = BucketPolicy(run.max_num_batched_tokens, run.max_num_seqs)

@@ -102,3 +102,40 @@ def test_a_cpu_bf16_pool_holds_the_values_bits():
         ref = pk.write_kv(x.kv_cache, LAYER, k, -k, slots, backend=backend, interpret=INTERPRET)
         assert out.dtype == CPU_BF16_CACHE_DTYPE
         np.testing.assert_array_equal(np.asarray(from_cache(out, jnp.float32)), np.asarray(ref, np.float32))
+
+
+def test_an_fp8_pool_stays_out_of_tritons_32bit_window(monkeypatch):
+    """JAX's Triton lowering gives an operand of at most 2**32 bytes 32-bit offsets: a 1-byte pool of 2-4 GiB has
+    elements they cannot reach (its last blocks read back NaN on the H100). The Triton ops refuse such a pool
+    (checked while tracing: nothing is allocated), and the engine sizes e4m3 pools outside the window."""
+    import jax
+
+    from jaxpaged import pallas_kernels as pk
+    from jaxpaged.engine import cache_sizing
+    block = 2 * 8 * 16 * 128                                          # one layer of llama3-8b's block, in bytes
+    inside = 2**31 // block + 1
+    assert pk.in_triton_32bit_window(inside * block, 1) and not pk.in_triton_32bit_window(inside * block, 2)
+    assert not pk.in_triton_32bit_window(2**31, 1) and not pk.in_triton_32bit_window(2**32 + block, 1)
+    assert pk.pool_blocks_outside_window(inside, block, 1) == 2**31 // block
+    assert pk.pool_blocks_outside_window(inside, block, 2) == inside
+    sds = jax.ShapeDtypeStruct
+    q = sds((4, 32, 128), jnp.bfloat16)
+    for blocks, ok in ((inside, False), (2**31 // block, True), (2**32 // block + 1, True)):
+        pool = sds((1, 2, blocks, 8, 16, 128), FP8_CACHE_DTYPE)
+        calls = [lambda q, p: paged_decode_attention(q, p, 0, jnp.zeros((4, 8), jnp.int32), jnp.ones((4,), jnp.int32),
+                                                     scale=0.1, interpret=True),
+                 lambda q, p: ragged_paged_attention_pallas(q, p, 0, jnp.zeros((4, 8), jnp.int32),
+                                                            jnp.ones((4,), jnp.int32), jnp.arange(5, dtype=jnp.int32),
+                                                            scale=0.1, interpret=True)]
+        for call in calls:
+            if ok:
+                jax.eval_shape(call, q, pool)
+            else:
+                with pytest.raises(ValueError, match="32-bit offsets"):
+                    jax.eval_shape(call, q, pool)
+    # the engine's sizing: a 3 GiB e4m3 budget becomes 2 GiB; bf16's is kept; an override inside is refused
+    monkeypatch.setattr(cache_sizing.envs, "JAXPAGED_CPU_KV_CACHE_MIB", 3 << 10)
+    assert cache_sizing.size_kv_cache(block, 0, 0, 0.9, None, itemsize=1).num_blocks * block <= 2**31
+    assert cache_sizing.size_kv_cache(2 * block, 0, 0, 0.9, None, itemsize=2).num_blocks * 2 * block > 2**31
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        cache_sizing.size_kv_cache(block, 0, 0, 0.9, inside, itemsize=1)
