@@ -235,32 +235,40 @@ def _time_decode_fp8(row, data, nrot, scale):
             row["fp8_best_us"], row["fp8_best_cfg"] = t * 1e6, cfg
     if "fp8_best_us" in row and "default_us" in row:
         row["fp8_best_speedup"] = row["default_us"] / row["fp8_best_us"]
-    _time_decode_mgpu_fp8(row, (q, pool8, tables, lens), nrot, scale, row.get("fp8_default_us"))
+    _time_decode_mgpu_fp8(row, (q, pool8, tables, lens), nrot, scale, row.get("fp8_default_us"), pool)
 
 
-# (block_kv, slots) of the Mosaic decode kernel tried on the e4m3 pool (128 keys leave SMEM for two slots)
-FP8_MGPU_CONFIGS = ((128, 2), (64, 2), (64, 3), (64, 4))
+# (block_kv, slots, split_keys) of the Mosaic decode kernel tried on the e4m3 pool (128 keys leave SMEM for two
+# slots; split_keys: both compute warpgroups share each pair's steps, 64 keys a step)
+FP8_MGPU_CONFIGS = ((128, 2, False), (64, 2, False), (64, 3, False), (64, 4, False), (64, 2, True), (64, 3, True))
 
 
-def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us):
+def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
     """The Mosaic decode kernel on the e4m3 pool (each slot widened to float16 in SMEM), each config first
-    checked against the Triton kernel on the same pool: fp8_mgpu_us[block_kv,slots]; then what attention()
-    routes for this batch, bf16 pool against e4m3 pool (routed_fp8_speedup: issue 26's decode figure)."""
+    checked against the Triton kernel on the same pool: fp8_mgpu_us[block_kv,slots(,split)]; split_keys on
+    the bf16 pool too (bf16_split_mgpu_us[64,2,split]); then what attention() routes for this batch, bf16 pool
+    against e4m3 pool (routed_fp8_speedup: issue 26's decode figure)."""
     from pallas_kernels.paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu as mgpu
     q, pool8, tables, lens = data
     if mgpu_decode_supported(q, pool8) is not None:
         return
     ref = pk.paged_decode_attention(q, pool8, jnp.int32(0), tables[0], lens, scale=scale)
-    for block_kv, slots in FP8_MGPU_CONFIGS:
-        label = f"{block_kv},{slots}"
+    for block_kv, slots, split in FP8_MGPU_CONFIGS:
+        label = f"{block_kv},{slots}" + (",split" if split else "")
 
-        def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots)):
+        def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots, split_keys=split)):
             return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
         t = _checked_time(f"fp8_mgpu:{label}", f, data, nrot, row, ref)
         if t is not None:
             row[f"fp8_mgpu_us[{label}]"] = us = t * 1e6
             if us < row.get("fp8_mgpu_us", math.inf):
                 row["fp8_mgpu_us"], row["fp8_mgpu_cfg"] = us, label
+    ref16 = pk.paged_decode_attention(q, pool_bf16, jnp.int32(0), tables[0], lens, scale=scale)
+    t = _checked_time("bf16_split_mgpu:64,2", lambda i, q, pool, tables, lens: mgpu(
+        q, pool, jnp.int32(0), tables[i], lens, scale=scale, block_kv=64, split_keys=True),
+        (q, pool_bf16, tables, lens), nrot, row, ref16)
+    if t is not None:
+        row["bf16_split_mgpu_us[64,2,split]"] = t * 1e6
     if "fp8_mgpu_us[128,2]" in row and triton_fp8_us:
         row["fp8_mgpu_vs_triton"] = triton_fp8_us / row["fp8_mgpu_us[128,2]"]
 

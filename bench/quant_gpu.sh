@@ -58,7 +58,7 @@ if [ $FP8_KV = 1 ]; then
   timeout 330 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode,prefill \
     --fp8-cache --decode-shapes 256x4096,64x4096 --decode-configs "" --decode-mgpu-configs "128,2" \
     --prefill-configs "" --budget-s 280 2>&1 | grep -E '^(decode|prefill) |failed' \
-    | grep -oE '^(decode|prefill)|"layout"[^,]*|"(seqs|ctx|len)"[^,]*|"(default|routed|mgpu)_us"[^,]*|"routed_kernel"[^,]*|"(fp8_|routed_fp8)[a-z0-9_]*(\[[0-9,x]*\])?": [^,}]*|failed.*' \
+    | grep -oE '^(decode|prefill)|"layout"[^,]*|"(seqs|ctx|len)"[^,]*|"(default|routed|mgpu)_us"[^,]*|"routed_kernel"[^,]*|"(fp8_|routed_fp8|bf16_split)[a-z0-9_]*(\[[0-9a-z,]*\])?": [^,}]*|failed.*' \
     | tr '\n' ' ' | sed -E 's/ (decode|prefill) /\n\1 /g'; echo
 fi
 if [ $FP8_TPUT = 1 ]; then

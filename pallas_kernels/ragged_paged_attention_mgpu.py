@@ -125,6 +125,77 @@ def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_s
     return acc, m_new, l
 
 
+def _split_step(j, carry, *, own, first_step, key_last, q_smem, k_smem, v_smem, wide, bars, qk_scale,
+                alibi_slope, interpret):
+    """Key step j of an item whose steps the two compute warpgroups share (split_keys: this one computes the
+    steps with own=True, every other one). Every step waits on its slot's load barriers and frees the slot (the
+    other warpgroup's steps too), so each warpgroup observes every barrier phase; no ping-pong (the warpgroups
+    run independently). Rows see the keys up to key_last (not causal)."""
+    acc, m, l = carry
+    k_bar, v_bar, k_free, v_free = bars
+    num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
+    slot = lax.rem(first_step + j, num_slots)
+    plgpu.barrier_wait(k_bar.at[slot])
+    if not own:
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        return carry
+    k_src = k_smem.at[slot]
+    if wide is not None:
+        _widen(k_src, wide, interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        k_src = wide
+    qk = ops.qk(q_smem, k_src, lambda: None, interpret)               # f32[BQ, BKV]
+    if wide is None:
+        plgpu.barrier_arrive(k_free.at[slot])
+    cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
+    if alibi_slope is not None:
+        qk = qk + (cols - key_last).astype(jnp.float32) * alibi_slope
+    qk = jnp.where(cols <= key_last, qk, -jnp.inf)
+    m_new = jnp.maximum(m, qk.max(axis=1) * qk_scale)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l = l * alpha + p.sum(axis=1)
+    p16 = p.astype(q_smem.dtype)
+    plgpu.barrier_wait(v_bar.at[slot])
+    v_src = v_smem.at[slot]
+    if wide is not None:                             # the QK wgmma has read `wide`: V may take it
+        _widen(v_src, wide, interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        v_src = wide
+    acc = ops.pv(acc, p16, v_src, lambda: None, interpret)         # returns once the wgmma is done
+    if wide is None:
+        plgpu.barrier_arrive(v_free.at[slot])
+    return acc, m_new, l
+
+
+def _merge_halves(wg, k, acc, m, l, xchg, xbars, interpret):
+    """split_keys: warpgroup 1 hands its (acc, m, l) over SMEM; warpgroup 0 merges it into its own and
+    returns the item's (acc, l) (warpgroup 1's return is not used). m and l travel as [BQ, 8] broadcasts."""
+    xacc, xml = xchg                                 # f32[BQ, D], f32[2, BQ, 8]
+    ready, free = xbars
+    width = xml.shape[-1]
+    if wg == 1:
+        pl.when(k > 0)(lambda: plgpu.barrier_wait(free))               # warpgroup 0 has read the last item's
+        xacc[...] = acc
+        xml[0] = lax.broadcast_in_dim(m, (m.shape[0], width), [0])
+        xml[1] = lax.broadcast_in_dim(l, (l.shape[0], width), [0])
+        plgpu.barrier_arrive(ready)
+        return acc, l
+    plgpu.barrier_wait(ready)
+    acc1 = xacc[...] if interpret else ops.smem_load(xacc, plgpu.Layout.WGMMA)
+    m1 = (xml[0] if interpret else ops.smem_load(xml.at[0], plgpu.Layout.WGMMA)).max(axis=1)
+    l1 = (xml[1] if interpret else ops.smem_load(xml.at[1], plgpu.Layout.WGMMA)).max(axis=1)
+    plgpu.barrier_arrive(free)
+    m_all = jnp.maximum(m, m1)
+    a0, a1 = jnp.exp2(m - m_all), jnp.exp2(m1 - m_all)
+    acc = (acc * lax.broadcast_in_dim(a0, acc.shape, [0])
+           + acc1 * lax.broadcast_in_dim(a1, acc.shape, [0]))
+    return acc, l * a0 + l1 * a1
+
+
 class _Sched:
     """The barrier that makes the two compute warpgroups take turns on the tensor core."""
 
@@ -205,13 +276,23 @@ def _wg_tile(sched_ref, tile, wg, block_kv):
     return load, lo, rows, pos, jnp.minimum(steps, sched_ref[tile, ms.STEPS])
 
 
-def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, scale, causal, alibi, interpret):
-    """Compute warpgroup wg: its half of each item's tile, online softmax over the item's keys."""
-    q_smem2, qbuf2, obuf2, k_smem, v_smem, *wide2 = smem
-    k_bar, v_bar, q_bar, k_free, v_free, sched_bar = bars
+def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, scale, causal, alibi, split,
+                fp8, interpret):
+    """Compute warpgroup wg: its half of each item's tile, online softmax over the item's keys; with split
+    (not causal; wg static) both warpgroups take warpgroup 0's rows, each every other key step, and warpgroup
+    0 merges and writes."""
+    q_smem2, qbuf2, obuf2, k_smem, v_smem = smem[:5]
+    wide2 = smem[5] if fp8 else None
+    xchg = smem[5 + fp8:7 + fp8] if split else None
+    k_bar, v_bar, q_bar, k_free, v_free, sched_bar = bars[:6]
+    xbars = bars[6:8] if split else None
     plgpu.set_max_registers(232, action="increase")
-    q_smem, qbuf, obuf = q_smem2.at[wg], qbuf2.at[wg], obuf2.at[wg]          # [BQ, D] each
-    wide = wide2[0].at[wg] if wide2 else None                                # [BKV, D] (e4m3 pool)
+    # buffers indexed by the traced warpgroup index either way (a static index into a transposed wgmma
+    # operand does not lower under warpgroup semantics)
+    wg_index = lax.axis_index("wg") if split else wg
+    q_smem, qbuf, obuf = q_smem2.at[wg_index], qbuf2.at[wg_index], obuf2.at[wg_index]   # [BQ, D] each
+    wide = wide2.at[wg_index] if fp8 else None                                          # [BKV, D] (e4m3 pool)
+    rows_of = 0 if split else wg                     # whose half of the tile this warpgroup computes
     block_q, head_dim = q_smem.shape
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
     sched = _Sched(sched_bar)
@@ -221,20 +302,20 @@ def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, sc
         # Mosaic's TMA into 8-row-tiled SMEM views GMEM as whole 8-row tiles, so a tile starting at
         # any token lands in the untiled qbuf first.
         tile, head = work.item(k)
-        load, *_, num_steps = _wg_tile(sched_ref, tile, wg, block_kv)
+        load, *_, num_steps = _wg_tile(sched_ref, tile, rows_of, block_kv)
         pl.when(num_steps > 0)(lambda: plgpu.copy_gmem_to_smem(
-            q_ref.at[pl.ds(load, block_q), head], qbuf, q_bar.at[wg]))
+            q_ref.at[pl.ds(load, block_q), head], qbuf, q_bar.at[wg_index]))
 
     pl.when(work.num_iters > 0)(lambda: fetch_q(0))
 
     def run_item(k, first_step):
         tile, head = work.item(k)
-        load, lo, rows, pos, num_steps = _wg_tile(sched_ref, tile, wg, block_kv)
+        load, lo, rows, pos, num_steps = _wg_tile(sched_ref, tile, rows_of, block_kv)
         item_steps = sched_ref[tile, ms.STEPS]
 
         @pl.when(num_steps > 0)
         def _():                                     # qbuf -> the swizzled wgmma operand
-            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg_index])
             q_smem[...] = qbuf[...] if interpret else ops.smem_load(qbuf, plgpu.Layout.WGMMA)
             plgpu.commit_smem()                      # generic-proxy writes -> visible to wgmma
 
@@ -242,12 +323,30 @@ def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, sc
         m = ops.layout(jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1), interpret)
         l = ops.layout(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1), interpret)
         acc = ops.layout(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA, interpret)
-        pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(first_step, num_slots)]))
-        pl.when(wg == 1)(sched)                      # offset the two warpgroups by half a step
         # Not causal: every row sees the keys up to the last written row's position (decode rows).
         key_last = None if causal else pos + rows - 1
         # a zero tile's request is -1: it takes no key steps, and reads row 0 of the table
         slope = slopes_ref[jnp.maximum(sched_ref[tile, ms.REQ], 0), head] * (1.0 / scale) if alibi else None
+        if split:
+            # (a non-causal tile's rows see every step of the item: num_steps == item_steps, or 0 when idle)
+            step = functools.partial(_split_step, first_step=first_step, key_last=key_last, q_smem=q_smem,
+                                     k_smem=k_smem, v_smem=v_smem, wide=wide, bars=load_bars,
+                                     qk_scale=scale * _LOG2E, alibi_slope=slope, interpret=interpret)
+
+            def pair(i, carry):
+                carry = step(2 * i, carry, own=wg == 0)
+                return step(2 * i + 1, carry, own=wg == 1)
+            carry = lax.fori_loop(0, item_steps // 2, pair, (acc, m, l))
+            acc, m, l = lax.fori_loop(item_steps - lax.rem(item_steps, 2), item_steps,
+                                      functools.partial(step, own=wg == 0), carry)     # an odd last step
+            acc, l = _merge_halves(wg, k, acc, m, l, xchg, xbars, interpret)
+            if wg == 0:
+                pl.when(rows > 0)(lambda: _store_rows(
+                    (acc / lax.broadcast_in_dim(jnp.maximum(l, 1.0), acc.shape, [0])).astype(o_ref.dtype),
+                    obuf, o_ref, head, load, lo, rows))
+            return first_step + item_steps
+        pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(first_step, num_slots)]))
+        pl.when(wg == 1)(sched)                      # offset the two warpgroups by half a step
         step = functools.partial(_kv_step, first_step=first_step, row_pos0=pos - lo, key_last=key_last,
                                  num_steps=num_steps, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem,
                                  wide=wide, bars=load_bars, sched=sched, qk_scale=scale * _LOG2E,
@@ -269,6 +368,8 @@ def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, sc
         return first_step + item_steps
 
     lax.fori_loop(0, work.num_iters, run_item, jnp.int32(0))
+    if split and wg == 1:                            # observe warpgroup 0's last read of the exchange too
+        pl.when(work.num_iters > 0)(lambda: plgpu.barrier_wait(xbars[1]))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -276,7 +377,7 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
                num_kv_heads):
     """Memory warpgroup: gathers every item's K/V steps into the C slots, P TMA copies per slot."""
     k_smem, v_smem = smem[3:5]
-    k_bar, v_bar, _, k_free, v_free, _ = bars
+    k_bar, v_bar, _, k_free, v_free, _ = bars[:6]
     plgpu.set_max_registers(40, action="decrease")
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
     block_size = kv_ref.shape[1]
@@ -312,7 +413,7 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
 
 
 def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *scratch, scale, group, num_heads,
-            num_ctas, num_blocks, num_kv_heads, causal, alibi, interpret):
+            num_ctas, num_blocks, num_kv_heads, causal, alibi, split, fp8, interpret):
     # sched_ref:  i32[NT, 10]                 see _mgpu_schedule.tile_schedule
     # meta_ref:   i32[2]                      layer, live tiles (the first rows of sched)
     # tables_ref: i32[R, Mp]                  Mp = M rounded up to P; padding is the null block 0
@@ -320,21 +421,27 @@ def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *
     # q_ref:      dtype[Tp, N, D]
     # kv_ref:     dtype[L * 2 * B * K, S, D]  the pool with its leading axes flattened (or its e4m3 bytes)
     # o_ref:      dtype[Tp, N, D]             rows [0, T) written, the others untouched
-    # scratch:    5 SMEM buffers (6 over an e4m3 pool; see _launch), then barriers k, v, q, k free, v free,
-    #             schedule
-    num_smem = len(scratch) - 6
+    # scratch:    5 SMEM buffers, the e4m3 pool's widening buffers, split's exchange buffers (see _launch), then
+    #             barriers k, v, q, k free, v free, schedule, and split's exchange ready and free
+    num_smem = 5 + fp8 + 2 * split
     smem, bars = scratch[:num_smem], scratch[num_smem:]
     wg = lax.axis_index("wg")
     work = _Work(meta_ref[1], num_ctas, num_heads)
-    pl.when(wg < _COMPUTE_WGS)(lambda: _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars,
-                                                   scale=scale, causal=causal, alibi=alibi, interpret=interpret))
+    compute = functools.partial(_compute_wg, work=work, sched_ref=sched_ref, slopes_ref=slopes_ref, q_ref=q_ref,
+                                o_ref=o_ref, smem=smem, bars=bars, scale=scale, causal=causal, alibi=alibi,
+                                split=split, fp8=fp8, interpret=interpret)
+    if split:                                        # each warpgroup's own code: its half of the steps is static
+        for w in range(_COMPUTE_WGS):
+            pl.when(wg == w)(functools.partial(compute, w))
+    else:
+        pl.when(wg < _COMPUTE_WGS)(lambda: compute(wg))
     pl.when(wg == _COMPUTE_WGS)(functools.partial(
         _memory_wg, work, sched_ref, meta_ref, tables_ref, kv_ref, smem, bars, group=group,
         num_blocks=num_blocks, num_kv_heads=num_kv_heads))
 
 
 def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group, num_blocks, num_kv_heads,
-            block_q, block_kv, num_slots, causal, alibi, interpret, lowering_semantics):
+            block_q, block_kv, num_slots, causal, alibi, split, interpret, lowering_semantics):
     _, num_heads, head_dim = qp.shape
     per_step = block_kv // kv_rows.shape[1]
     # 128-byte rows (64 bf16/fp16 columns) in 8-row tiles, swizzled: the layout wgmma reads.
@@ -351,6 +458,8 @@ def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group,
     ]
     if fp8:                                                               # each warpgroup's widened K or V
         scratch.append(plgpu.SMEM((_COMPUTE_WGS, block_kv, head_dim), qp.dtype, **mma))
+    if split:                                 # warpgroup 1's acc, and its m and l as [BQ, 8] broadcasts
+        scratch += [plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((2, block_q, 8), jnp.float32)]
     scratch += [
         plgpu.Barrier(num_arrivals=per_step, num_barriers=num_slots),     # K slot loaded (P copies)
         plgpu.Barrier(num_arrivals=per_step, num_barriers=num_slots),     # V slot loaded
@@ -359,9 +468,11 @@ def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group,
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),  # V slot free
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                         # tensor-core ping-pong
     ]
+    if split:
+        scratch += [plgpu.Barrier(), plgpu.Barrier()]                     # exchange written / read
     kernel = functools.partial(_kernel, scale=scale, group=group, num_heads=num_heads, num_ctas=num_ctas,
                                num_blocks=num_blocks, num_kv_heads=num_kv_heads, causal=causal, alibi=alibi,
-                               interpret=interpret is not None)
+                               split=split, fp8=fp8, interpret=interpret is not None)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(qp.shape, qp.dtype), scratch_types=scratch,
         grid=(num_ctas,), grid_names=("ctas",), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
@@ -397,16 +508,17 @@ def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=Non
     return None
 
 
-def _smem_bytes(head_dim, cache_dtype, block_q, block_kv, num_slots) -> int:
+def _smem_bytes(head_dim, cache_dtype, block_q, block_kv, num_slots, split=False) -> int:
     """The SMEM buffers _launch allocates (2-byte q and output tiles; slots of the cache's dtype; over an
-    e4m3 pool one float16 [BKV, D] buffer per compute warpgroup)."""
+    e4m3 pool one float16 [BKV, D] buffer per compute warpgroup; with split, the f32 exchange)."""
     fp8 = jnp.dtype(cache_dtype) == FP8_CACHE_DTYPE
     rows = 3 * _COMPUTE_WGS * block_q * 2 + 2 * num_slots * block_kv * jnp.dtype(cache_dtype).itemsize
-    return (rows + (_COMPUTE_WGS * block_kv * 2 if fp8 else 0)) * head_dim
+    exchange = (block_q * head_dim + 2 * block_q * 8) * 4 if split else 0
+    return (rows + (_COMPUTE_WGS * block_kv * 2 if fp8 else 0)) * head_dim + exchange
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale, block_q,
-              block_kv, max_concurrent_steps, sliding_window, soft_cap):
+              block_kv, max_concurrent_steps, sliding_window, soft_cap, split_keys=False, causal=True):
     validate_q_and_cache(q, kv_cache, layer_idx)
     reason = mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,
                             soft_cap=soft_cap)
@@ -425,26 +537,31 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
                          f"of the block size; got {block_q}, {block_kv}, S={kv_cache.shape[4]}")
     if max_concurrent_steps < 2:
         raise ValueError(f"max_concurrent_steps must be >= 2; got {max_concurrent_steps}")
-    need = _smem_bytes(q.shape[-1], kv_cache.dtype, block_q, block_kv, max_concurrent_steps)
+    if split_keys and causal:
+        raise ValueError("split_keys needs causal=False (the packed decode rows: every row sees every key step)")
+    need = _smem_bytes(q.shape[-1], kv_cache.dtype, block_q, block_kv, max_concurrent_steps, split_keys)
     if need > _SMEM_BYTES:
         raise ValueError(f"{need} bytes of shared memory needed, {_SMEM_BYTES} available: lower "
                          "block_kv, block_q or max_concurrent_steps")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_concurrent_steps",
-                                             "sliding_window", "soft_cap", "num_ctas", "causal",
+                                             "sliding_window", "soft_cap", "num_ctas", "causal", "split_keys",
                                              "interpret", "lowering_semantics"))
 def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                 scale: float, block_q: int = 64, block_kv: int = 128,
                                 max_concurrent_steps: int = 2, sliding_window: int | None = None,
                                 soft_cap: float | None = None, num_ctas: int | None = None,
-                                causal: bool = True, alibi_slopes=None, interpret=None,
-                                lowering_semantics: str | None = None):
+                                causal: bool = True, alibi_slopes=None, split_keys: bool = False,
+                                interpret=None, lowering_semantics: str | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D]; the cache is
     q's dtype or e4m3 (FP8_CACHE_DTYPE bytes: the kernel then computes in float16).
 
     alibi_slopes: None, f32[N] (ALiBi, the reference's meaning) or f32[R, N] (each request's own: the
     packed decode rows of paged_decode_attention_mgpu, whose "requests" are (request, kv head) pairs).
+    split_keys (causal=False only): both compute warpgroups take the first warpgroup's rows of each tile and
+    every other key step each, and merge at the item's end (a decode tile's rows fill one warpgroup's half,
+    so the other would idle; over an e4m3 pool each step's widening and softmax bound the kernel).
     block_q: query tokens per compute warpgroup (a CTA holds 2 * block_q); block_kv: keys per pipeline
     step; max_concurrent_steps: K/V slots in flight; num_ctas: persistent CTAs (None: one per SM on the
     GPU, 3 in the interpreter). causal=False: every query row of a request sees all its seq_lens[r]
@@ -454,7 +571,7 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     """
     _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, scale=scale,
               block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-              sliding_window=sliding_window, soft_cap=soft_cap)
+              sliding_window=sliding_window, soft_cap=soft_cap, split_keys=split_keys, causal=causal)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     per_step = block_kv // block_size
@@ -480,6 +597,6 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     out = _launch(sched, meta, tables, slopes, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
                   scale=scale, group=num_heads // num_kv_heads, num_blocks=num_blocks,
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,
-                  num_slots=max_concurrent_steps, causal=causal, alibi=alibi, interpret=interpret,
+                  num_slots=max_concurrent_steps, causal=causal, alibi=alibi, split=split_keys, interpret=interpret,
                   lowering_semantics=lowering_semantics)
     return out[:num_tokens].astype(out_dtype)

@@ -116,12 +116,13 @@ class MosaicCase(Case):
     chunked_reference: bool = False     # real sizes: the XLA path in f32 (kernel_cases.chunked_reference)
     fp8: bool = False                   # the pool rounded into e4m3 bytes (--kv-cache-dtype fp8)
     alibi: bool = False                 # ALiBi slopes (ALiBi's geometric series over the query heads)
+    split_keys: bool = False            # decode: the two compute warpgroups share each pair's key steps
 
     @property
     def id(self) -> str:
         ctas = f"-ctas{self.num_ctas}" if self.num_ctas else ""
         return (f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}" + ("-fp8" if self.fp8 else "")
-                + ("-alibi" if self.alibi else ""))
+                + ("-alibi" if self.alibi else "") + ("-split" if self.split_keys else ""))
 
     @property
     def slopes(self):
@@ -174,8 +175,18 @@ DECODE_CASES += [MosaicCase(layout=Layout(16, head_dim, 2 * group, 2, "bfloat16"
 # ALiBi decodes: one query head per kv head (the packed tile's one row takes its pair's slope), bf16 and e4m3.
 DECODE_CASES += [MosaicCase(layout=Layout(16, 128, 3, 3, "bfloat16"), batch=_DECODES, block_kv=64, num_ctas=2,
                             alibi=True, fp8=fp8) for fp8 in (False, True)]
+# split_keys: odd and even step counts (1-4 steps of 64 keys), a padding request, several items a CTA (the
+# exchange's barriers across items), bf16 and e4m3 pools, ALiBi.
+_SPLIT_DECODES = DecodeBatch("7reqs", 13, (1, 17, 64, 150, 0, 128, 200), full_tables=True)
+_SPLIT_LAYOUTS = [(128, 2, 4, {}), (64, 2, 7, dict(fp8=True)), (128, 2, 4, dict(fp8=True)),
+                  (128, 3, 1, dict(alibi=True))]
+DECODE_CASES += [MosaicCase(layout=Layout(16, head_dim, kv * group, kv, "bfloat16"), batch=_SPLIT_DECODES, block_kv=64,
+                            num_ctas=2, detect_races=True, split_keys=True, **kw)
+                 for head_dim, kv, group, kw in _SPLIT_LAYOUTS]
 DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=fp8) for layout in REAL_LAYOUTS
                          for fp8 in (False, True))
+DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=True, block_kv=64, split_keys=True)
+                         for layout in REAL_LAYOUTS)
 DECODE_CASES += gpu_only([MosaicCase(layout=Layout(16, 128, 40, 40, "bfloat16", "baichuan2-13b"), batch=REAL_DECODE,
                                      alibi=True)])
 
@@ -246,7 +257,8 @@ class TestPagedDecodeMosaic:
         scale = case.layout.head_dim ** -0.5
         out = paged_decode_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
                                           max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
-                                          interpret=interpret_arg(case.detect_races), **case.slopes)
+                                          split_keys=case.split_keys, interpret=interpret_arg(case.detect_races),
+                                          **case.slopes)
         ref = reference(paged_decode_attention_reference, *x.args, scale=scale, **case.slopes)
         _check(out, ref, case, np.asarray(x.seq_lens) == 0)
 
@@ -262,6 +274,20 @@ class TestPagedDecodeMosaic:
                     sds((64 * 40 + 1,), jnp.int32))
             lowered = ragged_paged_attention_mgpu.trace(
                 *args, scale=0.1, causal=False, alibi_slopes=sds((64 * 40, 1), jnp.float32), interpret=False,
+                lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
+
+    @on_hopper
+    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+    def test_split_keys_lowers_for_cuda(self, semantics):
+        """split_keys: each warpgroup's own code, the exchange's [BQ, 8] broadcasts and f32 tile through SMEM."""
+        sds = jax.ShapeDtypeStruct
+        for cache_dtype in (jnp.bfloat16, FP8_CACHE_DTYPE):
+            args = (sds((64 * 8 * 4, 1, 128), jnp.bfloat16), sds((2, 2, 100 * 8, 1, 16, 128), cache_dtype),
+                    sds((), jnp.int32), sds((64 * 8, 32), jnp.int32), sds((64 * 8,), jnp.int32),
+                    sds((64 * 8 + 1,), jnp.int32))
+            lowered = ragged_paged_attention_mgpu.trace(
+                *args, scale=0.1, causal=False, block_kv=64, split_keys=True, interpret=False,
                 lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
             assert "mosaic_gpu" in lowered.as_text()
 
