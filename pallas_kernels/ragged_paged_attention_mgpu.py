@@ -73,6 +73,37 @@ def _widen(src, dst, interpret):
     plgpu.commit_smem()                              # generic-proxy writes -> visible to wgmma
 
 
+def _scores(q_smem, k_smem, slot, wide, k_free, sched, interpret):
+    """q @ K^T of the slot, f32[BQ, BKV]; the slot is freed once read (over an e4m3 pool: once widened)."""
+    k_src = k_smem.at[slot]
+    if wide is not None:
+        _widen(k_src, wide, interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        k_src = wide
+    qk = ops.qk(q_smem, k_src, sched, interpret)
+    if wide is None:
+        plgpu.barrier_arrive(k_free.at[slot])
+    return qk
+
+
+def _online_softmax(qk, acc, m, l, qk_scale, dtype):
+    """One key step's online-softmax update (log2 domain) -> (acc rescaled, m, l, probabilities in dtype)."""
+    m_new = jnp.maximum(m, qk.max(axis=1) * qk_scale)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return acc, m_new, l * alpha + p.sum(axis=1), p.astype(dtype)
+
+
+def _values(v_smem, slot, wide, v_free, interpret):
+    """The slot's V as the PV wgmma's operand: the slot itself, or (e4m3 pool) `wide`, freeing the slot."""
+    if wide is None:
+        return v_smem.at[slot]
+    _widen(v_smem.at[slot], wide, interpret)         # the QK wgmma has read `wide`: V may take it
+    plgpu.barrier_arrive(v_free.at[slot])
+    return wide
+
+
 def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_smem, k_smem, v_smem,
              wide, bars, sched, qk_scale, alibi_slope, interpret):
     """Key step j of the item (the first_step + j-th of the CTA) of online softmax for one compute
@@ -84,14 +115,7 @@ def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_s
     k_bar, v_bar, k_free, v_free = bars
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
     slot = lax.rem(first_step + j, num_slots)
-    k_src = k_smem.at[slot]
-    if wide is not None:
-        _widen(k_src, wide, interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
-        k_src = wide
-    qk = ops.qk(q_smem, k_src, sched, interpret)                      # f32[BQ, BKV]
-    if wide is None:
-        plgpu.barrier_arrive(k_free.at[slot])
+    qk = _scores(q_smem, k_smem, slot, wide, k_free, sched, interpret)                   # f32[BQ, BKV]
     if masked or alibi_slope is not None:
         cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
         last = ops.iota(qk.shape, 0, interpret) + row_pos0 if key_last is None else key_last
@@ -99,20 +123,11 @@ def _kv_step(j, carry, *, masked, first_step, row_pos0, key_last, num_steps, q_s
         qk = qk + (cols - last).astype(jnp.float32) * alibi_slope
     if masked:
         qk = jnp.where(cols <= last, qk, -jnp.inf)
-    m_new = jnp.maximum(m, qk.max(axis=1) * qk_scale)
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-    l = l * alpha + p.sum(axis=1)
-    p16 = p.astype(q_smem.dtype)
+    acc, m_new, l, p16 = _online_softmax(qk, acc, m, l, qk_scale, q_smem.dtype)
     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
     plgpu.barrier_arrive(sched.barrier)              # softmax done: let the other warpgroup's wgmma go
     plgpu.barrier_wait(v_bar.at[slot])
-    v_src = v_smem.at[slot]
-    if wide is not None:                             # the QK wgmma has read `wide`: V may take it
-        _widen(v_src, wide, interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        v_src = wide
+    v_src = _values(v_smem, slot, wide, v_free, interpret)
     plgpu.barrier_wait(sched.barrier)                # wait until the tensor core is ours again
 
     def wait_next_k():
@@ -141,30 +156,14 @@ def _split_step(j, carry, *, own, first_step, key_last, q_smem, k_smem, v_smem, 
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         return carry
-    k_src = k_smem.at[slot]
-    if wide is not None:
-        _widen(k_src, wide, interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
-        k_src = wide
-    qk = ops.qk(q_smem, k_src, lambda: None, interpret)               # f32[BQ, BKV]
-    if wide is None:
-        plgpu.barrier_arrive(k_free.at[slot])
+    qk = _scores(q_smem, k_smem, slot, wide, k_free, lambda: None, interpret)            # f32[BQ, BKV]
     cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
     if alibi_slope is not None:
         qk = qk + (cols - key_last).astype(jnp.float32) * alibi_slope
     qk = jnp.where(cols <= key_last, qk, -jnp.inf)
-    m_new = jnp.maximum(m, qk.max(axis=1) * qk_scale)
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-    acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-    l = l * alpha + p.sum(axis=1)
-    p16 = p.astype(q_smem.dtype)
+    acc, m_new, l, p16 = _online_softmax(qk, acc, m, l, qk_scale, q_smem.dtype)
     plgpu.barrier_wait(v_bar.at[slot])
-    v_src = v_smem.at[slot]
-    if wide is not None:                             # the QK wgmma has read `wide`: V may take it
-        _widen(v_src, wide, interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        v_src = wide
+    v_src = _values(v_smem, slot, wide, v_free, interpret)
     acc = ops.pv(acc, p16, v_src, lambda: None, interpret)         # returns once the wgmma is done
     if wide is None:
         plgpu.barrier_arrive(v_free.at[slot])
