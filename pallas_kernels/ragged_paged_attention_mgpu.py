@@ -38,6 +38,11 @@ is rounded to it (a bf16 q loses nothing in float16's range) and the output conv
 ALiBi: every key step (masked or not) adds slope * (key position - row position) to the scores, the slope
 read once per item from a (request, head) table (a decode's packed rows share one position, and one slope
 while each pair holds one query head).
+
+split_keys (not causal: the packed decode): a decode tile's rows fit one warpgroup's half, so the other would
+idle; instead both take those rows and every other key step each, without the ping-pong, and warpgroup 1
+hands its (acc, m, l) to warpgroup 0 through SMEM at the item's end. Each warpgroup still waits on every
+slot's load barriers and frees every slot, so both observe every barrier phase.
 """
 from __future__ import annotations
 
