@@ -3,8 +3,9 @@
 # table (bench/bench_matmul.py), the fp8 GEMM probe (bench/fp8_probe.py), llama3-8b's concurrency-1 TPOT over
 # HTTP as AWQ int4 (dummy weights) beside bf16, then (--fp8-throughput) llama3-8b offline ShareGPT 1000 with
 # fp8 weights quantized at load beside bf16 (dummy weights).
-# --fp8-kv: decode and prefill attention over a bf16 pool and the same pool in e4m3, on the Triton and the
-#   Mosaic GPU kernels, and what attention() routes (bench_kernels.py --fp8-cache); the Mosaic kernels' tests.
+# --fp8-kv: decode attention over a bf16 pool and the same pool in e4m3 (llama3-8b's layout; FP8_KV_LAYOUTS and
+#   FP8_KV_PARTS widen it), on the Triton and the Mosaic GPU kernels, and what attention() routes
+#   (bench_kernels.py --fp8-cache); the Mosaic kernels' tests.
 # --gguf: the default SmolLM2 with quantization="gguf" (its Q4_1 layers through the W4A16 kernel) against its
 #   dense run (bench/gguf_gpu.py).
 #   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv] [--gguf]
@@ -55,7 +56,10 @@ if [ $C1 = 1 ]; then
 fi
 if [ $FP8_KV = 1 ]; then
   echo "== attention, bf16 against fp8 cache (bench_kernels.py --fp8-cache)"
-  timeout 330 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" --parts decode,prefill \
+  # llama3-8b's layout (head size 128: where e4m3 decode runs the Mosaic kernel) unless FP8_KV_LAYOUTS names more
+  # (FP8_KV_LAYOUTS=qwen2-0.5b,llama3-8b); prefill over e4m3 too with FP8_KV_PARTS=decode,prefill
+  timeout 330 $PY "$REPO/bench/bench_kernels.py" --out "$OUTDIR" --git-rev "$JAXPAGED_GIT_REV" \
+    --parts "${FP8_KV_PARTS:-decode}" --layouts "${FP8_KV_LAYOUTS:-llama3-8b}" \
     --fp8-cache --decode-shapes 256x4096,64x4096 --decode-configs "" --decode-mgpu-configs "128,2" \
     --prefill-configs "" --budget-s 280 2>&1 | grep -E '^(decode|prefill) |failed' \
     | grep -oE '^(decode|prefill)|"layout"[^,]*|"(seqs|ctx|len)"[^,]*|"(default|routed|mgpu)_us"[^,]*|"routed_kernel"[^,]*|"(fp8_|routed_fp8|bf16_split)[a-z0-9_]*(\[[0-9a-z,]*\])?": [^,}]*|failed.*' \
