@@ -77,6 +77,33 @@ class TestAttentionBackends:
         monkeypatch.setattr(pk, "MOSAIC_DECODE_MIN_PAIRS", 17)
         assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == (0, 1)
 
+    def test_mosaic_routing_of_e4m3_pools_and_alibi(self, monkeypatch):
+        """Lowered for CUDA under backend="mosaic": an e4m3 pool's decode takes the Mosaic decode kernel at head
+        size 128 (MOSAIC_FP8_DECODE_MIN_HEAD_DIM) and the Triton one at 64, its prefill the Triton kernel;
+        ALiBi's prefill takes the Mosaic kernel, its decode too with one query head per kv head, Triton with
+        grouped heads."""
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
+        s = jax.ShapeDtypeStruct
+        layer, reqs = s((), jnp.int32), 64
+
+        def calls(q, pool, **kw):
+            fn = functools.partial(pk.attention, scale=0.1, backend="mosaic", **kw)
+            return lowered_calls(fn, q, pool, layer, s((reqs, 32), jnp.int32), s((reqs,), jnp.int32),
+                                 s((reqs + 1,), jnp.int32), names=MOSAIC_AND_TRITON)
+        scales = (jnp.float32(1.0), jnp.float32(1.0))
+        for head_dim, decode in ((128, (1, 0)), (64, (0, 1))):
+            pool8 = s((4, 2, 100, 2, 16, head_dim), pk.FP8_CACHE_DTYPE)
+            q = s((reqs, 8, head_dim), jnp.bfloat16)                               # 128 (request, kv head) pairs
+            assert calls(q, pool8, decode_only=True, kv_scales=scales) == decode, head_dim
+            assert calls(s((256, 8, head_dim), jnp.bfloat16), pool8, kv_scales=scales) == (0, 1), head_dim
+        pool = s((4, 2, 100, 2, 16, 128), jnp.bfloat16)
+        slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+        assert calls(s((reqs, 2, 128), jnp.bfloat16), pool, decode_only=True, alibi_slopes=slopes) == (1, 0)
+        assert calls(s((256, 2, 128), jnp.bfloat16), pool, alibi_slopes=slopes) == (1, 0)
+        grouped = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+        assert calls(s((reqs, 4, 128), jnp.bfloat16), pool, decode_only=True, alibi_slopes=grouped) == (0, 1)
+        assert calls(s((256, 4, 128), jnp.bfloat16), pool, alibi_slopes=grouped) == (1, 0)
+
     def test_mosaic_decode_lowers_inside_a_layer_scan(self, monkeypatch):
         """The model calls attention() inside lax.scan over layers with a traced layer index: the Mosaic
         decode route lowers there for CUDA too (one Mosaic GPU call in the scan body)."""
