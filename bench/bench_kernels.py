@@ -252,23 +252,20 @@ def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
     q, pool8, tables, lens = data
     if mgpu_decode_supported(q, pool8) is not None:
         return
-    ref = pk.paged_decode_attention(q, pool8, jnp.int32(0), tables[0], lens, scale=scale)
-    for block_kv, slots, split in FP8_MGPU_CONFIGS:
-        label = f"{block_kv},{slots}" + (",split" if split else "")
+    for name, pool, configs in (("fp8_mgpu", pool8, FP8_MGPU_CONFIGS),
+                                ("bf16_split_mgpu", pool_bf16, ((64, 2, True),))):
+        runs = (q, pool, tables, lens)
+        ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
+        for block_kv, slots, split in configs:
+            label = f"{block_kv},{slots}" + (",split" if split else "")
 
-        def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots, split_keys=split)):
-            return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
-        t = _checked_time(f"fp8_mgpu:{label}", f, data, nrot, row, ref)
-        if t is not None:
-            row[f"fp8_mgpu_us[{label}]"] = us = t * 1e6
-            if us < row.get("fp8_mgpu_us", math.inf):
-                row["fp8_mgpu_us"], row["fp8_mgpu_cfg"] = us, label
-    ref16 = pk.paged_decode_attention(q, pool_bf16, jnp.int32(0), tables[0], lens, scale=scale)
-    t = _checked_time("bf16_split_mgpu:64,2", lambda i, q, pool, tables, lens: mgpu(
-        q, pool, jnp.int32(0), tables[i], lens, scale=scale, block_kv=64, split_keys=True),
-        (q, pool_bf16, tables, lens), nrot, row, ref16)
-    if t is not None:
-        row["bf16_split_mgpu_us[64,2,split]"] = t * 1e6
+            def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots, split_keys=split)):
+                return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
+            t = _checked_time(f"{name}:{label}", f, runs, nrot, row, ref)
+            if t is not None:
+                row[f"{name}_us[{label}]"] = us = t * 1e6
+                if name == "fp8_mgpu" and us < row.get("fp8_mgpu_us", math.inf):
+                    row["fp8_mgpu_us"], row["fp8_mgpu_cfg"] = us, label
     if "fp8_mgpu_us[128,2]" in row and triton_fp8_us:
         row["fp8_mgpu_vs_triton"] = triton_fp8_us / row["fp8_mgpu_us[128,2]"]
 

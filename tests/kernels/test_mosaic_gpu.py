@@ -248,6 +248,20 @@ class TestRaggedPrefillMosaic:
         assert "mosaic_gpu" in lowered.as_text()
 
 
+def _packed_decode_lowers(semantics, pairs, group, **kw):
+    """The ragged kernel on a packed decode (pairs (request, kv head) pairs of group rows, not causal) lowers for
+    CUDA over a bf16 and an e4m3 pool, with kw (ALiBi, split_keys)."""
+    sds = jax.ShapeDtypeStruct
+    for cache_dtype in (jnp.bfloat16, FP8_CACHE_DTYPE):
+        args = (sds((pairs * group, 1, 128), jnp.bfloat16), sds((2, 2, 4000, 1, 16, 128), cache_dtype),
+                sds((), jnp.int32), sds((pairs, 32), jnp.int32), sds((pairs,), jnp.int32),
+                sds((pairs + 1,), jnp.int32))
+        traced = ragged_paged_attention_mgpu.trace(*args, scale=0.1, causal=False, interpret=False,
+                                                   lowering_semantics=semantics, **kw)
+        lowered = traced.lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
 class TestPagedDecodeMosaic:
     @runs_kernel
     @pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
@@ -268,29 +282,13 @@ class TestPagedDecodeMosaic:
     def test_alibi_lowers_for_cuda(self, semantics):
         """ALiBi's per-item slope (a scalar load) and its bias on every key step lower for CUDA, over both pools,
         packed as a multi-head decode's pairs (one row a tile, one slope a pair)."""
-        sds = jax.ShapeDtypeStruct
-        for cache_dtype in (jnp.bfloat16, FP8_CACHE_DTYPE):
-            args = (sds((64 * 40, 1, 128), jnp.bfloat16), sds((2, 2, 100 * 40, 1, 16, 128), cache_dtype),
-                    sds((), jnp.int32), sds((64 * 40, 32), jnp.int32), sds((64 * 40,), jnp.int32),
-                    sds((64 * 40 + 1,), jnp.int32))
-            lowered = ragged_paged_attention_mgpu.trace(
-                *args, scale=0.1, causal=False, alibi_slopes=sds((64 * 40, 1), jnp.float32), interpret=False,
-                lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
-            assert "mosaic_gpu" in lowered.as_text()
+        _packed_decode_lowers(semantics, 64 * 40, 1, alibi_slopes=jax.ShapeDtypeStruct((64 * 40, 1), jnp.float32))
 
     @on_hopper
     @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
     def test_split_keys_lowers_for_cuda(self, semantics):
         """split_keys: each warpgroup's own code, the exchange's [BQ, 8] broadcasts and f32 tile through SMEM."""
-        sds = jax.ShapeDtypeStruct
-        for cache_dtype in (jnp.bfloat16, FP8_CACHE_DTYPE):
-            args = (sds((64 * 8 * 4, 1, 128), jnp.bfloat16), sds((2, 2, 100 * 8, 1, 16, 128), cache_dtype),
-                    sds((), jnp.int32), sds((64 * 8, 32), jnp.int32), sds((64 * 8,), jnp.int32),
-                    sds((64 * 8 + 1,), jnp.int32))
-            lowered = ragged_paged_attention_mgpu.trace(
-                *args, scale=0.1, causal=False, block_kv=64, split_keys=True, interpret=False,
-                lowering_semantics=semantics).lower(lowering_platforms=("cuda",))
-            assert "mosaic_gpu" in lowered.as_text()
+        _packed_decode_lowers(semantics, 64 * 8, 4, block_kv=64, split_keys=True)
 
     def test_alibi_needs_one_query_head_per_kv_head(self):
         q, kv = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((1, 2, 4, 2, 16, 128), jnp.bfloat16)
