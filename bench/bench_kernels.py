@@ -271,13 +271,15 @@ def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
 
 
 def _time_routed_fp8(row):
-    """routed_fp8_us: attention()'s choice on the e4m3 pool (the Mosaic kernel's default config where the bf16
-    pool's decode took it and the head size is at least MOSAIC_FP8_DECODE_MIN_HEAD_DIM, else the Triton kernel's
-    default); routed_fp8_speedup: the bf16 pool's routed time over it."""
+    """routed_fp8_us: attention()'s choice on the e4m3 pool (the Mosaic kernel with MOSAIC_FP8_DECODE_CONFIG where
+    the bf16 pool's decode took it and the head size is at least MOSAIC_FP8_DECODE_MIN_HEAD_DIM, else the Triton
+    kernel's default); routed_fp8_speedup: the bf16 pool's routed time over it."""
     head_dim = LAYOUTS[row["layout"]][2]
+    cfg = pk.MOSAIC_FP8_DECODE_CONFIG
+    label = f"fp8_mgpu_us[{cfg['block_kv']},{cfg['max_concurrent_steps']}" + (",split]" if cfg["split_keys"] else "]")
     mosaic = (row.get("routed_kernel") == "mosaic" and head_dim >= pk.MOSAIC_FP8_DECODE_MIN_HEAD_DIM
-              and "fp8_mgpu_us[128,2]" in row)
-    us = row["fp8_mgpu_us[128,2]"] if mosaic else row.get("fp8_default_us")
+              and label in row)
+    us = row[label] if mosaic else row.get("fp8_default_us")
     if us is not None and "routed_us" in row:
         row["routed_fp8_us"], row["routed_fp8_speedup"] = us, row["routed_us"] / us
 

@@ -133,8 +133,11 @@ def test_an_fp8_pool_stays_out_of_tritons_32bit_window(monkeypatch):
             else:
                 with pytest.raises(ValueError, match="32-bit offsets"):
                     jax.eval_shape(call, q, pool)
-    # the engine's sizing: a 3 GiB e4m3 budget becomes 2 GiB; bf16's is kept; an override inside is refused
+    # the engine's sizing: a 3 GiB e4m3 budget becomes 2 GiB; bf16's is kept; an override inside is refused. The
+    # budget is JAXPAGED_CPU_KV_CACHE_MIB's on any platform: a device without memory statistics (on a GPU the
+    # device's free memory would set it)
     monkeypatch.setattr(cache_sizing.envs, "JAXPAGED_CPU_KV_CACHE_MIB", 3 << 10)
+    monkeypatch.setattr(cache_sizing.jax, "devices", lambda: [object()])
     assert cache_sizing.size_kv_cache(block, 0, 0, 0.9, None, itemsize=1).num_blocks * block <= 2**31
     assert cache_sizing.size_kv_cache(2 * block, 0, 0, 0.9, None, itemsize=2).num_blocks * 2 * block > 2**31
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
