@@ -53,6 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "where the step is one program, else 1)")
     g.add_argument("--quantization", "-q", default=None,
                    help="awq | compressed-tensors | fp8 | gguf | gptq (fp8 on a dense model: quantized at load)")
+    g.add_argument("--kv-cache-dtype", default=None, help="auto | fp8 (an e4m3 KV cache)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-kwargs", default="{}", help="JSON dict of further LLM(...) arguments")
 
@@ -68,7 +69,8 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      ("num_gpu_blocks_override", args.num_gpu_blocks_override),
                      ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens),
                      ("enable_prefix_caching", args.enable_prefix_caching),
-                     ("num_scheduler_steps", args.num_scheduler_steps), ("quantization", args.quantization)):
+                     ("num_scheduler_steps", args.num_scheduler_steps), ("quantization", args.quantization),
+                     ("kv_cache_dtype", args.kv_cache_dtype)):
         if val is not None:
             kw[key] = val
     kw.update(json.loads(args.engine_kwargs))

@@ -8,15 +8,17 @@
 #   (bench_kernels.py --fp8-cache); the Mosaic kernels' tests.
 # --gguf: the default SmolLM2 with quantization="gguf" (its Q4_1 layers through the W4A16 kernel) against its
 #   dense run (bench/gguf_gpu.py).
-#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv] [--gguf]
+# --fp8-kv-throughput: llama3-8b offline ShareGPT 1000 with an e4m3 KV cache beside the bf16 one (dummy weights).
+#   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv]
+#        [--fp8-kv-throughput] [--gguf]
 #        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b] [--fp8-rows 1,256,2048,8192]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
-TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; GGUF=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
+TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; FP8_KV_TPUT=0; GGUF=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
 FP8_ROWS=1,256,2048,8192
 while [ $# -gt 0 ]; do
-  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --gguf) GGUF=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
+  case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --fp8-kv-throughput) FP8_KV_TPUT=1 ;; --gguf) GGUF=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
              --c1-models) C1_MODELS=$2; shift ;; --fp8-rows) FP8_ROWS=$2; shift ;; esac
   shift
 done
@@ -64,6 +66,14 @@ if [ $FP8_KV = 1 ]; then
     --prefill-configs "" --budget-s 280 2>&1 | grep -E '^(decode|prefill) |failed' \
     | grep -oE '^(decode|prefill)|"layout"[^,]*|"(seqs|ctx|len)"[^,]*|"(default|routed|mgpu)_us"[^,]*|"routed_kernel"[^,]*|"(fp8_|routed_fp8|bf16_split)[a-z0-9_]*(\[[0-9a-z,]*\])?": [^,}]*|failed.*' \
     | tr '\n' ' ' | sed -E 's/ (decode|prefill) /\n\1 /g'; echo
+fi
+if [ $FP8_KV_TPUT = 1 ]; then
+  for kv in fp8 auto; do
+    echo "== offline llama3-8b ShareGPT 1000, kv-cache-dtype $kv"
+    timeout 280 $PY "$REPO/bench/throughput.py" --no-tqdm --dataset sharegpt --model llama3-8b \
+      --kv-cache-dtype $kv --result-name "llama3-8b-sharegpt-kv-$kv" 2>&1 \
+      | grep -E "Throughput|Run config|KV cache|loaded|Error|error" | tail -6
+  done
 fi
 if [ $FP8_TPUT = 1 ]; then
   for q in fp8 none; do
