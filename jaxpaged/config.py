@@ -31,10 +31,18 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # model's decode is host-bound (the launch and the engine's work outlast the device step). A stream gets a
 # program's tokens together; the scheduler runs one step whenever a request waits for its prefill.
 GPU_SCHEDULER_STEPS = 16
-# Per-layer dispatch from this many bytes of weights per layer: the layer scan slices each layer's weights
-# out of the stacked arrays, and XLA copies every slice that feeds a matmul; from this size those copies
-# cost more than the extra launches of a few programs per step.
+# Off the GPU, per-layer dispatch from this many bytes of weights per layer: the layer scan slices each layer's
+# weights out of the stacked arrays, and XLA copies every slice that feeds a matmul; from this size those
+# copies cost more than the extra launches of a few programs per step.
 PER_LAYER_MIN_BYTES = 64 << 20
+# On a GPU, per-layer dispatch (one step a program) from this many bytes a layer; smaller layers are unrolled
+# into one program of GPU_SCHEDULER_STEPS steps. Per-layer dispatch launches L / LAYERS_PER_DISPATCH + 2
+# programs a step, about 0.4 ms of host time each on the H100's host (4.1 ms for a 32-layer model): a group's
+# weights must take at least that long to read or the step waits on the host. Four layers of 256 MiB take
+# ~0.35 ms at the HBM's rate. llama3-8b in bf16 (416 MiB a layer) keeps the device busy either way (offline
+# the same speed both ways); in 4 bits (117 MiB) one request's token took 4.6-5.6 ms per layer group against
+# 3.4 ms unrolled. What unrolling costs is start-up: its programs take longer to compile.
+GPU_PER_LAYER_MIN_BYTES = 256 << 20
 # Layers in one program under per-layer dispatch: one layer per program left the device idle at small
 # batches (a launch costs about as much host time as a layer's device time); four keep it busy.
 LAYERS_PER_DISPATCH = 4
@@ -228,12 +236,14 @@ def _lowering_processes(platform: Platform, compile_buckets: bool) -> int:
 
 
 def _layer_dispatch(layer_bytes: int, on_gpu: bool, steps: int | None) -> str:
-    """Large layers: per_layer, unless several decode steps per program were asked for, which need the
-    step in one program: then unrolled (no weight-slice copies either). Small layers on a GPU: unrolled,
-    one CUDA graph per step. The CPU: the scan (quick to compile)."""
-    if layer_bytes >= PER_LAYER_MIN_BYTES:
-        return "unrolled" if steps is not None and steps > 1 else "per_layer"
-    return "unrolled" if on_gpu else "scan"
+    """Several decode steps per program asked for: unrolled (they need the step in one program). Otherwise on a
+    GPU: per_layer from GPU_PER_LAYER_MIN_BYTES a layer, else unrolled (one CUDA graph a program, several steps
+    a program); on the CPU: per_layer from PER_LAYER_MIN_BYTES, else the scan (quick to compile)."""
+    if steps is not None and steps > 1:
+        return "unrolled" if on_gpu or layer_bytes >= PER_LAYER_MIN_BYTES else "scan"
+    if on_gpu:
+        return "per_layer" if layer_bytes >= GPU_PER_LAYER_MIN_BYTES else "unrolled"
+    return "per_layer" if layer_bytes >= PER_LAYER_MIN_BYTES else "scan"
 
 
 def _batch_limits(args: EngineArgs, platform: Platform, max_model_len: int) -> tuple[int, int]:

@@ -4,14 +4,15 @@ import dataclasses
 
 import pytest
 
-from jaxpaged.config import (LAYERS_PER_DISPATCH, MAX_LOWERING_PROCESSES, MOSAIC_INPUT_ALIGN, GPU_SCHEDULER_STEPS,
-                             PER_LAYER_MIN_BYTES, EngineArgs, Platform, resolve)
+from jaxpaged.config import (GPU_PER_LAYER_MIN_BYTES, LAYERS_PER_DISPATCH, MAX_LOWERING_PROCESSES, MOSAIC_INPUT_ALIGN,
+                             GPU_SCHEDULER_STEPS, PER_LAYER_MIN_BYTES, EngineArgs, Platform, resolve)
 
 H100 = Platform("gpu", "NVIDIA H100 80GB HBM3", 76 * 2**30, True)
 A100 = Platform("gpu", "NVIDIA A100-SXM4-80GB", 76 * 2**30, False)
 L4 = Platform("gpu", "NVIDIA L4", 22 * 2**30, False)
 CPU = Platform("cpu", "cpu", 0, False)
-SMALL, LARGE = 8 << 20, PER_LAYER_MIN_BYTES       # qwen2-0.5b-sized and llama3-8b-sized layers
+SMALL, LARGE = 8 << 20, GPU_PER_LAYER_MIN_BYTES    # qwen2-0.5b-sized and llama3-8b-sized layers
+MEDIUM = PER_LAYER_MIN_BYTES                         # under GPU_PER_LAYER_MIN_BYTES: llama3-8b in 4 bits (117 MiB)
 SERVER = "openai_api_server"
 
 
@@ -24,7 +25,10 @@ def run(platform=H100, layer_bytes=SMALL, **args):
     (H100, SERVER, SMALL, "unrolled", GPU_SCHEDULER_STEPS),        # the server runs what LLM runs
     (H100, "llm_class", LARGE, "per_layer", 1),     # large layers: a few layers per program
     (H100, SERVER, LARGE, "per_layer", 1),
+    (H100, "llm_class", MEDIUM, "unrolled", GPU_SCHEDULER_STEPS),  # a 4-bit 8B model: per-layer launches outlast it
+    (H100, SERVER, MEDIUM, "unrolled", GPU_SCHEDULER_STEPS),
     (CPU, "llm_class", SMALL, "scan", 1),
+    (CPU, "llm_class", MEDIUM, "per_layer", 1),
     (CPU, SERVER, LARGE, "per_layer", 1),
 ])
 def test_layer_dispatch_and_steps_by_platform_use_and_layer_size(platform, usage, layer_bytes, dispatch, steps):
