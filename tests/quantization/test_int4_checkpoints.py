@@ -158,12 +158,16 @@ def test_int4_checkpoint_equals_hf_on_its_dequantized_weights(checkpoints, case)
     check_against_hf(llm, hf)
 
 
-def test_the_w4a16_kernel_runs_inside_the_model(checkpoints):
-    """attention_backend="pallas" runs the Pallas kernels (interpreted here), the W4A16 matmul among them."""
+@pytest.mark.parametrize("dispatch", [{}, {"layer_dispatch": "unrolled", "num_scheduler_steps": 4}],
+                         ids=["default", "unrolled"])
+def test_the_w4a16_kernel_runs_inside_the_model(checkpoints, dispatch):
+    """attention_backend="pallas" runs the Pallas kernels (interpreted here), the W4A16 matmul among them; also
+    with every layer unrolled into one program of several decode steps (what a GPU runs for a 4-bit 8B model)."""
     case = CASES[1]                     # Qwen2: a dense bias beside the quantized q/k/v
     path, hf = checkpoints(case)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=32,
-              attention_backend="pallas", quantization="awq")
+              attention_backend="pallas", quantization="awq", **dispatch)
+    assert llm.llm_engine.core.run.layer_dispatch == dispatch.get("layer_dispatch", "scan")
     check_against_hf(llm, hf)
 
 
