@@ -412,7 +412,10 @@ class DecoderModel(nn.Module):
         (h, kv_cache, _), _ = layers(c, self.dtype, self.options, name="layers")(
             (h, kv_cache, jnp.int32(0)), meta, cos, sin)
         norm = _norm(c, self.dtype, "norm")
-        if c.tie_word_embeddings:
+        if c.quant_of("lm_head"):
+            quantized = _quantized_head(c, self.dtype, self.options, name="lm_head")
+            head = lambda x: quantized(x)[:, :c.vocab_size]      # noqa: E731  (the padded columns dropped)
+        elif c.tie_word_embeddings:
             head = embed.attend
         else:
             head = Linear(c.vocab_size, False, self.dtype, held_dtype(c, self.dtype), name="lm_head")
@@ -443,9 +446,43 @@ def rope_cos_sin(cfg: DecoderConfig, meta: AttentionMetadata):
     return jnp.stack([cos for cos, _ in tables]), jnp.stack([sin for _, sin in tables])
 
 
+# A quantized LM head (GGUF's output blocks, or a tied embedding's) runs in the W4A16 kernel, whose column tiles
+# need the vocabulary padded to a multiple of this, with zero weights; the padded logits are dropped.
+HEAD_COLUMN_MULTIPLE = 64
+
+
+def head_columns(vocab_size: int) -> int:
+    """The quantized head's output columns: the vocabulary padded to HEAD_COLUMN_MULTIPLE."""
+    return vocab_size + -vocab_size % HEAD_COLUMN_MULTIPLE
+
+
+def _quantized_head(cfg: DecoderConfig, dtype, options: RuntimeOptions, name: str | None) -> nn.Module:
+    """The LM head kept in GGUF's blocks (DecoderConfig.quant_of("lm_head"): GGUF_INT4 or GGUF_INT8), repacked
+    for the W4A16 kernel as a [H, head_columns(V)] linear layer, in place of the tied embedding's expansion
+    (every step) or the untied head's dense copy."""
+    bits, group = repacked_form(cfg.quant_of("lm_head"))
+    return Int4Linear(head_columns(cfg.vocab_size), cfg.hidden_size, group, False, False, dtype, options,
+                      offsets=True, bits=bits, name=name)
+
+
+def head_options(cfg: DecoderConfig, options: RuntimeOptions) -> RuntimeOptions | None:
+    """What the head program needs of the step's options: only a quantized head's kernel reads any (its backend
+    and device), so a dense head's program is one whatever the step's options."""
+    if not cfg.quant_of("lm_head"):
+        return None
+    return RuntimeOptions(attn_backend=options.attn_backend, interpret=options.interpret, num_sms=options.num_sms)
+
+
 def head_weight(cfg: DecoderConfig, dtype, params) -> jax.Array:
     """The LM head as [H, V], as held (held_dtype): the tied embedding transposed (expanded from its blocks
-    when quantized, rounded to dtype), or lm_head's kernel."""
+    when quantized, rounded to dtype), a quantized head expanded from the kernel's layout, or lm_head's
+    kernel."""
+    head = cfg.quant_of("lm_head")
+    if head:
+        bits, _ = repacked_form(head)
+        q = params["lm_head"]
+        w = dequantize_int4(q["qweight"], q["scales"], mins=q["mins"], dtype=dtype, bits=bits)
+        return w[:cfg.hidden_size, :cfg.vocab_size].astype(held_dtype(cfg, dtype))
     if cfg.tie_word_embeddings:
         qtype = cfg.quant_of("embed_tokens")
         if qtype is not None:
@@ -495,13 +532,21 @@ def layer_phase(cfg: DecoderConfig, dtype, options: RuntimeOptions, layer_params
     return h, kv_cache
 
 
-def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targets=None, prompt_head=None):
-    """Final norm and LM head -> (logits f32[R, V] at logits_indices, prompt head output or ())."""
+def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targets=None, prompt_head=None,
+               options: RuntimeOptions | None = None):
+    """Final norm and LM head -> (logits f32[R, V] at logits_indices, prompt head output or ()). options:
+    head_options' (a quantized head's kernel)."""
     norm = lambda x: _norm(cfg, dtype, None).apply({"params": params["norm"]}, x)
-    w = head_weight(cfg, dtype, params)
-    logits = soft_cap(matmul(norm(h[logits_indices]), w, dtype).astype(jnp.float32), cfg.final_soft_cap)
+    x = norm(h[logits_indices])
+    if cfg.quant_of("lm_head"):
+        y = _quantized_head(cfg, dtype, options or RuntimeOptions(), None).apply({"params": params["lm_head"]}, x)
+        y = y[:, :cfg.vocab_size]
+    else:
+        y = matmul(x, head_weight(cfg, dtype, params), dtype)
+    logits = soft_cap(y.astype(jnp.float32), cfg.final_soft_cap)
     if prompt_head is None:
         return logits, ()
+    w = head_weight(cfg, dtype, params)
     return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, cfg.final_soft_cap)
 
 

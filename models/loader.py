@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from .config import DecoderConfig, decoder_config_from_hf
-from .decoder import AttentionMetadata, DecoderModel, held_dtype
-from .param_tables import (FUSED_MODULES, GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, KV_SCALES, LAYER_PREFIX,
-                           LAYER_TABLE, LINEAR_MODULES, TOP_TABLE, table_name)
+from .decoder import AttentionMetadata, DecoderModel, head_columns, held_dtype
+from .param_tables import (FUSED_MODULES, GGUF_EMBEDDING, GGUF_LINEAR_OF, GGUF_LINEARS, GGUF_OUTPUT, KV_SCALES,
+                           LAYER_PREFIX, LAYER_TABLE, LINEAR_MODULES, TOP_TABLE, table_name)
 from .quant_loader import (CHECKPOINT_KINDS, checkpoint_quantization, quantize_online, quantized_layer_params,
                            quantized_tensor_names, weight_quant_of)
 
@@ -127,9 +127,10 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     parts, every layer) is of a 4-bit type, whichever, else GGUF_INT8 with its group where every tensor is of a
     supported block type, in any mix (llama.cpp's Q4_K_M and Q5_K_M give some layers' v and down Q6_K): both
     repacked for the W4A16 kernel (4- or 8-bit values). The embedding, a lookup, keeps its blocks where one type
-    holds it all. A bias (Qwen2's q/k/v) stays dense beside the weight. A tensor held as floats (F32, F16,
-    BF16) makes its layer dense, dequantized from the file at load, and the log says so where it mixes with
-    blocks; unsupported types are refused, naming what is supported."""
+    holds it all; the LM head ("lm_head": the output tensor, else the tied embedding's blocks once more) is
+    repacked as a linear layer is. A bias (Qwen2's q/k/v) stays dense beside the weight. A tensor held as floats
+    (F32, F16, BF16) makes its layer dense, dequantized from the file at load, and the log says so where it mixes
+    with blocks; unsupported types are refused, naming what is supported."""
     from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, GGUF_INT8, INT4_TYPES, int8_group
     floats = ("F32", "F16", "BF16")
     types: dict[str, set] = {}
@@ -139,6 +140,12 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
             GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
         if name is not None and parts[-1] != "bias":
             types.setdefault(name, set()).add(t.tensor_type.name)
+    # The LM head: the output tensor, else the tied embedding; from its blocks in the W4A16 kernel, as the linear
+    # layers (rather than expanded each step, tied, or dequantized at load, untied)
+    head = next((t for t in reader.tensors if t.name == GGUF_OUTPUT), None) or \
+        next((t for t in reader.tensors if t.name == GGUF_EMBEDDING), None)
+    if head is not None:
+        types["lm_head"] = {head.tensor_type.name}
     out = []
     for linear, found in sorted(types.items()):
         unsupported = sorted(found - set(BLOCK_SIZES) - set(floats))
@@ -177,12 +184,14 @@ def _gguf_repacked(raw_parts: list[tuple[object, str]], in_features: int, bits: 
     return {"qweight": jnp.asarray(pack_bits(q, bits)), "scales": jnp.asarray(scales), "mins": jnp.asarray(mins)}
 
 
-def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple, list], jax.Array | None]:
+def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig
+                ) -> tuple[dict[tuple, list], jax.Array | None, dict[str, jax.Array] | None]:
     """The tensors cfg keeps quantized, in one pass over the file: (param path under a layer -> each layer's
     array: "qweight", "scales" and "mins" of a GGUF_INT4 or GGUF_INT8 layer in the W4A16 kernel's layout,
     e.g. ("self_attn", "qkv_proj", "qweight"); q and k rows in HF's rotary order (un-permuted where
     llama.cpp permuted them: the llama architecture), parts concatenated on the output axis; the embedding's
-    blocks, or None when it is dense)."""
+    blocks, or None when it is dense; the LM head's "qweight", "scales" and "mins" in the same layout, its
+    columns padded to decoder.head_columns, or None when it is dense)."""
     import numpy as np
 
     from jaxpaged.quantization.gguf_blocks import repacked_form
@@ -213,7 +222,15 @@ def gguf_blocks(model_dir: os.PathLike, cfg: DecoderConfig) -> tuple[dict[tuple,
             repacked = _gguf_repacked([parts[linear, i][n] for n in names], inputs[linear], bits, group)
             for leaf, array in repacked.items():
                 layers.setdefault(path + (leaf,), []).append(array)
-    return layers, embedding
+    head = None
+    if cfg.quant_of("lm_head"):
+        bits, group = repacked_form(cfg.quant_of("lm_head"))
+        source = next(t for t in reader.tensors if t.name == (GGUF_EMBEDDING if cfg.tie_word_embeddings
+                                                              else GGUF_OUTPUT))
+        head = _gguf_repacked([(np.asarray(source.data), source.tensor_type.name)], cfg.hidden_size, bits, group)
+        pad = head_columns(cfg.vocab_size) - cfg.vocab_size       # zero columns: padded logits, dropped
+        head = {leaf: jnp.pad(a, ((0, 0), (0, pad))) for leaf, a in head.items()}
+    return layers, embedding, head
 
 
 def held_weight_dtype(dtype, platform: str) -> str | None:
@@ -339,7 +356,7 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
     quant_names = quantized_tensor_names(cfg, quant_config)
     quant_modules = {m for path, modules in LINEAR_MODULES.items() if cfg.quant_of(path[-1])
                      for m in modules + ([FUSED_MODULES[path]] if path in FUSED_MODULES else [])}
-    blocks, embedding = gguf_blocks(model_dir, cfg) if gguf else ({}, None)
+    blocks, embedding, head = gguf_blocks(model_dir, cfg) if gguf else ({}, None, None)
     quant_tensors: dict[tuple[int, str], dict] = {}
     params: dict = {}
     for file, opened in _weight_files(model_dir, gguf):
@@ -371,8 +388,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
                     slots[int(idx)][part_idx] = t.T if transpose else t
                 elif name in TOP_TABLE:
                     path, transpose = TOP_TABLE[name]
-                    if path[0] == "lm_head" and cfg.tie_word_embeddings:
-                        continue
+                    if path[0] == "lm_head" and (cfg.tie_word_embeddings or cfg.quant_of("lm_head")):
+                        continue   # the embedding, or from the GGUF blocks
                     if path[0] == "embed_tokens" and cfg.quant_of("embed_tokens"):
                         continue   # from the GGUF blocks
                     t = f.get_tensor(stored)
@@ -391,6 +408,8 @@ def load_safetensors_params(model_dir: pathlib.Path, cfg: DecoderConfig, dtype, 
         _set(params, ("layers",) + path, arrays if per_layer else jnp.stack(arrays))
     if embedding is not None:
         _set(params, ("embed_tokens", "qweight"), embedding)
+    if head is not None:
+        params["lm_head"] = head
     for path, layers in layer_parts.items():
         missing = [i for i, parts in enumerate(layers) if any(t is None for t in parts)]
         if missing:

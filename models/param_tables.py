@@ -10,6 +10,7 @@ GGUF_LINEARS = {"qkv_proj": (("self_attn", "qkv_proj"), ("attn_q", "attn_k", "at
                  "down_proj": (("mlp", "down_proj"), ("ffn_down",))}
 GGUF_LINEAR_OF = {n: linear for linear, (_, names) in GGUF_LINEARS.items() for n in names}
 GGUF_EMBEDDING = "token_embd.weight"    # the embedding (and with it a tied LM head)
+GGUF_OUTPUT = "output.weight"           # an untied LM head
 
 
 # HF name inside model.layers.{i}. -> (path under params["layers"], transpose?, (part, num_parts) or None).

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_phase, layer_phase
+from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_options, head_phase, layer_phase
 from jaxpaged.runner.multi_step import decode_steps
 from jaxpaged.runner.program_spec import ProgramSpec
 from jaxpaged.runner.sampler import SamplerFlags, prompt_head, sample_and_keep
@@ -62,10 +62,12 @@ def group_layers(layer_params: list, layer_ids: list, group: int,
             for first in range(0, len(layer_params), group)]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags"), donate_argnames=("prev_sampled",))
-def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags):
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags", "head_opts"), donate_argnames=("prev_sampled",))
+def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags,
+          head_opts: RuntimeOptions | None = None):
+    """head_opts: decoder.head_options' (None for a dense head)."""
     logits, prompt = head_phase(cfg, dtype, params, h, model_input.logits_indices,
-                                model_input.prompt_target_ids, prompt_head(flags))
+                                model_input.prompt_target_ids, prompt_head(flags), head_opts)
     return sample_and_keep(logits, prompt, sampling, flags, prev_sampled)
 
 
@@ -81,13 +83,15 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
             h, cos, sin = embed_phase(cfg, dtype, params, tokens, meta)
             h, kv = _layers(layer_params, h, kv, 0, meta, cos, sin, cfg=cfg, dtype=dtype, options=options,
                             kinds=cfg.layer_kinds() or None)
-            return head_phase(cfg, dtype, params, h, model_input.logits_indices)[0], kv
+            return head_phase(cfg, dtype, params, h, model_input.logits_indices,
+                              options=head_options(cfg, options))[0], kv
         return decode_steps(forward, kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)
     h, cos, sin, model_input, sampling = _pre.__wrapped__(params, prev_sampled, ints, floats, layout=layout,
                                                           cfg=cfg, dtype=dtype)
     h, kv_cache = _layers(layer_params, h, kv_cache, 0, model_input.meta, cos, sin, cfg=cfg, dtype=dtype,
                           options=options, kinds=cfg.layer_kinds() or None)
     sampled_buf, result = _post.__wrapped__(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
+                                            head_opts=head_options(cfg, options),
                                             flags=flags)
     return kv_cache, sampled_buf, result
 
@@ -136,7 +140,8 @@ def jitted(layer_groups, *, layout, cfg, dtype, options: RuntimeOptions, flags: 
     layers = tuple(functools.partial(_layers_jit, cfg=cfg, dtype=dtype, options=options, kinds=kinds)
                    for _, _, kinds in layer_groups)
     return GroupedStep(functools.partial(_pre, layout=layout, cfg=cfg, dtype=dtype), layers,
-                       functools.partial(_post, cfg=cfg, dtype=dtype, flags=flags))
+                       functools.partial(_post, cfg=cfg, dtype=dtype, flags=flags,
+                                         head_opts=head_options(cfg, options)))
 
 
 def program_specs(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
@@ -151,8 +156,8 @@ def program_specs(params, layer_groups, kv_cache, prev_sampled, ints, floats, *,
         ProgramSpec(_pre, (params, prev_sampled, ints, floats), dict(layout=layout, cfg=cfg, dtype=dtype), ()),
         tuple(ProgramSpec(_layers_jit, (group_params, h, kv_cache, first_idx, model_input.meta, cos, sin),
                           dict(layers_kw, kinds=kinds), (1, 2)) for group_params, first_idx, kinds in layer_groups),
-        ProgramSpec(_post, (params, h, prev_sampled, model_input, sampling), dict(cfg=cfg, dtype=dtype, flags=flags),
-                    (2,)))
+        ProgramSpec(_post, (params, h, prev_sampled, model_input, sampling),
+                    dict(cfg=cfg, dtype=dtype, flags=flags, head_opts=head_options(cfg, options)), (2,)))
 
 
 def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,

@@ -295,11 +295,12 @@ def test_tokenizer_is_hfs_from_the_file(cases, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gguf_blocks_give_the_dense_run(cases, name):
     """quantization="gguf": the linear layers' Q8_0 blocks repacked as 8-bit values for the kernel's offset form
-    (Qwen2's q/k/v with their dense bias beside), the embedding in its blocks, computing what the dense float32
-    run computes."""
+    (Qwen2's q/k/v with their dense bias beside), the embedding in its blocks, the LM head (the output tensor, or
+    Qwen2's tied embedding) repacked as the linear layers, its columns padded past the tiny vocabulary, computing
+    what the dense float32 run computes."""
     case = cases(name)
     quant = cases.engine(name, "gguf")
-    linears = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    linears = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}        # the head: output or tied
     assert dict(quant.llm_engine.model_config.weight_quant) == {"embed_tokens": "Q8_0",
                                                                  **dict.fromkeys(linears, "gguf-int8-g32")}
     for d, q in zip(_run(cases.engine(name), case), _run(quant, case)):
@@ -318,13 +319,14 @@ MIXED_TYPES = {"attn_q": ("Q4_0", "Q4_0"), "attn_k": ("Q4_1", "Q4_1"), "attn_v":
                "ffn_down": ("Q4_K", "Q6_K")}
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog, backend):
+@pytest.mark.parametrize("backend, dispatch", [("xla", None), ("pallas", None), ("pallas", "unrolled")])
+def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog, backend, dispatch):
     """quantization="gguf" on a file of mixed types: a linear layer whose tensors are all 4-bit (Q4_0, Q4_1,
     Q4_K, in any mix) runs repacked for the W4A16 kernel as 4-bit values (hidden 320 pads its input rows to
     384), one whose tensors mix in wider block types as 8-bit values (groups of 16 with a Q6_K among them, else
     32), one that mixes in a float tensor is held dense and logged (the pallas backend runs the kernel,
-    interpreted here), and the run computes what the dense float32 run computes."""
+    interpreted here; unrolled: the head in a program of its own layout, as a GPU runs it), and the run computes
+    what the dense float32 run computes."""
     family = dataclasses.replace(FAMILIES["llama"], metadata=dict(FAMILIES["llama"].metadata, rope_dimension_count=64))
     folder = cases.tmp_path_factory.mktemp("gguf-mixed")
     vocab = vocabulary(family.vocab)
@@ -339,9 +341,10 @@ def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog
     case = Case(path, model, None, [[5, 30, 31, 32, 33, 34], [7, 35, 36]])
     dense = _run(LLM(model=str(path), **kw), case)
     with caplog.at_level("WARNING", logger="jaxpaged.engine"):
-        quant = LLM(model=str(path), quantization="gguf", attention_backend=backend, **kw)
+        quant = LLM(model=str(path), quantization="gguf", attention_backend=backend, layer_dispatch=dispatch, **kw)
     assert dict(quant.llm_engine.model_config.weight_quant) == {
-        "embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "gate_up_proj": "gguf-int8-g32", "down_proj": "gguf-int8-g16"}
+        "embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "gate_up_proj": "gguf-int8-g32", "down_proj": "gguf-int8-g16",
+        "lm_head": "gguf-int8-g32"}
     assert "GGUF o_proj: its tensors come in several types (F16, Q4_0); it is held dense" in caplog.text
     for d, q in zip(dense, _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
@@ -421,8 +424,8 @@ def test_a_gguf_file_converts_once_into_a_folder_keyed_by_the_file(cases, tmp_pa
 def test_a_quantized_run_reads_the_file_and_writes_no_weights(cases, tmp_path, monkeypatch):
     """quantization="gguf" converts the file into a folder without weights (its config and tokenizer only: the
     float32 copy of an 8B model would take 32 GB of disk) and reads the file itself, dequantizing only the
-    tensors it holds dense (the norms, the untied output head, and Llama 3's rope_freqs for config.json), not the
-    linear layers or the embedding; its tokens are those of the run beside the dense folder."""
+    tensors it holds dense (the norms, and Llama 3's rope_freqs for config.json), not the linear layers, the
+    embedding or the untied output head; its tokens are those of the run beside the dense folder."""
     from jaxpaged.models import gguf_convert
     path = tmp_path / "lean.gguf"
     path.write_bytes(cases("llama").gguf_path.read_bytes())
@@ -436,7 +439,7 @@ def test_a_quantized_run_reads_the_file_and_writes_no_weights(cases, tmp_path, m
     assert folder.name.endswith("-noweights") and (folder / "config.json").exists()
     assert not list(folder.glob("*.safetensors"))
     held_dense = {n for n in dequantized if not n.endswith("norm.weight")}
-    assert dequantized and held_dense == {"rope_freqs.weight", "output.weight"}
+    assert dequantized and held_dense == {"rope_freqs.weight"}
     case = cases("llama")
     for a, b in zip(_run(llm, case), _run(cases.engine("llama", "gguf"), case)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

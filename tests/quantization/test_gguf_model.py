@@ -1,6 +1,7 @@
 """quantization="gguf": the default SmolLM2 runs from its GGUF file's blocks (the Q4_1 linear layers repacked for
-the W4A16 kernel's offset form, the Q8_0 embedding expanded inside the step), and computes what the dense float32
-run computes (whose weights are the same blocks dequantized at load)."""
+the W4A16 kernel's offset form, the Q8_0 embedding's rows expanded as the lookup gathers them, the tied LM head the
+same blocks repacked for the kernel as 8-bit values), and computes what the dense float32 run computes (whose
+weights are the same blocks dequantized at load)."""
 import dataclasses
 
 import numpy as np
@@ -35,9 +36,11 @@ def test_gguf_blocks_give_the_dense_float32_run(dense, layer_dispatch):
     their own)."""
     quant, llm = _run("gguf", layer_dispatch)
     cfg = llm.llm_engine.model_config
-    # every tensor the file quantizes: the Q4_1 linear layers repacked, the Q8_0 embedding in its blocks
+    # every tensor the file quantizes: the Q4_1 linear layers repacked, the Q8_0 embedding in its blocks, and the
+    # tied LM head from those blocks repacked as 8-bit values
     assert dict(cfg.weight_quant) == {"embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "o_proj": "gguf-int4",
-                                      "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4"}
+                                      "gate_up_proj": "gguf-int4", "down_proj": "gguf-int4",
+                                      "lm_head": "gguf-int8-g32"}
     for d, q in zip(dense, quant):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         prompt = d.prompt_token_ids
