@@ -83,6 +83,7 @@ class EngineArgs:
     num_scheduler_steps: int | None = None    # decode steps per program (vLLM's multi-step); default by use
     quantization: str | None = None          # QUANTIZATION_METHODS; None: dense, or what config.json declares
     kv_cache_dtype: str = "auto"             # KV_CACHE_DTYPES
+    calculate_kv_scales: bool = False        # fp8 KV cache: k_scale / v_scale from a calibration prompt
     disable_log_stats: bool = True
     usage_context: str = "llm_class"          # llm_class | openai_api_server: who runs the engine (logged)
 
@@ -118,6 +119,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales sets the scales of an fp8 KV cache: it needs kv_cache_dtype "
+                             "fp8 or fp8_e4m3")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
 

@@ -80,6 +80,10 @@ def _cache_and_scheduler_flags(c) -> None:
     c.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="The KV cache's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3: twice the tokens in "
                         "the same memory, scaled by the checkpoint's per-layer k_scale / v_scale, else 1.0).")
+    c.add_argument("--calculate-kv-scales", action="store_true",
+                   help="With an fp8 KV cache: each layer's k_scale / v_scale from a calibration prompt run at "
+                        "start-up (the largest |k| / 200 and |v| / 100, vLLM's constants), in place of the "
+                        "checkpoint's or 1.0.")
     c.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use this many KV cache blocks instead of sizing the pool from free memory.")
     c.add_argument("--swap-space", type=float, default=4.0,
@@ -178,4 +182,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
         num_scheduler_steps=args.num_scheduler_steps, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, usage_context="openai_api_server")
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        usage_context="openai_api_server")

@@ -88,6 +88,8 @@ class EngineCore:
         loaded = load_model(self.model_path, args.dtype, args.load_format, args.seed, platform=platform.name,
                             per_layer=run.layer_dispatch in ("per_layer", "unrolled"),
                             quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+        if args.calculate_kv_scales:
+            loaded = self._calibrate_kv_scales(loaded, run.max_model_len)
         self.model_config = cfg = loaded.config
         self.dtype = np.dtype(loaded.dtype).name
         self.max_model_len, self.max_num_batched_tokens = run.max_model_len, run.max_num_batched_tokens
@@ -111,6 +113,18 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         self.startup_seconds = time.perf_counter() - t0
+
+    def _calibrate_kv_scales(self, loaded, max_model_len: int):
+        """--calculate-kv-scales: the e4m3 pool's per-layer scales from one calibration prompt
+        (models/kv_calibration.py), before any program is built."""
+        from jaxpaged.engine.tokenizer import load_tokenizer
+        from jaxpaged.models.kv_calibration import CALIBRATION_TEXT, calibrated_params, kv_amax
+        ids = load_tokenizer(self.args.tokenizer or self.model_path).encode(CALIBRATION_TEXT)[:max_model_len]
+        amax = kv_amax(loaded.config, loaded.dtype, loaded.params, ids, self.args.block_size)
+        params = calibrated_params(loaded.config, loaded.params, amax)
+        logger.info("KV cache scales from a calibration prompt of %d tokens: largest |k| %.3g-%.3g, |v| %.3g-%.3g "
+                    "across layers", len(ids), amax[:, 0].min(), amax[:, 0].max(), amax[:, 1].min(), amax[:, 1].max())
+        return loaded._replace(params=params)
 
     def _build_cache_and_scheduler(self, loaded, run: RunConfig) -> None:
         """Size the KV pool from the memory left after the weights, then the runner, manager, scheduler."""

@@ -1,6 +1,6 @@
-"""--kv-cache-dtype fp8: an e4m3 pool (held as bytes) with per-layer k_scale / v_scale (the checkpoint's, else
-1.0) holds four times float32's tokens and twice bf16's in the same memory, and greedy SmolLM2 stays close to
-the model's own cache."""
+"""--kv-cache-dtype fp8: an e4m3 pool (held as bytes) with per-layer k_scale / v_scale (the checkpoint's, those
+--calculate-kv-scales computes, else 1.0) holds twice bf16's tokens in the same memory, and greedy bf16 SmolLM2
+stays close to its own bf16 cache."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ import torch
 from conftest import save_tiny_llama
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineArgs
-from jaxpaged.pallas_kernels import FP8_CACHE_DTYPE
+from jaxpaged.pallas_kernels import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "Translate to French: good morning", "List three fruits:",
@@ -19,30 +19,65 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
 
 @pytest.fixture(scope="module")
 def engines():
-    return (LLM(dtype="float32", max_model_len=256),
-            LLM(dtype="float32", max_model_len=256, kv_cache_dtype="fp8"))
+    """bf16 SmolLM2 (issue 26's setting) over its bf16 cache, over an e4m3 cache with scales of 1.0, and over an
+    e4m3 cache with --calculate-kv-scales."""
+    return (LLM(dtype="bfloat16", max_model_len=256),
+            LLM(dtype="bfloat16", max_model_len=256, kv_cache_dtype="fp8"),
+            LLM(dtype="bfloat16", max_model_len=256, kv_cache_dtype="fp8", calculate_kv_scales=True))
 
 
-def test_the_pool_holds_e4m3_bytes_and_four_times_the_tokens(engines):
-    dense, fp8 = (e.llm_engine.core for e in engines)
-    assert fp8.runner.kv_cache.dtype == FP8_CACHE_DTYPE and dense.runner.kv_cache.dtype == np.float32
-    assert fp8.num_blocks - 1 >= 4 * (dense.num_blocks - 1) * 0.99     # the same bytes: 1 byte per value, not 4
+def test_the_pool_holds_e4m3_bytes_and_twice_bf16s_tokens(engines):
+    dense, fp8, _ = (e.llm_engine.core for e in engines)
+    assert fp8.runner.kv_cache.dtype == FP8_CACHE_DTYPE and dense.runner.kv_cache.dtype == CPU_BF16_CACHE_DTYPE
+    assert fp8.num_blocks - 1 >= 2 * (dense.num_blocks - 1) * 0.99     # the same bytes: 1 byte per value, not 2
 
 
-def test_greedy_smollm2_stays_close_to_its_own_cache(engines):
-    """Each token the fp8 run picks, judged by the float32 cache's run on the same prefix (teacher-forced):
-    the share that is also its top choice. Measured 245 of 256 (95.7%) here; this guards against regressions
-    below 93%. (Issue 26 asks 97% against a bf16 cache; the bf16 model measured 243 of 256 against its own
-    bf16 cache, judged the same way: missed.)"""
-    dense, fp8 = engines
+def _top_choices(dense: LLM, fp8: LLM) -> int:
+    """How many of the tokens fp8 picks greedily (8 prompts x 32) are also the dense cache's top choice after the
+    same tokens (teacher-forced); fp8's blocks all return to its pool."""
     outs = fp8.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     seqs = [{"prompt_token_ids": o.prompt_token_ids + list(o.outputs[0].token_ids)} for o in outs]
     scored = dense.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     ranks = [entry[t].rank for o, s in zip(outs, scored)
              for entry, t in zip(s.prompt_logprobs[len(o.prompt_token_ids):], o.outputs[0].token_ids)]
-    assert len(ranks) == 256 and sum(r == 1 for r in ranks) >= 0.93 * 256
+    assert len(ranks) == 256
     pool = fp8.llm_engine.core.kv_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+    return sum(r == 1 for r in ranks)
+
+
+def test_greedy_smollm2_stays_close_to_its_own_cache(engines):
+    """Each token the fp8 run picks, judged by the bf16 cache's run on the same prefix (teacher-forced): the share
+    that is also its top choice. Measured 238 of 256 (93.0%) with scales of 1.0 and 247 (96.5%) with
+    --calculate-kv-scales (SmolLM2's first layer's V lies mostly below e4m3's smallest normal at a scale of 1.0);
+    guarded below 90% and 95%. Issue 26 asks 97%: missed."""
+    dense, fp8, calibrated = engines
+    plain, scaled = _top_choices(dense, fp8), _top_choices(dense, calibrated)
+    print(f"top choices of the bf16 cache: scales 1.0 {plain} of 256, calculated {scaled} of 256")
+    assert plain >= 0.90 * 256 and scaled >= 0.95 * 256
+
+
+def test_calculated_kv_scales_are_the_calibration_prompts_largest_values():
+    """--calculate-kv-scales: each layer's k_scale and v_scale are the calibration prompt's largest |k| / 200 and
+    |v| / 100 (vLLM's constants), k after its rotation: as HF transformers' float32 SmolLM2, loading the same GGUF
+    file, holds them in its KV cache after that prompt (float32 on both sides: the values equal)."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged.models.gguf_convert import find_default_gguf
+    from jaxpaged.models.kv_calibration import CALIBRATION_TEXT
+    calibrated = LLM(dtype="float32", max_model_len=256, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    gguf = find_default_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = calibrated.get_tokenizer().encode(CALIBRATION_TEXT)
+    with torch.no_grad():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    layers = [(c.keys, c.values) for c in cache.layers] if hasattr(cache, "layers") else \
+        list(zip(cache.key_cache, cache.value_cache))
+    want = np.array([[k.abs().max().item() / 200, v.abs().max().item() / 100] for k, v in layers])
+    attn = calibrated.llm_engine.core.runner.programs.params["layers"]["self_attn"]
+    got = np.stack([np.asarray(attn["k_scale"]), np.asarray(attn["v_scale"])], axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert np.ptp(got[:, 1]) > 0 and got[0, 1] < 0.01          # one scale per layer; the first layer's V is small
 
 
 def test_checkpoint_kv_scales_are_read(tmp_path):
@@ -69,6 +104,10 @@ def test_checkpoint_kv_scales_are_read(tmp_path):
 def test_flag_and_bad_values():
     from jaxpaged.server.cli import engine_args_from, make_parser
     assert engine_args_from(make_parser().parse_args(["--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8"
+    assert engine_args_from(make_parser().parse_args(["--kv-cache-dtype", "fp8", "--calculate-kv-scales"])
+                            ).calculate_kv_scales
+    with pytest.raises(ValueError, match="calculate_kv_scales sets the scales of an fp8 KV cache"):
+        EngineArgs(calculate_kv_scales=True)
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--kv-cache-dtype", "int8"])
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported; supported: auto, fp8, "
