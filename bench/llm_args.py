@@ -54,6 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None,
                    help="awq | compressed-tensors | fp8 | gguf | gptq (fp8 on a dense model: quantized at load)")
     g.add_argument("--kv-cache-dtype", default=None, help="auto | fp8 (an e4m3 KV cache)")
+    g.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="with an fp8 KV cache: per-layer scales from a calibration prompt")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--engine-kwargs", default="{}", help="JSON dict of further LLM(...) arguments")
 
@@ -70,7 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                      ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens),
                      ("enable_prefix_caching", args.enable_prefix_caching),
                      ("num_scheduler_steps", args.num_scheduler_steps), ("quantization", args.quantization),
-                     ("kv_cache_dtype", args.kv_cache_dtype)):
+                     ("kv_cache_dtype", args.kv_cache_dtype), ("calculate_kv_scales", args.calculate_kv_scales)):
         if val is not None:
             kw[key] = val
     kw.update(json.loads(args.engine_kwargs))
