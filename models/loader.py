@@ -127,10 +127,10 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     parts, every layer) is of a 4-bit type, whichever, else GGUF_INT8 with its group where every tensor is of a
     supported block type, in any mix (llama.cpp's Q4_K_M and Q5_K_M give some layers' v and down Q6_K): both
     repacked for the W4A16 kernel (4- or 8-bit values). The embedding, a lookup, keeps its blocks where one type
-    holds it all; the LM head ("lm_head": the output tensor, else the tied embedding's blocks once more) is
-    repacked as a linear layer is. A bias (Qwen2's q/k/v) stays dense beside the weight. A tensor held as floats
-    (F32, F16, BF16) makes its layer dense, dequantized from the file at load, and the log says so where it mixes
-    with blocks; unsupported types are refused, naming what is supported."""
+    holds it all; the LM head ("lm_head": a tied embedding's blocks once more, or an untied output tensor of a
+    4-bit type) is repacked as a linear layer is. A bias (Qwen2's q/k/v) stays dense beside the weight. A tensor
+    held as floats (F32, F16, BF16) makes its layer dense, dequantized from the file at load, and the log says so
+    where it mixes with blocks; unsupported types are refused, naming what is supported."""
     from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, GGUF_INT4, GGUF_INT8, INT4_TYPES, int8_group
     floats = ("F32", "F16", "BF16")
     types: dict[str, set] = {}
@@ -140,10 +140,13 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
             GGUF_LINEAR_OF.get(parts[2]) if parts[0] == "blk" else None
         if name is not None and parts[-1] != "bias":
             types.setdefault(name, set()).add(t.tensor_type.name)
-    # The LM head: the output tensor, else the tied embedding; from its blocks in the W4A16 kernel, as the linear
-    # layers (rather than expanded each step, tied, or dequantized at load, untied)
-    head = next((t for t in reader.tensors if t.name == GGUF_OUTPUT), None) or \
-        next((t for t in reader.tensors if t.name == GGUF_EMBEDDING), None)
+    # The LM head from its blocks in the W4A16 kernel, as the linear layers: a tied one (the embedding's blocks,
+    # which it would otherwise expand whole every step), and an untied one of a 4-bit type (a quarter of a dense
+    # copy's bytes). An untied head of a wider type (llama.cpp's usual Q6_K) stays a dense copy: the 8-bit GEMV
+    # reads at about bf16's speed, and above INT4_KERNEL_MAX_ROWS rows the blocks would expand every step.
+    output = next((t for t in reader.tensors if t.name == GGUF_OUTPUT), None)
+    head = next((t for t in reader.tensors if t.name == GGUF_EMBEDDING), None) if output is None else \
+        output if output.tensor_type.name in INT4_TYPES else None
     if head is not None:
         types["lm_head"] = {head.tensor_type.name}
     out = []

@@ -295,14 +295,15 @@ def test_tokenizer_is_hfs_from_the_file(cases, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gguf_blocks_give_the_dense_run(cases, name):
     """quantization="gguf": the linear layers' Q8_0 blocks repacked as 8-bit values for the kernel's offset form
-    (Qwen2's q/k/v with their dense bias beside), the embedding in its blocks, the LM head (the output tensor, or
-    Qwen2's tied embedding) repacked as the linear layers, its columns padded past the tiny vocabulary, computing
-    what the dense float32 run computes."""
+    (Qwen2's q/k/v with their dense bias beside), the embedding in its blocks, a tied LM head (Qwen2's, the
+    Gemmas') the embedding's blocks repacked as the linear layers, its columns padded past the tiny vocabulary,
+    an untied Q8_0 head a dense copy, computing what the dense float32 run computes."""
     case = cases(name)
     quant = cases.engine(name, "gguf")
-    linears = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}        # the head: output or tied
-    assert dict(quant.llm_engine.model_config.weight_quant) == {"embed_tokens": "Q8_0",
-                                                                 **dict.fromkeys(linears, "gguf-int8-g32")}
+    linears = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    tied = quant.llm_engine.model_config.tie_word_embeddings          # the head: the embedding's blocks in the kernel
+    assert dict(quant.llm_engine.model_config.weight_quant) == {
+        "embed_tokens": "Q8_0", **dict.fromkeys(linears | ({"lm_head"} if tied else set()), "gguf-int8-g32")}
     for d, q in zip(_run(cases.engine(name), case), _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
         np.testing.assert_allclose(_chosen(q.prompt_logprobs[1:], q.prompt_token_ids[1:]),
@@ -324,9 +325,9 @@ def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog
     """quantization="gguf" on a file of mixed types: a linear layer whose tensors are all 4-bit (Q4_0, Q4_1,
     Q4_K, in any mix) runs repacked for the W4A16 kernel as 4-bit values (hidden 320 pads its input rows to
     384), one whose tensors mix in wider block types as 8-bit values (groups of 16 with a Q6_K among them, else
-    32), one that mixes in a float tensor is held dense and logged (the pallas backend runs the kernel,
-    interpreted here; unrolled: the head in a program of its own layout, as a GPU runs it), and the run computes
-    what the dense float32 run computes."""
+    32), one that mixes in a float tensor is held dense and logged, the untied Q4_0 output head runs in the kernel
+    too (the pallas backend runs the kernel, interpreted here; unrolled: the head in a program of its own, as a
+    GPU runs it), and the run computes what the dense float32 run computes."""
     family = dataclasses.replace(FAMILIES["llama"], metadata=dict(FAMILIES["llama"].metadata, rope_dimension_count=64))
     folder = cases.tmp_path_factory.mktemp("gguf-mixed")
     vocab = vocabulary(family.vocab)
@@ -335,7 +336,7 @@ def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog
 
     def tensor_type(gguf_name: str) -> str:
         p = gguf_name.split(".")
-        return MIXED_TYPES[p[2]][int(p[1])] if p[0] == "blk" else "Q8_0"
+        return MIXED_TYPES[p[2]][int(p[1])] if p[0] == "blk" else "Q4_0" if gguf_name == "output.weight" else "Q8_0"
     write_gguf(path, family, model, vocab, "Tiny mixed", tensor_type)
     kw = dict(dtype="float32", max_model_len=64, num_gpu_blocks_override=16, seed=0)
     case = Case(path, model, None, [[5, 30, 31, 32, 33, 34], [7, 35, 36]])
@@ -344,7 +345,7 @@ def test_blocks_of_any_mix_run_in_the_kernel_and_float_mixes_dense(cases, caplog
         quant = LLM(model=str(path), quantization="gguf", attention_backend=backend, layer_dispatch=dispatch, **kw)
     assert dict(quant.llm_engine.model_config.weight_quant) == {
         "embed_tokens": "Q8_0", "qkv_proj": "gguf-int4", "gate_up_proj": "gguf-int8-g32", "down_proj": "gguf-int8-g16",
-        "lm_head": "gguf-int8-g32"}
+        "lm_head": "gguf-int4"}
     assert "GGUF o_proj: its tensors come in several types (F16, Q4_0); it is held dense" in caplog.text
     for d, q in zip(dense, _run(quant, case)):
         assert q.outputs[0].token_ids == d.outputs[0].token_ids
@@ -424,8 +425,8 @@ def test_a_gguf_file_converts_once_into_a_folder_keyed_by_the_file(cases, tmp_pa
 def test_a_quantized_run_reads_the_file_and_writes_no_weights(cases, tmp_path, monkeypatch):
     """quantization="gguf" converts the file into a folder without weights (its config and tokenizer only: the
     float32 copy of an 8B model would take 32 GB of disk) and reads the file itself, dequantizing only the
-    tensors it holds dense (the norms, and Llama 3's rope_freqs for config.json), not the linear layers, the
-    embedding or the untied output head; its tokens are those of the run beside the dense folder."""
+    tensors it holds dense (the norms, the untied Q8_0 output head, and Llama 3's rope_freqs for config.json), not
+    the linear layers or the embedding; its tokens are those of the run beside the dense folder."""
     from jaxpaged.models import gguf_convert
     path = tmp_path / "lean.gguf"
     path.write_bytes(cases("llama").gguf_path.read_bytes())
@@ -439,7 +440,7 @@ def test_a_quantized_run_reads_the_file_and_writes_no_weights(cases, tmp_path, m
     assert folder.name.endswith("-noweights") and (folder / "config.json").exists()
     assert not list(folder.glob("*.safetensors"))
     held_dense = {n for n in dequantized if not n.endswith("norm.weight")}
-    assert dequantized and held_dense == {"rope_freqs.weight"}
+    assert dequantized and held_dense == {"rope_freqs.weight", "output.weight"}
     case = cases("llama")
     for a, b in zip(_run(llm, case), _run(cases.engine("llama", "gguf"), case)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
