@@ -67,9 +67,8 @@ def calibrated_params(cfg: DecoderConfig, params, amax: np.ndarray):
     scales = np.maximum(amax / np.asarray([K_SCALE_CONSTANT, V_SCALE_CONSTANT], np.float32), MIN_SCALE)
     layers = params["layers"]
     if isinstance(layers, list):
-        new = [{**lp, "self_attn": {**lp["self_attn"], "k_scale": jnp.float32(k), "v_scale": jnp.float32(v)}}
-               for lp, (k, v) in zip(layers, scales)]
-    else:
-        new = {**layers, "self_attn": {**layers["self_attn"], "k_scale": jnp.asarray(scales[:, 0]),
-                                       "v_scale": jnp.asarray(scales[:, 1])}}
-    return {**params, "layers": new}
+        return {**params, "layers": [{**lp, "self_attn": {**lp["self_attn"], "k_scale": jnp.float32(k),
+                                                          "v_scale": jnp.float32(v)}}
+                                     for lp, (k, v) in zip(layers, scales)]}
+    return {**params, "layers": {**layers, "self_attn": {**layers["self_attn"], "k_scale": jnp.asarray(scales[:, 0]),
+                                                         "v_scale": jnp.asarray(scales[:, 1])}}}
