@@ -61,7 +61,7 @@ def kv_amax(cfg: DecoderConfig, dtype, params, token_ids: list[int], block_size:
     return np.asarray(jnp.max(jnp.abs(pool), axis=(2, 3, 4, 5)))          # unwritten slots hold zeros
 
 
-def calibrated_params(cfg: DecoderConfig, params, amax: np.ndarray):
+def calibrated_params(params, amax: np.ndarray):
     """params with each layer's k_scale = amax[l, 0] / K_SCALE_CONSTANT and v_scale = amax[l, 1] /
     V_SCALE_CONSTANT (at least MIN_SCALE), in the layers' layout (stacked, or a list of one tree per layer)."""
     scales = np.maximum(amax / np.asarray([K_SCALE_CONSTANT, V_SCALE_CONSTANT], np.float32), MIN_SCALE)

@@ -121,7 +121,7 @@ class EngineCore:
         from jaxpaged.models.kv_calibration import CALIBRATION_TEXT, calibrated_params, kv_amax
         ids = load_tokenizer(self.args.tokenizer or self.model_path).encode(CALIBRATION_TEXT)[:max_model_len]
         amax = kv_amax(loaded.config, loaded.dtype, loaded.params, ids, self.args.block_size)
-        params = calibrated_params(loaded.config, loaded.params, amax)
+        params = calibrated_params(loaded.params, amax)
         logger.info("KV cache scales from a calibration prompt of %d tokens: largest |k| %.3g-%.3g, |v| %.3g-%.3g "
                     "across layers", len(ids), amax[:, 0].min(), amax[:, 0].max(), amax[:, 1].min(), amax[:, 1].max())
         return loaded._replace(params=params)

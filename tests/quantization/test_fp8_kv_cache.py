@@ -60,12 +60,14 @@ def test_greedy_smollm2_stays_close_to_its_own_cache(engines):
 def test_calculated_kv_scales_are_the_calibration_prompts_largest_values():
     """--calculate-kv-scales: each layer's k_scale and v_scale are the calibration prompt's largest |k| / 200 and
     |v| / 100 (vLLM's constants), k after its rotation: as HF transformers' float32 SmolLM2, loading the same GGUF
-    file, holds them in its KV cache after that prompt (float32 on both sides: the values equal)."""
+    file, holds them in its KV cache after that prompt (float32 on both sides: the values equal). Per-layer
+    dispatch: the layers' weights a list of trees (the engines above stack them)."""
     from transformers import AutoModelForCausalLM
 
     from jaxpaged.models.gguf_convert import find_default_gguf
     from jaxpaged.models.kv_calibration import CALIBRATION_TEXT
-    calibrated = LLM(dtype="float32", max_model_len=256, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    calibrated = LLM(dtype="float32", max_model_len=256, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                     layer_dispatch="per_layer")
     gguf = find_default_gguf()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = calibrated.get_tokenizer().encode(CALIBRATION_TEXT)
@@ -74,10 +76,30 @@ def test_calculated_kv_scales_are_the_calibration_prompts_largest_values():
     layers = [(c.keys, c.values) for c in cache.layers] if hasattr(cache, "layers") else \
         list(zip(cache.key_cache, cache.value_cache))
     want = np.array([[k.abs().max().item() / 200, v.abs().max().item() / 100] for k, v in layers])
-    attn = calibrated.llm_engine.core.runner.programs.params["layers"]["self_attn"]
-    got = np.stack([np.asarray(attn["k_scale"]), np.asarray(attn["v_scale"])], axis=1)
+    layers = [lp["self_attn"] for group, *_ in calibrated.llm_engine.core.runner.programs.layer_groups
+              for lp in group]
+    got = np.array([[float(a["k_scale"]), float(a["v_scale"])] for a in layers])
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert np.ptp(got[:, 1]) > 0 and got[0, 1] < 0.01          # one scale per layer; the first layer's V is small
+
+
+def test_calibrated_params_in_either_layer_layout():
+    """calibrated_params sets the same scales in stacked layers (the scan) and in a list of per-layer trees, the
+    other weights untouched; an all-zero layer keeps a finite scale."""
+    from jaxpaged.models.kv_calibration import MIN_SCALE, calibrated_params
+    amax = np.array([[400.0, 100.0], [0.0, 1.0]], np.float32)
+    want = np.array([[2.0, 1.0], [MIN_SCALE, 0.01]], np.float32)
+    w = np.ones((2, 3), np.float32)
+    rows = [w[0], w[1]]
+    one = lambda i: {"self_attn": {"k_scale": 1.0, "v_scale": 1.0}, "w": rows[i]}      # noqa: E731
+    stacked = calibrated_params({"layers": {"self_attn": {"k_scale": np.ones(2), "v_scale": np.ones(2)},
+                                                  "w": w}, "norm": 1}, amax)
+    listed = calibrated_params({"layers": [one(0), one(1)], "norm": 1}, amax)
+    np.testing.assert_allclose(np.stack([stacked["layers"]["self_attn"]["k_scale"],
+                                         stacked["layers"]["self_attn"]["v_scale"]], 1), want, rtol=1e-6)
+    np.testing.assert_allclose([[float(lp["self_attn"]["k_scale"]), float(lp["self_attn"]["v_scale"])]
+                                for lp in listed["layers"]], want, rtol=1e-6)
+    assert stacked["layers"]["w"] is w and listed["layers"][1]["w"] is rows[1] and listed["norm"] == 1
 
 
 def test_checkpoint_kv_scales_are_read(tmp_path):
