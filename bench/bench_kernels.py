@@ -243,6 +243,11 @@ def _time_decode_fp8(row, data, nrot, scale):
 FP8_MGPU_CONFIGS = ((128, 2, False), (64, 2, False), (64, 3, False), (64, 4, False), (64, 2, True), (64, 3, True))
 
 
+def _mgpu_label(block_kv: int, slots: int, split: bool) -> str:
+    """A Mosaic decode configuration as its figures' keys name it: "block_kv,slots[,split]"."""
+    return f"{block_kv},{slots}" + (",split" if split else "")
+
+
 def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
     """The Mosaic decode kernel on the e4m3 pool (each slot widened to float16 in SMEM), each config first
     checked against the Triton kernel on the same pool: fp8_mgpu_us[block_kv,slots(,split)]; split_keys on
@@ -257,7 +262,7 @@ def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
         runs = (q, pool, tables, lens)
         ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
         for block_kv, slots, split in configs:
-            label = f"{block_kv},{slots}" + (",split" if split else "")
+            label = _mgpu_label(block_kv, slots, split)
 
             def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots, split_keys=split)):
                 return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
@@ -276,7 +281,7 @@ def _time_routed_fp8(row):
     kernel's default); routed_fp8_speedup: the bf16 pool's routed time over it."""
     head_dim = LAYOUTS[row["layout"]][2]
     cfg = pk.MOSAIC_FP8_DECODE_CONFIG
-    label = f"fp8_mgpu_us[{cfg['block_kv']},{cfg['max_concurrent_steps']}" + (",split]" if cfg["split_keys"] else "]")
+    label = f"fp8_mgpu_us[{_mgpu_label(cfg['block_kv'], cfg['max_concurrent_steps'], cfg['split_keys'])}]"
     mosaic = (row.get("routed_kernel") == "mosaic" and head_dim >= pk.MOSAIC_FP8_DECODE_MIN_HEAD_DIM
               and label in row)
     us = row[label] if mosaic else row.get("fp8_default_us")

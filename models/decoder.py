@@ -538,15 +538,17 @@ def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targ
     head_options' (a quantized head's kernel)."""
     norm = lambda x: _norm(cfg, dtype, None).apply({"params": params["norm"]}, x)
     x = norm(h[logits_indices])
+    w = None
     if cfg.quant_of("lm_head"):
         y = _quantized_head(cfg, dtype, options or RuntimeOptions(), None).apply({"params": params["lm_head"]}, x)
         y = y[:, :cfg.vocab_size]
     else:
-        y = matmul(x, head_weight(cfg, dtype, params), dtype)
+        w = head_weight(cfg, dtype, params)
+        y = matmul(x, w, dtype)
     logits = soft_cap(y.astype(jnp.float32), cfg.final_soft_cap)
     if prompt_head is None:
         return logits, ()
-    w = head_weight(cfg, dtype, params)
+    w = head_weight(cfg, dtype, params) if w is None else w        # a quantized head expanded for the prompt
     return logits, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head, cfg.final_soft_cap)
 
 
