@@ -59,6 +59,15 @@ def _n_block(n: int, sms: int) -> int:
     return 16 if n % 16 == 0 else 32
 
 
+def _qkv_block(half: int, heads: int, sms: int) -> int:
+    """Columns of a head half a "qkv" program: the widest of half, 64, 32, 16 dividing it that still gives about
+    one program per SM."""
+    for bn in (half, 64, 32):
+        if half % bn == 0 and heads * (half // bn) >= sms:
+            return bn
+    return 16
+
+
 def check(k: int, n: int, head_dim: int | None = None) -> str | None:
     """Why a layer of K x N cannot run here, or None."""
     if k % 32:
@@ -75,7 +84,7 @@ def _round(v, dtype):
     return v.astype(dtype).astype(jnp.float32)
 
 
-def _kernel(*refs, mode, has_norm, has_bias, eps, block_k, block_n, num_heads, num_kv_heads, rope):
+def _kernel(*refs, mode, has_norm, has_bias, eps, block_k, block_n, num_heads, num_kv_heads, rope, half):
     # refs, in order: x dtype[M, K]; norm weight [K] (has_norm); W [K, N']; bias [N'] (has_bias);
     # residual dtype[M, N] ("residual"); cos, sin f32[M, P] ("qkv" with rope); outputs: dtype[M, N]
     # ("plain", "residual"), dtype[M, N'/2] ("swiglu"), or q dtype[M, N_q], k and v dtype[M, N_kv] ("qkv")
@@ -96,8 +105,10 @@ def _kernel(*refs, mode, has_norm, has_bias, eps, block_k, block_n, num_heads, n
     precision = jax.lax.Precision.HIGHEST if w_dtype == jnp.float32 else None
     if mode == "swiglu":                       # a gate tile and the up tile N'/2 columns on
         starts = [j * block_n, w_ref.shape[1] // 2 + j * block_n]
-    elif mode == "qkv":                        # a head's two halves
-        starts = [j * 2 * block_n, j * 2 * block_n + block_n]
+    elif mode == "qkv":                        # block_n columns of a head's first half, and their rope partners
+        per_head = half // block_n
+        head, part = j // per_head, j % per_head
+        starts = [head * 2 * half + part * block_n, head * 2 * half + half + part * block_n]
     else:
         starts = [j * block_n]
 
@@ -143,28 +154,29 @@ def _kernel(*refs, mode, has_norm, has_bias, eps, block_k, block_n, num_heads, n
         x1, x2 = ys
         q_ref, k_ref, v_ref = out_refs
         if rope:                                # HF's rotate_half, in the dtype as models/decoder._rotate computes
-            c = _round(plgpu.load(cos_ref.at[tile_rows, pl.ds(0, block_n)], mask=out_ok, other=0.0), dtype)
-            s = _round(plgpu.load(sin_ref.at[tile_rows, pl.ds(0, block_n)], mask=out_ok, other=0.0), dtype)
+            c = _round(plgpu.load(cos_ref.at[tile_rows, pl.ds(part * block_n, block_n)], mask=out_ok, other=0.0),
+                       dtype)
+            s = _round(plgpu.load(sin_ref.at[tile_rows, pl.ds(part * block_n, block_n)], mask=out_ok, other=0.0),
+                       dtype)
             r1 = _round(_round(x1 * c, dtype) - _round(x2 * s, dtype), dtype)
             r2 = _round(_round(x2 * c, dtype) + _round(x1 * s, dtype), dtype)
         else:
             r1, r2 = x1, x2
-        head_cols = 2 * block_n
+        def store_head(ref, h, first, second):
+            store(ref, h * 2 * half + part * block_n, first)
+            store(ref, h * 2 * half + half + part * block_n, second)
 
-        @pl.when(j < num_heads)
+        @pl.when(head < num_heads)
         def _():
-            store(q_ref, j * head_cols, r1)
-            store(q_ref, j * head_cols + block_n, r2)
+            store_head(q_ref, head, r1, r2)
 
-        @pl.when((j >= num_heads) & (j < num_heads + num_kv_heads))
+        @pl.when((head >= num_heads) & (head < num_heads + num_kv_heads))
         def _():
-            store(k_ref, (j - num_heads) * head_cols, r1)
-            store(k_ref, (j - num_heads) * head_cols + block_n, r2)
+            store_head(k_ref, head - num_heads, r1, r2)
 
-        @pl.when(j >= num_heads + num_kv_heads)
+        @pl.when(head >= num_heads + num_kv_heads)
         def _():
-            store(v_ref, (j - num_heads - num_kv_heads) * head_cols, x1)
-            store(v_ref, (j - num_heads - num_kv_heads) * head_cols + block_n, x2)
+            store_head(v_ref, head - num_heads - num_kv_heads, x1, x2)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "eps", "num_heads", "num_kv_heads", "head_dim", "block_n",
@@ -191,11 +203,14 @@ def fused_linear(x, w, *, mode: str = "plain", norm_weight=None, eps: float = 1e
         if n_all != heads * head_dim:
             raise ValueError(f"W {w.shape} is not q, k, v of {num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
         why = check(k, n_all, head_dim)
-        n = head_dim // 2
-        block_n = n
-        grid = heads
+        half = n = head_dim // 2
+        block_n = block_n or _qkv_block(half, heads, sms)
+        if half % block_n or block_n % 16:
+            raise ValueError(f"block_n {block_n}: a multiple of 16 dividing half the head dim {half}")
+        grid = heads * (half // block_n)
     else:
         n = n_all // 2 if mode == "swiglu" else n_all
+        half = 0
         why = check(k, n)
         block_n = block_n or _n_block(n, sms)
         grid = n // block_n
@@ -216,7 +231,7 @@ def fused_linear(x, w, *, mode: str = "plain", norm_weight=None, eps: float = 1e
                           for hn in (num_heads, num_kv_heads, num_kv_heads))
     kernel = functools.partial(_kernel, mode=mode, has_norm=norm_weight is not None, has_bias=bias is not None,
                                eps=eps, block_k=block_k, block_n=block_n, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, rope=rope)
+                               num_kv_heads=num_kv_heads, rope=rope, half=half)
     return pl.pallas_call(kernel, grid=(grid,), out_shape=out_shape,
                           compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                           interpret=interpret, name=f"fused_linear_{mode}")(*args)

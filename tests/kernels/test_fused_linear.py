@@ -27,10 +27,12 @@ class Case:
     bias: bool = False
     rope: bool = True           # "qkv"
     heads: tuple[int, int, int] = (4, 2, 64)      # "qkv": query heads, kv heads, head dim
+    block_n: int | None = None  # None: the op's own tiling
 
     def __str__(self):
         extra = ("-norm" if self.norm else "") + ("-bias" if self.bias else "") + ("" if self.rope else "-norope")
-        return f"{self.mode}-{self.m}x{self.k}x{self.n}-{self.dtype}{extra}"
+        tiling = f"-bn{self.block_n}" if self.block_n else ""
+        return f"{self.mode}-{self.m}x{self.k}x{self.n}-{self.dtype}{extra}{tiling}"
 
 
 def make(case: Case):
@@ -74,6 +76,8 @@ CASES = [
     Case("qkv", 7, 96, 0, heads=(4, 1, 32)),                      # head dim 32 (P = 16, the smallest tile)
     Case("qkv", 16, 128, 0, "bfloat16"),
     Case("qkv", 2, 64, 0, rope=False, bias=True),                 # ALiBi's layers: no rotation
+    Case("qkv", 3, 64, 0, bias=True, block_n=16),                 # two programs a head half
+    Case("swiglu", 2, 64, 64, block_n=16),
 ]
 # llama3-8b's and qwen2-0.5b's layers at 1 and 16 rows (GPU only)
 REAL = gpu_only([Case("qkv", m, 4096, 0, "bfloat16", heads=(32, 8, 128)) for m in (1, 16)]
@@ -92,7 +96,7 @@ def rel_err(got, want) -> float:
 @pytest.mark.parametrize("case", CASES + REAL, ids=str)
 def test_fused_linear_matches_reference(case):
     x, w, kw = make(case)
-    got = fused_linear(x, w, mode=case.mode, **kw)
+    got = fused_linear(x, w, mode=case.mode, block_n=case.block_n, **kw)
     want = fused_linear_reference(x, w, mode=case.mode, **kw)
     got, want = (got, want) if case.mode == "qkv" else ((got,), (want,))
     for g, r in zip(got, want, strict=True):
