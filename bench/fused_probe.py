@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.append(str(REPO_ROOT))   # after the installed jaxpaged (the repo folder lacks its subpackages)
 
 import jaxpaged  # noqa: E402,F401  (the engine's XLA flags, before jax starts)
 import jax  # noqa: E402
