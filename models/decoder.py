@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels import fused_linear as fused_linear_kernels
 from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, slab_rows
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
@@ -306,7 +305,9 @@ class Attention(nn.Module):
     def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
         """cos, sin: f32[rope kinds, T, P] (rope_cos_sin); the layer takes its kind's."""
         c = self.cfg
-        kind, rope_kind = _layer_kind(c, self.kind, layer_idx)
+        kinds = c.layer_kinds()
+        kind = self.kind if self.kind is not None else jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
+        rope_kind = kind if c.local_rope is not None else 0      # (local_rope only when layers differ)
         cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -319,46 +320,32 @@ class Attention(nn.Module):
             k = _norm(c, self.dtype, "k_norm")(k)
         if not c.alibi:
             q, k = _rotate(q, cos, sin, c.rope_interleaved), _rotate(k, cos, sin, c.rope_interleaved)
+        slopes = c.alibi_slopes()
+        backend = self.options.attn_backend
+        opts = self.options
         kv_scales = None
         if c.kv_cache_dtype == "fp8":    # the pool holds k / k_scale and v / v_scale in e4m3
             kv_scales = (self.param("k_scale", nn.initializers.ones, (), jnp.float32),
                          self.param("v_scale", nn.initializers.ones, (), jnp.float32))
-        o, kv_cache = attend_and_cache(c, self.options, q, k, v, kv_cache, layer_idx, meta, kind, kv_scales)
-        return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", self.options)(o), kv_cache
+        kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
+                                           interpret=opts.interpret, kv_scales=kv_scales)
 
-
-def _layer_kind(cfg: DecoderConfig, kind: int | None, layer_idx):
-    """(the layer's kind, its rope table's index): kind as known, else read at the (traced) layer index."""
-    kinds = cfg.layer_kinds()
-    if kind is None:
-        kind = jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
-    return kind, kind if cfg.local_rope is not None else 0      # (local_rope only when layers differ)
-
-
-def attend_and_cache(cfg: DecoderConfig, options: RuntimeOptions, q, k, v, kv_cache, layer_idx, meta: AttentionMetadata,
-                     kind, kv_scales):
-    """Write the layer's new k, v [T, K, D] into the pool, attend with q [T, N, D] -> (o [T, N * D], kv_cache).
-    kind: the layer's kind, an int or traced (Attention's)."""
-    c, opts = cfg, options
-    kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=opts.attn_backend,
-                                       interpret=opts.interpret, kv_scales=kv_scales)
-    slopes = c.alibi_slopes()
-
-    def attend(window):
-        return pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, scale=c.query_scale or c.head_dim ** -0.5,
-                                        decode_only=opts.decode_only, in_loop=opts.in_loop,
-                                        sliding_window=window, soft_cap=c.attn_soft_cap, backend=opts.attn_backend,
-                                        interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales,
-                                        alibi_slopes=None if slopes is None else jnp.asarray(slopes))
-    windows = c.attention_windows()
-    if len(windows) == 1:
-        o = attend(windows[0])
-    elif isinstance(kind, int):
-        o = attend(windows[kind])
-    else:       # layers of both kinds: the layer index (traced under the scan) picks the window
-        o = jax.lax.switch(kind, [lambda w=w: attend(w) for w in windows])
-    return o.reshape(-1, c.num_heads * c.head_dim), kv_cache
+        def attend(window):
+            return pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,
+                                            meta.query_start_loc, scale=c.query_scale or c.head_dim ** -0.5,
+                                            decode_only=opts.decode_only, in_loop=opts.in_loop,
+                                            sliding_window=window, soft_cap=c.attn_soft_cap, backend=backend,
+                                            interpret=opts.interpret, num_sms=opts.num_sms, kv_scales=kv_scales,
+                                            alibi_slopes=None if slopes is None else jnp.asarray(slopes))
+        windows = c.attention_windows()
+        if len(windows) == 1:
+            o = attend(windows[0])
+        elif isinstance(kind, int):
+            o = attend(windows[kind])
+        else:       # layers of both kinds: the layer index (traced under the scan) picks the window
+            o = jax.lax.switch(kind, [lambda w=w: attend(w) for w in windows])
+        o = o.reshape(-1, c.num_heads * c.head_dim)
+        return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
 
 
 class MLP(nn.Module):
@@ -386,10 +373,6 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, meta: AttentionMetadata, cos, sin):
         h, kv_cache, layer_idx = carry
         c, dtype = self.cfg, self.dtype
-        if not self.is_initializing() and fused_layer_ok(c, self.options, h.shape[0]):
-            h, kv_cache = _fused_layer(c, self.options, self.variables["params"], h, kv_cache, layer_idx, meta,
-                                       cos, sin, self.kind)
-            return (h, kv_cache, layer_idx + 1), None
         attn_out, kv_cache = Attention(c, dtype, self.options, self.kind, name="self_attn")(
             _norm(c, dtype, "input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
         if c.sandwich_norms:        # Gemma: post_attention_layernorm norms attention's output
@@ -400,56 +383,6 @@ class DecoderLayer(nn.Module):
             h = h + attn_out
             h = h + MLP(c, dtype, self.options, name="mlp")(_norm(c, dtype, "post_attention_layernorm")(h))
         return (h, kv_cache, layer_idx + 1), None
-
-
-# Rows (tokens) up to which a layer runs its linear layers fused with their neighbours
-# (pallas_kernels/fused_linear.py: four kernels a layer besides the KV write and attention, where the unfused
-# layer launches ~17 at one row); more rows take XLA's matmuls, which cuBLAS runs at its GEMM rates.
-FUSED_LAYER_MAX_ROWS = fused_linear_kernels.FUSED_MAX_ROWS
-
-
-def fused_layer_ok(cfg: DecoderConfig, options: RuntimeOptions, rows: int) -> bool:
-    """Whether a layer of `rows` tokens runs fused: the Pallas kernels run, few rows, dense weights, and Llama's
-    layer shape (one RMSNorm before attention and one before a SiLU MLP; RoPE over whole heads in HF's
-    rotate_half pairs, or ALiBi)."""
-    c = cfg
-    if not options.pallas or rows > FUSED_LAYER_MAX_ROWS:
-        return False
-    if any(c.quant_of(name) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
-        return False
-    if c.sandwich_norms or c.norm_plus_one or c.qk_norm or c.hidden_act != "silu" or c.rope_interleaved:
-        return False
-    if c.rope_dim != c.head_dim and not c.alibi:
-        return False
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    check = fused_linear_kernels.check
-    return all(why is None for why in (check(c.hidden_size, q_size + 2 * kv_size, c.head_dim),
-                                       check(q_size, c.hidden_size), check(c.hidden_size, c.intermediate_size),
-                                       check(c.intermediate_size, c.hidden_size)))
-
-
-def _fused_layer(cfg: DecoderConfig, options: RuntimeOptions, p, h, kv_cache, layer_idx, meta: AttentionMetadata,
-                 cos, sin, kind: int | None):
-    """DecoderLayer on its params p (the same tree) through the fused kernels (fused_layer_ok's layers)."""
-    c = cfg
-    kind, rope_kind = _layer_kind(c, kind, layer_idx)
-    attn, mlp = p["self_attn"], p["mlp"]
-    common = {"eps": c.rms_norm_eps, "sms": options.num_sms or 132, "interpret": options.interpret}
-    q, k, v = fused_linear_kernels.fused_linear(
-        h, attn["qkv_proj"]["kernel"], mode="qkv", norm_weight=p["input_layernorm"]["scale"],
-        bias=attn["qkv_proj"].get("bias"), cos=None if c.alibi else cos[rope_kind],
-        sin=None if c.alibi else sin[rope_kind], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, **common)
-    kv_scales = (attn["k_scale"], attn["v_scale"]) if c.kv_cache_dtype == "fp8" else None
-    t = h.shape[0]
-    o, kv_cache = attend_and_cache(c, options, q.reshape(t, c.num_heads, c.head_dim),
-                                   k.reshape(t, c.num_kv_heads, c.head_dim), v.reshape(t, c.num_kv_heads, c.head_dim),
-                                   kv_cache, layer_idx, meta, kind, kv_scales)
-    h = fused_linear_kernels.fused_linear(o, attn["o_proj"]["kernel"], mode="residual", residual=h, **common)
-    act = fused_linear_kernels.fused_linear(h, mlp["gate_up_proj"]["kernel"], mode="swiglu",
-                                            norm_weight=p["post_attention_layernorm"]["scale"], **common)
-    h = fused_linear_kernels.fused_linear(act, mlp["down_proj"]["kernel"], mode="residual", residual=h, **common)
-    return h, kv_cache
 
 
 PROMPT_HEAD_CHUNK = 2048     # tokens whose full-vocabulary logits exist at once (prompt logprobs)
