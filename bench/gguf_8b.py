@@ -6,6 +6,8 @@ tokenizer and vocabulary (49,152 tokens, copied from the default model's GGUF: n
 here), every byte of every block random but the float16 scale fields (small normals). Types:
   q4k   every linear layer and the embedding Q4_K, the output Q6_K
   q4km  llama.cpp's Q4_K_M mix: as q4k, but attn_v and ffn_down Q6_K in every other layer
+  q4k-tied, q8-tied   as q4k, but no output tensor: the LM head is the embedding (Q4_K, or Q8_0 as the
+        default SmolLM2 file's), which quantization="gguf" runs in the W4A16 kernel as 4- or 8-bit values
 For each run: the start-up to a ready LLM, one request's decode time per token (128 tokens after a warm-up
 request, wall clock), the bytes the run wrote into the model cache, and which linear layers stayed in blocks.
 --dense: the first file also dense in bf16 (from its folder without weights: the loader dequantizes the file).
@@ -25,7 +27,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # an installed jaxpaged wins
 
 SHAPE = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, rope_base=500000.0)
-F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}
 
 
 def random_blocks(rng, qtype: str, rows: int, cols: int):
@@ -89,9 +91,10 @@ def write_file(path: Path, types: str, tokenizer_from: str | None) -> None:
 
     def add(name: str, qtype: str, rows: int, cols: int):
         w.add_tensor(name, random_blocks(rng, qtype, rows, cols), raw_dtype=gguf.GGMLQuantizationType[qtype])
-    add("token_embd.weight", "Q4_K", vocab, h)
+    add("token_embd.weight", "Q8_0" if types == "q8-tied" else "Q4_K", vocab, h)
     w.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    add("output.weight", "Q6_K", vocab, h)
+    if not types.endswith("-tied"):
+        add("output.weight", "Q6_K", vocab, h)
     for i in range(SHAPE["layers"]):
         more_bits = types == "q4km" and i % 2 == 0
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
