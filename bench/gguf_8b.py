@@ -28,6 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # an installed jax
 
 SHAPE = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, rope_base=500000.0)
 F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}
+TYPES = ("q4k", "q4km", "q4k-tied", "q8-tied")
 
 
 def random_blocks(rng, qtype: str, rows: int, cols: int):
@@ -70,6 +71,8 @@ def write_file(path: Path, types: str, tokenizer_from: str | None) -> None:
     import numpy as np
 
     from jaxpaged.models.gguf_convert import find_default_gguf
+    if types not in TYPES:
+        raise ValueError(f"file type {types!r}: one of {', '.join(TYPES)}")
     src = gguf.GGUFReader(tokenizer_from or str(find_default_gguf()))
     vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
     h, ffn, heads, kv = SHAPE["hidden"], SHAPE["ffn"], SHAPE["heads"], SHAPE["kv_heads"]
