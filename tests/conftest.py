@@ -5,6 +5,12 @@ import pytest
 
 # Tests run on the CPU; keep XLA to a predictable thread count on small CI machines.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Under pytest-xdist every worker is a process of its own, and torch (HF's reference) would start an OpenMP pool of
+# one thread a core in each, whose threads spin while they wait: on a 2-core machine with 2 workers they take the
+# cores from the other worker's XLA. One thread a worker: the two reference modules side by side took 84 s
+# against 110 s (torch's matmuls split their rows, not their sums, across threads: the same results).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # Each XLA:CPU program JAX keeps compiled holds its machine code in a few hundred memory mappings (the float32
