@@ -7,8 +7,8 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Under pytest-xdist every worker is a process of its own, and torch (HF's reference) would start an OpenMP pool of
 # one thread a core in each, whose threads spin while they wait: on a 2-core machine with 2 workers they take the
-# cores from the other worker's XLA. One thread a worker: the two reference modules side by side took 84 s
-# against 110 s. Torch's matmuls give the same bits with one thread as with two (float32 and bf16, the reference
+# cores from the other worker's XLA. One thread a worker (bench/results/NOTES.md, twenty-ninth session, has the
+# timings). Torch's matmuls give the same bits with one thread as with two (float32 and bf16, the reference
 # models' shapes), so the references do not change.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
