@@ -49,8 +49,10 @@ def kv_amax(cfg: DecoderConfig, dtype, params, token_ids: list[int], block_size:
     meta = AttentionMetadata(positions, block_size + positions, jnp.arange(1, blocks + 1, dtype=jnp.int32)[None],
                              jnp.asarray([n], jnp.int32), jnp.asarray([0, n], jnp.int32))
     options = RuntimeOptions(attn_backend="xla", in_loop=False)
-    ones = lambda tree: {**tree, "self_attn": {**tree["self_attn"], "k_scale": jnp.ones((), jnp.float32),  # noqa: E731
-                                               "v_scale": jnp.ones((), jnp.float32)}}
+
+    def ones(tree):                                  # the layer's scales at 1.0: the pool holds k and v themselves
+        return {**tree, "self_attn": {**tree["self_attn"], "k_scale": jnp.ones((), jnp.float32),
+                                      "v_scale": jnp.ones((), jnp.float32)}}
     layers = params["layers"]
     kinds = cfg.layer_kinds()
     h, cos, sin = embed_phase(cfg, dtype, params, jnp.asarray(token_ids, jnp.int32), meta)

@@ -144,9 +144,10 @@ def gguf_weight_quant(reader) -> tuple[tuple[str, str], ...]:
     # which it would otherwise expand whole every step), and an untied one of a 4-bit type (a quarter of a dense
     # copy's bytes). An untied head of a wider type (llama.cpp's usual Q6_K) stays a dense copy: the 8-bit GEMV
     # reads at about bf16's speed, and above INT4_KERNEL_MAX_ROWS rows the blocks would expand every step.
-    output = next((t for t in reader.tensors if t.name == GGUF_OUTPUT), None)
-    head = next((t for t in reader.tensors if t.name == GGUF_EMBEDDING), None) if output is None else \
-        output if output.tensor_type.name in INT4_TYPES else None
+    by_name = {t.name: t for t in reader.tensors if t.name in (GGUF_OUTPUT, GGUF_EMBEDDING)}
+    head = by_name.get(GGUF_OUTPUT, by_name.get(GGUF_EMBEDDING))          # untied, else the tied embedding
+    if head is not None and head.name == GGUF_OUTPUT and head.tensor_type.name not in INT4_TYPES:
+        head = None                                                     # a wider untied head stays dense
     if head is not None:
         types["lm_head"] = {head.tensor_type.name}
     out = []
