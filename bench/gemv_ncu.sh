@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The W4A16 GEMV under Nsight Compute on the GPU machine (bench/gemv_ncu.py). Writes under $OUT (or ./ncu_out):
+# the kernels' detail pages, their SASS with sampled stall reasons, and a timing check without the profiler.
+#   run: bash bench/gemv_ncu.sh [--layers gate_up,down]     (carry .whl and .cache/gpu)
+source bench/gpu_setup.sh
+OUT=${OUT:-ncu_out}
+mkdir -p "$OUT"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+echo "ncu: $NCU"; "$NCU" --version | tail -1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+python3 bench/gemv_ncu.py --time "$@" 2>&1 | grep -v Warning | tee "$OUT/timing.txt"
+export XLA_FLAGS="--xla_gpu_enable_command_buffer="
+timeout 300 "$NCU" --clock-control none --cache-control all -k regex:'int4_matmul|load_probe' --launch-count 16 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+  --section WarpStateStats --section SchedulerStats --section SourceCounters --section ComputeWorkloadAnalysis \
+  --import-source no -o "$OUT/gemv" python3 bench/gemv_ncu.py "$@" > "$OUT/ncu_run.txt" 2>&1
+echo "ncu rc=$?"; tail -5 "$OUT/ncu_run.txt"
+"$NCU" -i "$OUT/gemv.ncu-rep" --page details > "$OUT/details.txt" 2>&1
+"$NCU" -i "$OUT/gemv.ncu-rep" --page source --print-source sass --csv > "$OUT/sass.csv" 2>&1
+ls -la "$OUT"; head -c 3000 "$OUT/details.txt"
