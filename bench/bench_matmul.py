@@ -221,6 +221,18 @@ def bench_shape(args, model, name, k, n, m, results, sms):
             variants[label] = (lambda i, xs, qw, s, b, kw=kw: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets],
                                                                           b[i % nsets], **kw),
                                (xs, qweights, scales, zeros), int4_bytes)
+    if m == 1:
+        for spec in args.int4_kwargs:
+            kw = _parse_kwargs(spec)
+            for base, (s_, b_, form, nbytes) in {"int4": (scales, zeros, "zeros", int4_bytes),
+                                                 "gguf-int4": (g_scales, g_mins, "mins", gguf_int4_bytes)}.items():
+                variants[f"{base} {spec}"] = (
+                    lambda i, xs, qw, s, b, kw=kw, form=form: int4_matmul(xs[i % 64], qw[i % nsets], s[i % nsets],
+                                                                          **{form: b[i % nsets]}, **kw),
+                    (xs, qweights, s_, b_), nbytes)
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = {label: v for label, v in variants.items() if label.split(" ")[0] in keep}
     ref_bf16 = None
     ref_int4 = None
     for label, (op, data, nbytes) in variants.items():
@@ -230,7 +242,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         err = None
         try:
             out = jax.jit(lambda *a: op(0, *a))(*data)
-            if label.startswith("gguf-int4"):      # against the f32 reference of its own weights
+            if label.startswith("gguf-int4"):      # against the f32 reference of its own weights (any variant)
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], g_scales[0], mins=g_mins[0])
                 err = rel_err(out, ref)
             elif label == "gguf-int8":
@@ -239,7 +251,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
                 err = rel_err(out, ref)
             elif label.startswith("probe-loads"):
                 err = 0.0                 # nothing computed: a read-bandwidth probe
-            elif label in ("int4", "int4 f32-gemv"):
+            elif label.startswith("int4") and "=" in label or label in ("int4", "int4 f32-gemv"):
                 ref = data[0][0].astype(jnp.float32) @ dequantize_int4(qweights[0], scales[0], zeros[0])
                 err = rel_err(out, ref)
             elif label == "gguf-q4k-xla":
@@ -259,6 +271,15 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         results.append(row)
         print(f"{model:10s} {name:8s} M={m:<4d} {label:28s} {dev_s * 1e6:8.1f} us  {row['TBps']:5.2f} TB/s"
               f"  err {err:.1e}", flush=True)
+
+
+def _parse_kwargs(spec: str) -> dict:
+    """"x_scale=split,block_n=128" -> {"x_scale": "split", "block_n": 128} (int4_matmul's keywords)."""
+    out: dict = {}
+    for item in spec.split(","):
+        key, value = item.split("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
 
 
 def write_outputs(args, results):
@@ -292,6 +313,10 @@ def main():
     p.add_argument("--models", default="llama3-8b,qwen2-0.5b")
     p.add_argument("--rows", default="1,2,4,8,16,64")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--int4-kwargs", action="append", default=[], metavar="K=V[,K=V]",
+                   help="at M = 1, also time int4 and gguf-int4 with these int4_matmul keywords (repeatable)")
+    p.add_argument("--only", default="",
+                   help="comma list of variant families to time (e.g. xla-bf16,int4,gguf-int4); default all")
     p.add_argument("--load-probe", action="store_true",
                    help="at M = 1, the int4 GEMV's weight loads alone under several tilings (no arithmetic)")
     args = p.parse_args()

@@ -10,8 +10,8 @@ echo "ncu: $NCU"; "$NCU" --version | tail -1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 python3 bench/gemv_ncu.py --time "$@" 2>&1 | grep -v Warning | tee "$OUT/timing.txt"
-export XLA_FLAGS="--xla_gpu_enable_command_buffer="
-timeout 300 "$NCU" --clock-control none --cache-control all -k regex:'int4_matmul|load_probe' --launch-count 16 \
+export XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false
+timeout 240 "$NCU" ${NCU_ARGS:-} --clock-control none --cache-control all -k regex:'int4_matmul|load_probe' --launch-count 16 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
   --section WarpStateStats --section SchedulerStats --section SourceCounters --section ComputeWorkloadAnalysis \
   --import-source no -o "$OUT/gemv" python3 bench/gemv_ncu.py "$@" > "$OUT/ncu_run.txt" 2>&1
