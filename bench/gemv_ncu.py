@@ -40,7 +40,7 @@ def main() -> None:
         scales = jnp.asarray(rng.uniform(0.001, 0.01, (k // GROUP, n)), jnp.bfloat16)
         zeros = jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.bfloat16)
         x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
-        _, block_n, splits = choose_int4_tiling(1, k, n)
+        _, block_n, splits = choose_int4_tiling(1, k, n, f16x2=True)
         gemv = jax.jit(int4_matmul)
         probe = jax.jit(lambda w, bn=block_n, ns=splits: load_probe(w, block_n=bn, num_splits=ns))
         jax.block_until_ready(gemv(x, qweight, scales, zeros))                      # compile

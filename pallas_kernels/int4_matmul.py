@@ -178,10 +178,15 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
 # the dot kernel. One: on the H100 (llama3-8b's qkv and o, bench_matmul.py) the GEMV kernel at 4 rows took
 # 39.3 / 25.1 us, the dot kernel at 16 rows 26.3 / 19.8.
 GEMV_MAX_ROWS = 1
-# Warps of the GEMV kernel. 8 took 19.8 / 13.2 us on qkv and o at one row against 4 warps' 22.6 / 15.7, but
+# Warps of the GEMV kernel: one per 16 columns of a program, eight words of the [16, BN] tile a thread. At 64
+# columns, 8 warps took 19.8 / 13.2 us on qkv and o at one row against 4 warps' 22.6 / 15.7 (H100), but
 # llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
-# included): 4.
-GEMV_WARPS = 4
+# included).
+GEMV_COLUMNS_PER_WARP = 16
+# The f16x2 form's columns a program. On the H200 (llama3-8b's AWQ layers at one row, one power-of-two scale of x
+# a split, bench_matmul.py) 128 columns on 8 warps, four programs per SM (the splits of 64 columns at eight),
+# took qkv 14.2, o 13.0, gate_up 37.5, down 23.4 us against 64 columns on 4 warps' 17.4, 11.2, 39.9, 26.2.
+GEMV_F16X2_COLUMNS = 128
 # The bits of the float 2**23: OR-ing a 4-bit q into its lowest mantissa bits gives the float 2**23 + q, so
 # subtracting 2**23 + zero leaves q - zero exactly, without an int -> float conversion (a slow instruction).
 # A nibble need not be shifted down first: at bits b..b+3 (b + 4 <= 23, inside the mantissa) the same OR
@@ -289,7 +294,7 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
 _F16_PAIR_1024 = 0x64006400
 # Where the f16x2 form takes x's power-of-two scale: "slab" (each slab's own largest magnitude, reduced across
 # the program every slab) or "split" (one for the split's share of x, read before the loop).
-GEMV_X_SCALE = "slab"
+GEMV_X_SCALE = "split"
 _LANE_MASKS = (0x000F000F, 0x00F000F0)           # nibbles at bits 0-3 / 4-7 of each 16-bit lane
 F16X2_MIN_GROUP = 32                             # a lane's four nibbles span two groups of 32 at most
 
@@ -454,18 +459,23 @@ def use_f16x2(dtype, group_size: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and group_size >= F16X2_MIN_GROUP
 
 
-def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4) -> tuple[int, int, int]:
+def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4,
+                       f16x2: bool = False) -> tuple[int, int, int]:
     """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
     M rows in one program); K split until the programs fill about four per SM (decode sizes leave too few N
-    tiles for the GPU alone). Columns: 128 a program for the dot kernel; 64 for the GEMV kernel, with eight
-    programs per SM, the same splits as 128 columns at four (on the H100, llama3-8b at one row: qkv 18.3
-    against 20.7 us, o 12.3 against 14.3, gate_up 48.7 against 53.9, down 28.5 against 28.6)."""
+    tiles for the GPU alone). Columns: 128 a program for the dot kernel; for the GEMV kernel 64 with eight
+    programs per SM (on the H100, llama3-8b at one row: qkv 18.3 against 20.7 us at 128 columns and four, o 12.3
+    against 14.3, gate_up 48.7 against 53.9, down 28.5 against 28.6), and in its f16x2 form (f16x2=True)
+    GEMV_F16X2_COLUMNS, the same splits."""
     gemv = m <= GEMV_MAX_ROWS
     block_m = m if gemv else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
-    block_n = 64 if gemv or n % 128 else 128
+    if gemv:
+        block_n = GEMV_F16X2_COLUMNS if f16x2 and n % GEMV_F16X2_COLUMNS == 0 else 64
+    else:
+        block_n = 64 if n % 128 else 128
     slabs = k // slab_rows(bits)
     programs = -(-m // block_m) * (n // block_n)
-    want = max(1, (8 if gemv else 4) * sms // programs)
+    want = max(1, (8 * 64 // block_n if gemv else 4) * sms // programs)
     # the largest divisor of the slab count not above want: every split walks the same number of slabs
     splits = max(d for d in range(1, slabs + 1) if slabs % d == 0 and d <= want)
     return block_m, block_n, splits
@@ -480,7 +490,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
                 x_scale: str | None = None, bits: int = 4, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
-    Tiling None: choose_int4_tiling's; num_warps None: GEMV_WARPS for the GEMV kernel, 4 for the dot kernel.
+    Tiling None: choose_int4_tiling's; num_warps None: one per GEMV_COLUMNS_PER_WARP columns for the GEMV kernel, 4
+    for the dot kernel.
     slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs.
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
@@ -505,15 +516,15 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         raise ValueError(why)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    bm, bn, ns = choose_int4_tiling(m, k, n, bits=bits)
+    if gemv_math is None:
+        gemv_math = "f16x2" if bits == 4 and use_f16x2(x.dtype, group_size) else "f32"
+    bm, bn, ns = choose_int4_tiling(m, k, n, bits=bits, f16x2=gemv_math != "f32")
     block_m, block_n, num_splits = block_m or bm, block_n or bn, num_splits or ns
     slabs = k // slab_rows(bits)
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
     if num_warps is None:
-        num_warps = GEMV_WARPS if m <= GEMV_MAX_ROWS else 4
-    if gemv_math is None:
-        gemv_math = "f16x2" if bits == 4 and use_f16x2(x.dtype, group_size) else "f32"
+        num_warps = max(1, block_n // GEMV_COLUMNS_PER_WARP) if m <= GEMV_MAX_ROWS else 4
     if bits != 4 and gemv_math != "f32":
         raise ValueError(f"gemv_math {gemv_math!r} takes 4-bit weights; 8-bit ones take f32")
     if x_scale not in (None, "slab", "split"):

@@ -215,7 +215,11 @@ class TestInt4Matmul:
     def test_tiling_fills_the_gpu_at_decode_sizes(self):
         """choose_int4_tiling: llama3-8b's decode GEMVs get about eight programs of 64 columns per SM of the
         H100's 132 (the dot kernel four of 128); up to GEMV_MAX_ROWS rows all go to one program (the GEMV
-        kernel), more are tiles of 16 to 64."""
+        kernel), more are tiles of 16 to 64. The GEMV's f16x2 form takes four programs of 128 columns, the same
+        splits, and N not a multiple of 128 falls back to 64 columns."""
+        for k, n, splits in ((4096, 6144, 8), (4096, 4096, 16), (14336, 4096, 16), (4096, 28672, 2)):
+            assert choose_int4_tiling(1, k, n, f16x2=True) == (1, 128, splits)
+        assert choose_int4_tiling(1, 512, 192, f16x2=True) == choose_int4_tiling(1, 512, 192) == (1, 64, 4)
         assert choose_int4_tiling(1, 4096, 6144) == (1, 64, 8)          # 96 column tiles x 8 splits
         assert choose_int4_tiling(1, 4096, 4096) == (1, 64, 16)         # 64 x 16
         assert choose_int4_tiling(1, 14336, 4096) == (1, 64, 16)        # 112 slabs: 16 divides
