@@ -183,6 +183,8 @@ GEMV_MAX_ROWS = 1
 # llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
 # included).
 GEMV_COLUMNS_PER_WARP = 16
+# Warps per SM the GEMV's splits of K aim at: eight programs of 4 warps (64 columns), four of 8 (128 columns).
+GEMV_WARPS_PER_SM = 32
 # The f16x2 form's columns a program. On the H200 (llama3-8b's AWQ layers at one row, one power-of-two scale of x
 # a split, bench_matmul.py) 128 columns on 8 warps, four programs per SM (the splits of 64 columns at eight),
 # took qkv 14.2, o 13.0, gate_up 37.5, down 23.4 us against 64 columns on 4 warps' 17.4, 11.2, 39.9, 26.2.
@@ -297,6 +299,9 @@ _F16_PAIR_1024 = 0x64006400
 GEMV_X_SCALE = "split"
 _LANE_MASKS = (0x000F000F, 0x00F000F0)           # nibbles at bits 0-3 / 4-7 of each 16-bit lane
 F16X2_MIN_GROUP = 32                             # a lane's four nibbles span two groups of 32 at most
+# lop3's truth table for (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA): the mask and the OR in one instruction, which
+# ptxas does not merge from two (on the H200 the loop ran an and and an or per pair)
+_AND_OR_LUT = (0xF0 & 0xCC) | 0xAA
 
 
 def _lane_groups(group_size: int) -> tuple[tuple[int, ...], ...]:
@@ -316,8 +321,7 @@ def _f16x2_asm(pairs: tuple[int, ...]) -> tuple[str, str]:
     if any(p >= 2 for p in pairs):
         lines.append(f"shr.u32 w8, {word}, 8;")
     for i, p in enumerate(pairs):
-        lines += [f"and.b32 t, {word if p < 2 else 'w8'}, {_LANE_MASKS[p % 2]};",
-                  f"or.b32 t, t, {_F16_PAIR_1024};",
+        lines += [f"lop3.b32 t, {word if p < 2 else 'w8'}, {_LANE_MASKS[p % 2]}, {_F16_PAIR_1024}, {_AND_OR_LUT};",
                   f"sub.f16x2 t, t, {zlo if p % 2 == 0 else zhi};",
                   f"mul.rn.f16x2 a, t, ${3 + i};" if i == 0 else f"fma.rn.f16x2 a, t, ${3 + i}, a;"]
     lines += ["mov.b32 {h0, h1}, a;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
@@ -459,23 +463,28 @@ def use_f16x2(dtype, group_size: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and group_size >= F16X2_MIN_GROUP
 
 
-def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4,
-                       f16x2: bool = False) -> tuple[int, int, int]:
+def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f16x2: bool = False,
+                       block_n: int | None = None, num_warps: int | None = None) -> tuple[int, int, int]:
     """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
-    M rows in one program); K split until the programs fill about four per SM (decode sizes leave too few N
-    tiles for the GPU alone). Columns: 128 a program for the dot kernel; for the GEMV kernel 64 with eight
-    programs per SM (on the H100, llama3-8b at one row: qkv 18.3 against 20.7 us at 128 columns and four, o 12.3
-    against 14.3, gate_up 48.7 against 53.9, down 28.5 against 28.6), and in its f16x2 form (f16x2=True)
-    GEMV_F16X2_COLUMNS, the same splits."""
+    M rows in one program); K split until the programs fill the GPU (decode sizes leave too few N tiles for it
+    alone): four programs per SM for the dot kernel, GEMV_WARPS_PER_SM warps per SM for the GEMV kernel.
+    Columns (block_n None): 128 a program for the dot kernel; for the GEMV kernel 64 (on the H100, llama3-8b at
+    one row: qkv 18.3 against 20.7 us at 128 columns and four programs per SM, o 12.3 against 14.3, gate_up 48.7
+    against 53.9, down 28.5 against 28.6), and in its f16x2 form (f16x2=True) GEMV_F16X2_COLUMNS. num_warps None:
+    the GEMV's one per GEMV_COLUMNS_PER_WARP columns."""
     gemv = m <= GEMV_MAX_ROWS
     block_m = m if gemv else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
-    if gemv:
+    if block_n is None and gemv:
         block_n = GEMV_F16X2_COLUMNS if f16x2 and n % GEMV_F16X2_COLUMNS == 0 else 64
-    else:
+    elif block_n is None:
         block_n = 64 if n % 128 else 128
     slabs = k // slab_rows(bits)
     programs = -(-m // block_m) * (n // block_n)
-    want = max(1, (8 * 64 // block_n if gemv else 4) * sms // programs)
+    if gemv:
+        warps = num_warps or max(1, block_n // GEMV_COLUMNS_PER_WARP)
+        want = max(1, max(1, GEMV_WARPS_PER_SM // warps) * sms // programs)
+    else:
+        want = max(1, 4 * sms // programs)
     # the largest divisor of the slab count not above want: every split walks the same number of slabs
     splits = max(d for d in range(1, slabs + 1) if slabs % d == 0 and d <= want)
     return block_m, block_n, splits
@@ -518,8 +527,9 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         interpret = jax.default_backend() == "cpu"
     if gemv_math is None:
         gemv_math = "f16x2" if bits == 4 and use_f16x2(x.dtype, group_size) else "f32"
-    bm, bn, ns = choose_int4_tiling(m, k, n, bits=bits, f16x2=gemv_math != "f32")
-    block_m, block_n, num_splits = block_m or bm, block_n or bn, num_splits or ns
+    bm, bn, ns = choose_int4_tiling(m, k, n, bits=bits, f16x2=gemv_math != "f32", block_n=block_n,
+                                    num_warps=num_warps)
+    block_m, block_n, num_splits = block_m or bm, bn, num_splits or ns
     slabs = k // slab_rows(bits)
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
