@@ -110,7 +110,6 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
     # Pad the table so the last chunk can be sliced whole; padded entries point at the null block.
     tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_cap * chunk - max_blocks)))
     req_ids, positions, valid = _token_metadata(query_start_loc, seq_lens, num_tokens)
-    layer = kv_cache[layer_idx]                                   # [2, B, K, S, D]
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
     chunk_tokens = chunk * block_size
     max_len = jnp.max(jnp.where(valid, positions, -1)) + 1
@@ -119,8 +118,12 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
     def body(c, carry):
         m, l, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)[req_ids]   # [T, C]
-        k = layer[0][blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        v = layer[1][blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
+        # One gather from the whole pool, the layer index in it: a slice of the layer taken before the loop
+        # would be materialized as the loop's operand, a copy of the layer's pool every step (XLA:CPU).
+        k = kv_cache[layer_idx, 0, blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens,
+                                                                             num_kv_heads, head_dim)
+        v = kv_cache[layer_idx, 1, blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens,
+                                                                             num_kv_heads, head_dim)
         s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32))
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
