@@ -274,7 +274,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
 
 
 def _parse_kwargs(spec: str) -> dict:
-    """"x_scale=split,block_n=128" -> {"x_scale": "split", "block_n": 128} (int4_matmul's keywords)."""
+    """"gemv_math=f32,block_n=128" -> {"gemv_math": "f32", "block_n": 128} (int4_matmul's keywords)."""
     out: dict = {}
     for item in spec.split(","):
         key, value = item.split("=")

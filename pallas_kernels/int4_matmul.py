@@ -291,12 +291,11 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
 # conversions and two float32 FMAs (by each lane's group scale) add to the accumulator: about 2.6 instructions
 # a weight against 4 in the f32 form, the integer ones 1.1 against 2.4. On the H100 that took 5-15% off the
 # kernel's time at one row, not half: the integer work was not all that bounds it. Float16 needs x in its
-# range: each slab's 128 values of x are scaled by a power of two (exact) that puts their largest magnitude in
-# [32, 64), its inverse folded into the group scales.
+# range: each split's share of x is scaled by a power of two (exact) that puts its largest magnitude in [32, 64),
+# read in a few wide loads before the loop, and the output is scaled back once. (A scale per 128-row slab, reduced
+# across the program every slab, was a fifth of the loop's instructions under Nsight Compute on the H200; one a
+# split took llama3-8b's AWQ layers from 108 to 95 us at one row, and its one-request TPOT from 3.34 to 2.96 ms.)
 _F16_PAIR_1024 = 0x64006400
-# Where the f16x2 form takes x's power-of-two scale: "slab" (each slab's own largest magnitude, reduced across
-# the program every slab) or "split" (one for the split's share of x, read before the loop).
-GEMV_X_SCALE = "split"
 _LANE_MASKS = (0x000F000F, 0x00F000F0)           # nibbles at bits 0-3 / 4-7 of each 16-bit lane
 F16X2_MIN_GROUP = 32                             # a lane's four nibbles span two groups of 32 at most
 # lop3's truth table for (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA): the mask and the OR in one instruction, which
@@ -377,7 +376,7 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
 
 
 def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
-                            slabs_per_iter, offsets, asm, x_scale):
+                            slabs_per_iter, offsets, asm):
     # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
@@ -391,25 +390,18 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
     def group_row(slab, j):
         return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
 
-    def group_scale(row, unscale):
-        s = s_ref[row, cols].astype(jnp.float32)[None, :]                                # [1, BN]
-        return s if unscale is None else s * unscale
+    def group_scale(row):
+        return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
 
-    if x_scale == "split":
-        # one power-of-two scale for the split's share of x, its inverse applied to the output: the largest
-        # magnitude is read once, in a few wide loads, instead of reduced across the program every slab
-        amax = functools.reduce(jnp.maximum, [
-            jnp.max(jnp.abs(x_ref[0, pl.ds(first * PACK_ROWS + start, size)].astype(jnp.float32)))
-            for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
-        split_scale, split_unscale = _pow2_scale(amax)
+    # the split's power-of-two scale of x (its inverse applied to the output)
+    amax = functools.reduce(jnp.maximum, [
+        jnp.max(jnp.abs(x_ref[0, pl.ds(first * PACK_ROWS + start, size)].astype(jnp.float32)))
+        for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
+    scale, unscale = _pow2_scale(amax)
 
     def slab_step(slab, w, acc, off):
         xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
               for j in range(8)]                                                         # [16] each
-        if x_scale == "split":
-            scale, unscale = split_scale, None
-        else:   # the slab's power-of-two scale, its inverse folded into the group scales below
-            scale, unscale = _pow2_scale(functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v)) for v in xj]))
         bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
         for pairs in calls:
             g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
@@ -422,8 +414,8 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
                 zlo = jnp.broadcast_to(_f16_bits(1024.0 + z_lo) | (_f16_bits(1024.0 + z_hi) << 16), tile)
                 zhi = jnp.broadcast_to(_f16_bits(1024.0 + 16.0 * z_lo) | (_f16_bits(1024.0 + 16.0 * z_hi) << 16),
                                        tile)
-            s_lo = jnp.broadcast_to(group_scale(g_lo, unscale), tile)
-            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi, unscale), tile)
+            s_lo = jnp.broadcast_to(group_scale(g_lo), tile)
+            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi), tile)
             if asm:
                 asm_text, constraints = _f16x2_asm(pairs)
                 [acc] = plgpu.elementwise_inline_asm(asm_text, args=[acc, w, *xs, zlo, zhi, s_lo, s_hi],
@@ -447,10 +439,7 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
 
     init = (jnp.zeros(tile, jnp.float32), jnp.zeros((1, block_n), jnp.float32))
     acc, off = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, init)
-    out = jnp.sum(acc, axis=0)                                                           # [BN]
-    if x_scale == "split":
-        out = out * split_unscale
-    out = out + off[0]
+    out = jnp.sum(acc, axis=0) * unscale + off[0]                                        # [BN]
     if len(o_ref.shape) == 2:
         o_ref[0, cols] = out.astype(o_ref.dtype)
     else:
@@ -491,12 +480,11 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "x_scale", "bits",
-                                             "interpret"))
+                                             "num_stages", "gemv_math", "bits", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                x_scale: str | None = None, bits: int = 4, interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
     Tiling None: choose_int4_tiling's; num_warps None: one per GEMV_COLUMNS_PER_WARP columns for the GEMV kernel, 4
@@ -504,8 +492,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs.
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
-    None: "f16x2" where use_f16x2 allows it, else "f32". x_scale (f16x2 form): "slab" or "split" (GEMV_X_SCALE's
-    comment); None: GEMV_X_SCALE. bits: 4, or 8 (qweight i32[K/4, N], 64-row slabs; the
+    None: "f16x2" where use_f16x2 allows it, else "f32". bits: 4, or 8 (qweight i32[K/4, N], 64-row slabs; the
     GEMV's f32 form)."""
     zeros, offsets = _affine(zeros, mins)
     if bits not in BITS:
@@ -537,8 +524,6 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         num_warps = max(1, block_n // GEMV_COLUMNS_PER_WARP) if m <= GEMV_MAX_ROWS else 4
     if bits != 4 and gemv_math != "f32":
         raise ValueError(f"gemv_math {gemv_math!r} takes 4-bit weights; 8-bit ones take f32")
-    if x_scale not in (None, "slab", "split"):
-        raise ValueError(f"x_scale {x_scale!r}: slab or split")
     if gemv_math not in ("f32", "f16x2", "f16x2-jnp"):
         raise ValueError(f"gemv_math {gemv_math!r}: f32, f16x2 or f16x2-jnp")
     if m <= GEMV_MAX_ROWS and (slabs // num_splits) % slabs_per_iter:
@@ -550,7 +535,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
-                                   asm=gemv_math == "f16x2" and not interpret, x_scale=x_scale or GEMV_X_SCALE)
+                                   asm=gemv_math == "f16x2" and not interpret)
         grid: tuple[int, ...] = (n // block_n, num_splits)
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,

@@ -29,14 +29,13 @@ class MatmulCase:
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
     gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
     bits: int = 4                       # 8: byte values (GGUF's wider types repacked)
-    x_scale: str | None = None          # the f16x2 form's power-of-two scale of x; None: the op's default
 
     def __str__(self):
         form = "-min" if self.offsets else ""
         math = f"-{self.gemv_math}" if self.gemv_math else ""
         width = "" if self.bits == 4 else f"-u{self.bits}"
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
-                f"-it{self.slabs_per_iter}{math}{width}" + (f"-x{self.x_scale}" if self.x_scale else ""))
+                f"-it{self.slabs_per_iter}{math}{width}")
 
 
 def make_inputs(case: MatmulCase):
@@ -79,9 +78,7 @@ CASES = [
     MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=1),               # f16x2: two calls a word, zero points
     MatmulCase(1, 512, 64, 256, "bfloat16"),                             # f16x2: a group over two slabs
     MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2),   # f16x2, two slabs an iteration
-    MatmulCase(1, 768, 128, 128, "bfloat16", num_splits=2, x_scale="split"),   # f16x2, one scale a split (3 slabs)
-    MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=1, x_scale="split"),    # f16x2, one scale, two calls a word
-    MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, x_scale="split"),     # f16x2, one scale, offsets
+    MatmulCase(1, 768, 128, 128, "bfloat16", num_splits=2),              # f16x2: x's scale read in 256 + 128 rows
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
     MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
@@ -98,7 +95,7 @@ CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 
 CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
 CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, gemv_math=math)
                   for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128) for math in ("f32", "f16x2-jnp"))
-CASES += gpu_only(MatmulCase(1, k, n, 128, "bfloat16", x_scale="split") for k, n in ((4096, 28672), (14336, 4096)))
+CASES += gpu_only(MatmulCase(1, 4096, 28672, 128, "bfloat16"))
 CASES += gpu_only(MatmulCase(m, k, n, g, "bfloat16", offsets=True, bits=8)
                   for m in (1, 8) for k, n in ((4096, 6144), (14336, 4096)) for g in (16, 32))
 
@@ -111,27 +108,23 @@ class TestInt4Matmul:
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
                           slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, bits=case.bits,
-                          x_scale=case.x_scale, interpret=INTERPRET)
+                          interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
 
-    @pytest.mark.parametrize("x_scale", ["slab", "split"])
     @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
     @pytest.mark.parametrize("magnitude", [1e4, 1e-6])
-    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets, x_scale):
-        """Rows far outside float16's comfortable range (products past 65504, values below its normals): the
-        power-of-two scale (each slab's, or the split's) keeps the f16x2 GEMV as close to the reference as at
-        unit scale."""
+    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets):
+        """Rows far outside float16's comfortable range (products past 65504, values below its normals): each
+        split's power-of-two scale keeps the f16x2 GEMV as close to the reference as at unit scale."""
         case = MatmulCase(1, 256, 128, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
         x = (x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
         ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
-        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", x_scale=x_scale,
-                          interpret=INTERPRET)
+        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", interpret=INTERPRET)
         assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, ref) <= TOL["bfloat16"]
-        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), x_scale=x_scale,
-                           interpret=INTERPRET)
+        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), interpret=INTERPRET)
         assert not bool(jnp.any(zero))
 
     def test_f16x2_only_for_half_rows_and_groups_of_32_up(self):
