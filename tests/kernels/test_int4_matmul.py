@@ -95,7 +95,7 @@ CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 
 CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
 CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, gemv_math=math)
                   for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128) for math in ("f32", "f16x2-jnp"))
-CASES += gpu_only(MatmulCase(1, 4096, 28672, 128, "bfloat16"))
+CASES += gpu_only([MatmulCase(1, 4096, 28672, 128, "bfloat16")])
 CASES += gpu_only(MatmulCase(m, k, n, g, "bfloat16", offsets=True, bits=8)
                   for m in (1, 8) for k, n in ((4096, 6144), (14336, 4096)) for g in (16, 32))
 
