@@ -38,6 +38,18 @@ if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to
 from bench.datasets import DATASETS, SampleRequest  # noqa: E402
 
 AIOHTTP_TIMEOUT_S = 6 * 60 * 60
+# How long the client keeps an idle connection for reuse: under the server's own keep-alive (5 s, as vLLM's
+# uvicorn setting), so that a request never goes out on a connection the server is closing at that moment
+# (aiohttp's default, 15 s, left that race open: a request failed with ServerDisconnectedError 1 ms after it
+# was sent, once, in a soak run).
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def client_connector(limit: int = 0):
+    """The benchmark clients' aiohttp connector: `limit` connections at most (0: no limit), idle ones kept
+    CLIENT_KEEPALIVE_S."""
+    import aiohttp
+    return aiohttp.TCPConnector(limit=limit, force_close=False, keepalive_timeout=CLIENT_KEEPALIVE_S)
 
 
 @dataclass
@@ -267,9 +279,8 @@ def _client_process(index: int, inputs: list[RequestFuncInput], event_loop: str,
 
     async def send_all() -> list[RequestFuncOutput]:
         nonlocal released
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S),
-                                         connector=connector, trust_env=True) as session:
+                                         connector=client_connector(), trust_env=True) as session:
             ready.wait()
             released = time.perf_counter()
             return await asyncio.gather(*(async_request_openai_completions(inp, session) for inp in inputs))
@@ -350,8 +361,8 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
         return RequestFuncInput(prompt, api_url, len(r.prompt_token_ids), r.output_len, model)
 
     timeout = aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=True) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=client_connector(max_concurrency or 0),
+                                     trust_env=True) as session:
         if warmup and requests:   # as vLLM: one request first, so a broken endpoint fails fast
             test = await request_func(make_input(requests[0]), session)
             if not test.success:

@@ -50,7 +50,7 @@ if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to
     sys.path.append(str(_bench.parent))
 
 from bench.datasets import SampleRequest  # noqa: E402
-from bench.serve import RequestFuncOutput  # noqa: E402
+from bench.serve import RequestFuncOutput, client_connector  # noqa: E402
 from bench.soak_faults import EXPECTED, FAULT_KINDS, Target, disconnect_point, plan_kinds, send  # noqa: E402
 from bench.soak_memory import RSS_KEYS, Sampler, scrape  # noqa: E402
 
@@ -116,7 +116,7 @@ async def soak(args: argparse.Namespace, target: Target, pid: int | None,
 
     counts: Counter = Counter()
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)    # a request past it fails: TimeoutError
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=client_connector()) as session:
         t0 = time.perf_counter()
         sampler = Sampler(session, target.base_url, pid, args.sample_period_s, t0, counts)
         task = asyncio.create_task(sampler.run())
