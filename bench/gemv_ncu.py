@@ -1,11 +1,13 @@
 """The W4A16 GEMV under Nsight Compute: what bounds it (issue 26's one-request target).
 
   ncu --clock-control none -k regex:'int4_matmul|load_probe' ... python3 bench/gemv_ncu.py [--layers gate_up,down]
+  python3 bench/gemv_ncu.py --summarize sass.csv      (ncu -i REPORT --page source --print-source sass --csv)
 
 Runs, at one row and llama3-8b's shapes, each named layer's int4 GEMV (AWQ layout, group 128, the op's own
 tiling and form, as a model runs it) and then the weight-loads-only probe at the same tiling
-(bench_matmul.load_probe), once each after a warm-up, so that a profiler filtering on the kernel names sees
-one launch of each. Without a profiler it prints each kernel's time (bench_kernels.time_op) as a check.
+(bench_matmul.load_probe), twice each (the first call compiles), so that a profiler filtering on the kernel
+names sees two launches of each (bench/gemv_ncu.sh runs it so). --summarize reads ncu's SASS page back: per kernel, the
+instructions executed and the loop's body (the instructions run most often) by opcode.
 """
 from __future__ import annotations
 
@@ -26,11 +28,32 @@ from pallas_kernels.int4_matmul import choose_int4_tiling, int4_matmul, pack_int
 GROUP = 128
 
 
+def summarize(path: str) -> None:
+    """Per kernel of an ncu SASS page (CSV): warp instructions executed, and the loop's body (the instructions
+    executed most often, by count) with its opcodes."""
+    import collections
+    import csv
+    rows = list(csv.reader(open(path)))
+    starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] + [len(rows)]
+    for a, b in zip(starts, starts[1:]):
+        header = {h: i for i, h in enumerate(rows[a + 1])}
+        body = [r for r in rows[a + 2:b] if len(r) == len(header)]
+        executed = [int(r[header["Instructions Executed"]] or 0) for r in body]
+        trips = collections.Counter(executed).most_common(1)[0][0]
+        ops = collections.Counter(r[1].split()[1 if r[1].split()[0].startswith("@") else 0]
+                                  for r, n in zip(body, executed) if n == trips)
+        print(f"{rows[a][1]}: {sum(executed):,} warp instructions; loop body {sum(ops.values())} instructions "
+              f"x {trips:,}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="qkv,o,gate_up,down")
-    ap.add_argument("--time", action="store_true", help="also time each kernel (no profiler)")
+    ap.add_argument("--summarize", metavar="SASS_CSV", help="summarize ncu's SASS page instead of running")
     args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
     rng = np.random.default_rng(0)
     wanted = args.layers.split(",")
     for name, k, n in LINEARS["llama3-8b"]:
@@ -49,11 +72,6 @@ def main() -> None:
               flush=True)
         jax.block_until_ready(gemv(x, qweight, scales, zeros))                      # the profiled launches
         jax.block_until_ready(probe(qweight))
-        if args.time:
-            from bench.bench_kernels import time_op
-            t, _ = time_op(lambda i, *a: gemv(*a), (x, qweight, scales, zeros), 8)
-            tp, _ = time_op(lambda i, w: probe(w), (qweight,), 8)
-            print(f"  gemv {t * 1e6:.1f} us, probe {tp * 1e6:.1f} us (L2-warm: one weight copy)", flush=True)
 
 
 if __name__ == "__main__":
