@@ -16,6 +16,8 @@ For each model's four linear layers (K, N) and each row count M:
   gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
 --sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages);
 --load-probe, at M = 1, the int4 GEMV's weight loads alone (no arithmetic) under several tilings.
+--int4-kwargs K=V[,K=V] (repeatable), at M = 1: int4 and gguf-int4 with those int4_matmul keywords; --only keeps
+the named variant families.
 Each Pallas variant's output is checked against XLA's dot first (relative error printed). Times: median of
 device-synchronised samples (bench_kernels.time_op), each sample's ops reading weight copies that together
 exceed the 50 MB L2 (>= 1 GiB or 32 copies); TB/s counts the weight bytes only. Writes
