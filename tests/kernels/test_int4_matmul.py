@@ -127,6 +127,21 @@ class TestInt4Matmul:
         zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), interpret=INTERPRET)
         assert not bool(jnp.any(zero))
 
+    @pytest.mark.parametrize("outlier", [1e3, 3e4])
+    def test_f16x2_keeps_small_values_beside_an_outlier(self, outlier):
+        """One element of x far above the rest (LLMs' massive activations) sets its split's power-of-two scale; its
+        weights are zero (q = z), so the output is the small values' sum alone, computed at that scale: still as
+        close to the reference as a row without the outlier."""
+        case = MatmulCase(1, 512, 128, 128, "bfloat16")
+        x, _, scales, b, q = make_inputs(case)
+        q = q.copy()
+        q[37] = np.asarray(b[0]).astype(np.uint8)                 # row 37 (group 0): q = z, zero weights
+        qweight = jnp.asarray(pack_int4(q))
+        x = x.at[0, 37].set(outlier)
+        ref = int4_matmul_reference(x, qweight, scales, zeros=b)
+        out = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, gemv_math="f16x2", interpret=INTERPRET)
+        assert rel_err(out, ref) <= TOL["bfloat16"], rel_err(out, ref)
+
     def test_f16x2_only_for_half_rows_and_groups_of_32_up(self):
         """A float32 row keeps float32 math (a float32 model computes in float32); groups of 16 too."""
         assert use_f16x2(jnp.bfloat16, 32) and use_f16x2(jnp.float16, 128)
