@@ -6,8 +6,8 @@
 Runs, at one row and llama3-8b's shapes, each named layer's int4 GEMV (AWQ layout, group 128, the op's own
 tiling and form, as a model runs it) and then the weight-loads-only probe at the same tiling
 (bench_matmul.load_probe), twice each (the first call compiles), so that a profiler filtering on the kernel
-names sees two launches of each (bench/gemv_ncu.sh runs it so). --summarize reads ncu's SASS page back: per kernel, the
-instructions executed and the loop's body (the instructions run most often) by opcode.
+names sees two launches of each (bench/gemv_ncu.sh runs it so). --summarize reads ncu's SASS page back: per
+kernel, the instructions executed and the loop's body (the instructions run most often) by opcode.
 """
 from __future__ import annotations
 
@@ -22,10 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.bench_matmul import LINEARS, load_probe  # noqa: E402
+from bench.bench_matmul import GROUP, LINEARS, load_probe  # noqa: E402
 from pallas_kernels.int4_matmul import choose_int4_tiling, int4_matmul, pack_int4  # noqa: E402
-
-GROUP = 128
 
 
 def summarize(path: str) -> None:

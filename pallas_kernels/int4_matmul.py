@@ -183,6 +183,13 @@ GEMV_MAX_ROWS = 1
 # llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
 # included).
 GEMV_COLUMNS_PER_WARP = 16
+
+
+def gemv_warps(block_n: int) -> int:
+    """The GEMV kernel's warps for a program of block_n columns."""
+    return max(1, block_n // GEMV_COLUMNS_PER_WARP)
+
+
 # Warps per SM the GEMV's splits of K aim at: eight programs of 4 warps (64 columns), four of 8 (128 columns).
 GEMV_WARPS_PER_SM = 32
 # The f16x2 form's columns a program. On the H200 (llama3-8b's AWQ layers at one row, one power-of-two scale of x
@@ -470,8 +477,7 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
     slabs = k // slab_rows(bits)
     programs = -(-m // block_m) * (n // block_n)
     if gemv:
-        warps = num_warps or max(1, block_n // GEMV_COLUMNS_PER_WARP)
-        want = max(1, max(1, GEMV_WARPS_PER_SM // warps) * sms // programs)
+        want = max(1, max(1, GEMV_WARPS_PER_SM // (num_warps or gemv_warps(block_n))) * sms // programs)
     else:
         want = max(1, 4 * sms // programs)
     # the largest divisor of the slab count not above want: every split walks the same number of slabs
@@ -521,7 +527,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     if n % block_n or slabs % num_splits:
         raise ValueError(f"N {n} / {slabs} slabs do not divide into blocks of {block_n} / {num_splits} splits")
     if num_warps is None:
-        num_warps = max(1, block_n // GEMV_COLUMNS_PER_WARP) if m <= GEMV_MAX_ROWS else 4
+        num_warps = gemv_warps(block_n) if m <= GEMV_MAX_ROWS else 4
     if bits != 4 and gemv_math != "f32":
         raise ValueError(f"gemv_math {gemv_math!r} takes 4-bit weights; 8-bit ones take f32")
     if gemv_math not in ("f32", "f16x2", "f16x2-jnp"):
