@@ -276,11 +276,13 @@ def bench_shape(args, model, name, k, n, m, results, sms):
 
 
 def _parse_kwargs(spec: str) -> dict:
-    """"gemv_math=f32,block_n=128" -> {"gemv_math": "f32", "block_n": 128} (int4_matmul's keywords)."""
+    """"gemv_math=f32,block_n=128,prefetch=False" -> {"gemv_math": "f32", "block_n": 128, "prefetch": False}
+    (int4_matmul's keywords)."""
     out: dict = {}
     for item in spec.split(","):
         key, value = item.split("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
+        out[key] = (int(value) if value.lstrip("-").isdigit()
+                    else {"True": True, "False": False}.get(value, value))
     return out
 
 

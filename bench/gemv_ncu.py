@@ -1,10 +1,12 @@
 """The W4A16 GEMV under Nsight Compute: what bounds it (issue 26's one-request target).
 
   ncu --clock-control none -k regex:'int4_matmul|load_probe' ... python3 bench/gemv_ncu.py [--layers gate_up,down]
+      [--int4-kwargs prefetch=False ...]
   python3 bench/gemv_ncu.py --summarize sass.csv      (ncu -i REPORT --page source --print-source sass --csv)
 
 Runs, at one row and llama3-8b's shapes, each named layer's int4 GEMV (AWQ layout, group 128, the op's own
-tiling and form, as a model runs it) and then the weight-loads-only probe at the same tiling
+tiling and form, as a model runs it; with --int4-kwargs, once more with each set of int4_matmul keywords) and
+then the weight-loads-only probe at the same tiling
 (bench_matmul.load_probe), twice each (the first call compiles), so that a profiler filtering on the kernel
 names sees two launches of each (bench/gemv_ncu.sh runs it so). --summarize reads ncu's SASS page back: per
 kernel, the instructions executed and the loop's body (the instructions run most often) by opcode.
@@ -12,6 +14,7 @@ kernel, the instructions executed and the loop's body (the instructions run most
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.bench_matmul import GROUP, LINEARS, load_probe  # noqa: E402
+from bench.bench_matmul import GROUP, LINEARS, _parse_kwargs, load_probe  # noqa: E402
 from pallas_kernels.int4_matmul import choose_int4_tiling, int4_matmul, pack_int4  # noqa: E402
 
 
@@ -48,6 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="qkv,o,gate_up,down")
     ap.add_argument("--summarize", metavar="SASS_CSV", help="summarize ncu's SASS page instead of running")
+    ap.add_argument("--int4-kwargs", action="append", default=[], metavar="K=V[,K=V]",
+                    help="also profile the GEMV with these int4_matmul keywords (repeatable)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -62,13 +67,16 @@ def main() -> None:
         zeros = jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.bfloat16)
         x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
         _, block_n, splits = choose_int4_tiling(1, k, n, f16x2=True)
-        gemv = jax.jit(int4_matmul)
+        gemvs = [jax.jit(functools.partial(int4_matmul, **_parse_kwargs(spec) if spec else {}))
+                 for spec in ["", *args.int4_kwargs]]
         probe = jax.jit(lambda w, bn=block_n, ns=splits: load_probe(w, block_n=bn, num_splits=ns))
-        jax.block_until_ready(gemv(x, qweight, scales, zeros))                      # compile
+        for gemv in gemvs:
+            jax.block_until_ready(gemv(x, qweight, scales, zeros))                  # compile
         jax.block_until_ready(probe(qweight))
-        print(f"{name}: K {k} N {n} block_n {block_n} splits {splits} int4 bytes {k * n // 2 / 1e6:.1f} MB",
-              flush=True)
-        jax.block_until_ready(gemv(x, qweight, scales, zeros))                      # the profiled launches
+        print(f"{name}: K {k} N {n} block_n {block_n} splits {splits} int4 bytes {k * n // 2 / 1e6:.1f} MB; "
+              f"GEMV launches: default{''.join(', ' + s for s in args.int4_kwargs)}", flush=True)
+        for gemv in gemvs:
+            jax.block_until_ready(gemv(x, qweight, scales, zeros))                  # the profiled launches
         jax.block_until_ready(probe(qweight))
 
 
