@@ -461,6 +461,10 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         def body(i, carry):
             acc, off, loaded = carry
             upcoming = load_iter(jnp.minimum(i + 1, iters - 1))     # the last iteration reloads its own: unused
+            if asm:
+                # The compiler otherwise sinks these loads to the loop's end, next to their use in the next
+                # iteration (on the H200 the prefetch then changed nothing); a barrier keeps them issued first.
+                plgpu.debug_barrier()
             acc, off = compute_iter(loaded, acc, off)
             return acc, off, upcoming
 
