@@ -387,9 +387,8 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
     # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
-    # prefetch: each iteration loads the next iteration's weights, scales and zeros before it computes on the ones
-    # the previous iteration loaded, so their latency hides behind a slab's arithmetic. x (a few hundred bytes a
-    # slab that every program of the split reads, so cached) is loaded where it is used.
+    # prefetch: each iteration loads the next iteration's operands (weights, scales, zeros, x) before it computes on
+    # the ones the previous iteration loaded, so their latency hides behind a slab's arithmetic (anchored below).
     jn, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(jn * block_n, block_n)
     tile = (_NIBBLE_ROWS, block_n)
@@ -409,18 +408,18 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
     scale, unscale = _pow2_scale(amax)
 
-    def load_weights(slab):
-        """A slab's weight operands as stored: its [16, BN] words and its group rows' scales and zeros (or mins),
-        [1, BN] each."""
+    def load_slab(slab):
+        """A slab's operands as stored: its [16, BN] words, its group rows' scales and zeros (or mins), [1, BN]
+        each, and x's 8 x [16] values."""
         row0 = (slab * PACK_ROWS) // group_size
         return (w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols],
                 tuple(s_ref[pl.ds(row0 + g, 1), cols] for g in range(slab_groups)),
-                tuple(z_ref[pl.ds(row0 + g, 1), cols] for g in range(slab_groups)))
+                tuple(z_ref[pl.ds(row0 + g, 1), cols] for g in range(slab_groups)),
+                tuple(x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)] for j in range(8)))
 
-    def slab_step(slab, weights, acc, off):
-        w, s_rows, z_rows = weights
-        xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
-              for j in range(8)]                                                         # [16] each
+    def slab_step(loaded, acc, off):
+        w, s_rows, z_rows, x_raw = loaded
+        xj = [v.astype(jnp.float32) for v in x_raw]                                      # [16] each
         bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
         s_f32 = [v.astype(jnp.float32) for v in s_rows]                                  # [1, BN] each
         z_f32 = [v.astype(jnp.float32) for v in z_rows]
@@ -449,30 +448,46 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
                 off += x_sum * z_f32[g]
         return acc, off
 
-    def load_iter(i):
-        return tuple(load_weights(first + i * slabs_per_iter + t) for t in range(slabs_per_iter))
+    def slab_of(i, t):
+        return first + i * slabs_per_iter + t
 
-    def compute_iter(i, weights, acc, off):
-        for t, slab_weights in enumerate(weights):
-            acc, off = slab_step(first + i * slabs_per_iter + t, slab_weights, acc, off)
+    def load_iter(i):
+        return tuple(load_slab(slab_of(i, t)) for t in range(slabs_per_iter))
+
+    def anchored(i, loaded):
+        """The iteration's operands with x of each call's first pair taken as the larger of the value carried and
+        the same value loaded again (equal, and from L1: this thread loaded it an iteration ago). The barrier
+        keeps that load after the next iteration's loads, and the arithmetic, which needs it, after both.
+        (Otherwise the compiler moves the loads to the loop's end, next to their use in the next iteration,
+        and the prefetch changed nothing on the H200.)"""
+        out = []
+        for t, (w, s_rows, z_rows, x_raw) in enumerate(loaded):
+            x_raw = list(x_raw)
+            for j in {pairs[0] for pairs in calls}:
+                again = x_ref[0, pl.ds(slab_of(i, t) * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)]
+                x_raw[j] = jnp.maximum(x_raw[j], again)
+            out.append((w, s_rows, z_rows, tuple(x_raw)))
+        return out
+
+    def compute_iter(loaded, acc, off):
+        for slab_loaded in loaded:
+            acc, off = slab_step(slab_loaded, acc, off)
         return acc, off
 
     init = (jnp.zeros(tile, jnp.float32), jnp.zeros((1, block_n), jnp.float32))
     if prefetch:
         def body(i, carry):
-            acc, off, weights = carry
+            acc, off, loaded = carry
             upcoming = load_iter(jnp.minimum(i + 1, iters - 1))     # the last iteration reloads its own: unused
             if asm:
-                # Memory operations do not cross a barrier: the next iteration's loads stay issued before this
-                # iteration's x loads, on which the arithmetic below waits (without it the compiler moved them
-                # to the loop's end, next to their use, and the prefetch changed nothing on the H200).
                 plgpu.debug_barrier()
-            acc, off = compute_iter(i, weights, acc, off)
+                loaded = anchored(i, loaded)
+            acc, off = compute_iter(loaded, acc, off)
             return acc, off, upcoming
 
         acc, off, _ = jax.lax.fori_loop(0, iters, body, (*init, load_iter(0)))
     else:
-        acc, off = jax.lax.fori_loop(0, iters, lambda i, c: compute_iter(i, load_iter(i), *c), init)
+        acc, off = jax.lax.fori_loop(0, iters, lambda i, c: compute_iter(load_iter(i), *c), init)
     out = jnp.sum(acc, axis=0) * unscale + off[0]                                        # [BN]
     if len(o_ref.shape) == 2:
         o_ref[0, cols] = out.astype(o_ref.dtype)
