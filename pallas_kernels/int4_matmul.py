@@ -383,24 +383,22 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
 
 
 def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
-                            slabs_per_iter, offsets, asm, prefetch):
+                            slabs_per_iter, offsets, asm):
     # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
-    # prefetch: each iteration loads the next iteration's operands (weights, scales, zeros, x) before it computes on
-    # the ones the previous iteration loaded, so their latency hides behind a slab's arithmetic (anchored below).
     jn, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(jn * block_n, block_n)
     tile = (_NIBBLE_ROWS, block_n)
     first = split * slabs_per_split
-    iters = slabs_per_split // slabs_per_iter
     calls = _lane_groups(group_size)
     one_group = group_size >= PACK_ROWS              # both lanes of a word in one group: its rows read once
-    slab_groups = max(1, PACK_ROWS // group_size)    # group rows a slab spans
 
-    def local_group(j):
-        """The slab's group row (0 .. slab_groups - 1) of nibble position j."""
-        return 0 if one_group else (j * _NIBBLE_ROWS) // group_size
+    def group_row(slab, j):
+        return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
+
+    def group_scale(row):
+        return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
 
     # the split's power-of-two scale of x (its inverse applied to the output)
     amax = functools.reduce(jnp.maximum, [
@@ -408,33 +406,23 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
     scale, unscale = _pow2_scale(amax)
 
-    def load_slab(slab):
-        """A slab's operands as stored: its [16, BN] words, its group rows' scales and zeros (or mins), [1, BN]
-        each, and x's 8 x [16] values."""
-        row0 = (slab * PACK_ROWS) // group_size
-        return (w_ref[pl.ds(slab * _NIBBLE_ROWS, _NIBBLE_ROWS), cols],
-                tuple(s_ref[pl.ds(row0 + g, 1), cols] for g in range(slab_groups)),
-                tuple(z_ref[pl.ds(row0 + g, 1), cols] for g in range(slab_groups)),
-                tuple(x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)] for j in range(8)))
-
-    def slab_step(loaded, acc, off):
-        w, s_rows, z_rows, x_raw = loaded
-        xj = [v.astype(jnp.float32) for v in x_raw]                                      # [16] each
+    def slab_step(slab, w, acc, off):
+        xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
+              for j in range(8)]                                                         # [16] each
         bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
-        s_f32 = [v.astype(jnp.float32) for v in s_rows]                                  # [1, BN] each
-        z_f32 = [v.astype(jnp.float32) for v in z_rows]
         for pairs in calls:
-            g_lo, g_hi = local_group(pairs[0]), local_group(pairs[0] + 4)
+            g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
             xs = [jnp.broadcast_to((bits[p] | (bits[p + 4] << 16))[:, None], tile) for p in pairs]
             if offsets:
                 zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
             else:
-                z_lo, z_hi = z_f32[g_lo], z_f32[g_hi]
+                z_lo = z_ref[g_lo, cols].astype(jnp.float32)[None, :]
+                z_hi = z_lo if one_group else z_ref[g_hi, cols].astype(jnp.float32)[None, :]
                 zlo = jnp.broadcast_to(_f16_bits(1024.0 + z_lo) | (_f16_bits(1024.0 + z_hi) << 16), tile)
                 zhi = jnp.broadcast_to(_f16_bits(1024.0 + 16.0 * z_lo) | (_f16_bits(1024.0 + 16.0 * z_hi) << 16),
                                        tile)
-            s_lo = jnp.broadcast_to(s_f32[g_lo], tile)
-            s_hi = s_lo if g_hi == g_lo else jnp.broadcast_to(s_f32[g_hi], tile)
+            s_lo = jnp.broadcast_to(group_scale(g_lo), tile)
+            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi), tile)
             if asm:
                 asm_text, constraints = _f16x2_asm(pairs)
                 [acc] = plgpu.elementwise_inline_asm(asm_text, args=[acc, w, *xs, zlo, zhi, s_lo, s_hi],
@@ -443,51 +431,21 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
             else:
                 acc = _f16x2_jnp(acc, w, xs, zlo, zhi, s_lo, s_hi, pairs)
         if offsets:
-            for g in range(slab_groups):
-                x_sum = sum(jnp.sum(xj[j]) for j in range(8) if local_group(j) == g)
-                off += x_sum * z_f32[g]
+            for g in range(max(1, PACK_ROWS // group_size)):
+                nib = range(8) if group_size >= PACK_ROWS else range(g * group_size // 16, (g + 1) * group_size // 16)
+                x_sum = sum(jnp.sum(xj[j]) for j in nib)
+                off += x_sum * z_ref[group_row(slab, nib[0]), cols].astype(jnp.float32)[None, :]
         return acc, off
 
-    def slab_of(i, t):
-        return first + i * slabs_per_iter + t
-
-    def load_iter(i):
-        return tuple(load_slab(slab_of(i, t)) for t in range(slabs_per_iter))
-
-    def anchored(i, loaded):
-        """The iteration's operands with x of each call's first pair taken as the larger of the value carried and
-        the same value loaded again (equal, and from L1: this thread loaded it an iteration ago). The barrier
-        keeps that load after the next iteration's loads, and the arithmetic, which needs it, after both.
-        (Otherwise the compiler moves the loads to the loop's end, next to their use in the next iteration,
-        and the prefetch changed nothing on the H200.)"""
-        out = []
-        for t, (w, s_rows, z_rows, x_raw) in enumerate(loaded):
-            x_raw = list(x_raw)
-            for j in {pairs[0] for pairs in calls}:
-                again = x_ref[0, pl.ds(slab_of(i, t) * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)]
-                x_raw[j] = jnp.maximum(x_raw[j], again)
-            out.append((w, s_rows, z_rows, tuple(x_raw)))
-        return out
-
-    def compute_iter(loaded, acc, off):
-        for slab_loaded in loaded:
-            acc, off = slab_step(slab_loaded, acc, off)
-        return acc, off
+    def body(i, carry):
+        slab0 = first + i * slabs_per_iter
+        ws = [w_ref[pl.ds((slab0 + t) * _NIBBLE_ROWS, _NIBBLE_ROWS), cols] for t in range(slabs_per_iter)]
+        for t, w in enumerate(ws):                                                       # [16, BN] i32 each
+            carry = slab_step(slab0 + t, w, *carry)
+        return carry
 
     init = (jnp.zeros(tile, jnp.float32), jnp.zeros((1, block_n), jnp.float32))
-    if prefetch:
-        def body(i, carry):
-            acc, off, loaded = carry
-            upcoming = load_iter(jnp.minimum(i + 1, iters - 1))     # the last iteration reloads its own: unused
-            if asm:
-                plgpu.debug_barrier()
-                loaded = anchored(i, loaded)
-            acc, off = compute_iter(loaded, acc, off)
-            return acc, off, upcoming
-
-        acc, off, _ = jax.lax.fori_loop(0, iters, body, (*init, load_iter(0)))
-    else:
-        acc, off = jax.lax.fori_loop(0, iters, lambda i, c: compute_iter(load_iter(i), *c), init)
+    acc, off = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, init)
     out = jnp.sum(acc, axis=0) * unscale + off[0]                                        # [BN]
     if len(o_ref.shape) == 2:
         o_ref[0, cols] = out.astype(o_ref.dtype)
@@ -528,11 +486,11 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "bits", "prefetch", "interpret"))
+                                             "num_stages", "gemv_math", "bits", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                bits: int = 4, prefetch: bool = True, interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
     Tiling None: choose_int4_tiling's; num_warps None: one per GEMV_COLUMNS_PER_WARP columns for the GEMV kernel, 4
@@ -541,7 +499,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
     None: "f16x2" where use_f16x2 allows it, else "f32". bits: 4, or 8 (qweight i32[K/4, N], 64-row slabs; the
-    GEMV's f32 form). prefetch (the f16x2 GEMV): each loop iteration loads the next one's operands."""
+    GEMV's f32 form)."""
     zeros, offsets = _affine(zeros, mins)
     if bits not in BITS:
         raise ValueError(f"bits {bits}: 4 or 8")
@@ -583,7 +541,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
-                                   asm=gemv_math == "f16x2" and not interpret, prefetch=prefetch)
+                                   asm=gemv_math == "f16x2" and not interpret)
         grid: tuple[int, ...] = (n // block_n, num_splits)
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,

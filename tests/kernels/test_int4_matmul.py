@@ -29,15 +29,13 @@ class MatmulCase:
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
     gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
     bits: int = 4                       # 8: byte values (GGUF's wider types repacked)
-    prefetch: bool = True               # the f16x2 GEMV loads each iteration's operands one iteration ahead
 
     def __str__(self):
         form = "-min" if self.offsets else ""
         math = f"-{self.gemv_math}" if self.gemv_math else ""
         width = "" if self.bits == 4 else f"-u{self.bits}"
-        ahead = "" if self.prefetch else "-noprefetch"
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
-                f"-it{self.slabs_per_iter}{math}{width}{ahead}")
+                f"-it{self.slabs_per_iter}{math}{width}")
 
 
 def make_inputs(case: MatmulCase):
@@ -81,8 +79,6 @@ CASES = [
     MatmulCase(1, 512, 64, 256, "bfloat16"),                             # f16x2: a group over two slabs
     MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2),   # f16x2, two slabs an iteration
     MatmulCase(1, 768, 128, 128, "bfloat16", num_splits=2),              # f16x2: x's scale read in 256 + 128 rows
-    MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=2, prefetch=False),   # f16x2, each iteration's own loads
-    MatmulCase(1, 512, 128, 32, "bfloat16", num_splits=2, slabs_per_iter=2, offsets=True),   # prefetch, 2 slabs
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
     MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
@@ -99,7 +95,7 @@ CASES += gpu_only([MatmulCase(1, 14336, 4096, 128, "bfloat16"), MatmulCase(256, 
 CASES += gpu_only(MatmulCase(m, 4096, n, 32, "bfloat16", offsets=True) for m in (1, 8) for n in (6144, 28672))
 CASES += gpu_only(MatmulCase(1, k, n, g, "bfloat16", offsets=g == 32, gemv_math=math)
                   for k, n in ((4096, 6144), (14336, 4096)) for g in (32, 128) for math in ("f32", "f16x2-jnp"))
-CASES += gpu_only([MatmulCase(1, 4096, 28672, 128, "bfloat16"), MatmulCase(1, 4096, 28672, 128, "bfloat16", prefetch=False)])
+CASES += gpu_only([MatmulCase(1, 4096, 28672, 128, "bfloat16")])
 CASES += gpu_only(MatmulCase(m, k, n, g, "bfloat16", offsets=True, bits=8)
                   for m in (1, 8) for k, n in ((4096, 6144), (14336, 4096)) for g in (16, 32))
 
@@ -112,7 +108,7 @@ class TestInt4Matmul:
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
                           slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, bits=case.bits,
-                          prefetch=case.prefetch, interpret=INTERPRET)
+                          interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
