@@ -197,16 +197,16 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     max_blocks = block_tables.shape[1]
     if blocks_per_iter is None:
         # 64 keys per iteration: on the H100 best or within noise of it on both head layouts; 32 and
-        # 128 lost at >= 64 sequences. Head size 256 (Gemma): 32 keys on 2 warps (below), on the H200 (no H100
-        # measured) 5-11% faster than 64 keys on 4 at 64-256 requests x 1k-4k with Gemma 2's soft cap.
-        blocks_per_iter = max(1, (32 if head_dim >= 256 else 64) // block_size)
+        # 128 lost at >= 64 sequences. Head size 256 (Gemma) too: on the H200, 32 keys on 2 warps ran the kernel
+        # 5-11% faster at 64-256 requests x 1k-4k, but gemma-2-9b's ShareGPT throughput did not move with it.
+        blocks_per_iter = max(1, 64 // block_size)
     if num_splits is None:
         num_splits = choose_splits(num_reqs, num_kv_heads, max_blocks, blocks_per_iter,
                                    sms=num_sms or device_num_sms())
     if num_warps is None:
         # On the H100, 2 warps beat 4 for D 64 at >= 4k tokens of context; for D 128, 4 warps were best
-        # or within noise. D 256: 2 (above).
-        num_warps = 2 if head_dim <= 64 or head_dim >= 256 else 4
+        # or within noise.
+        num_warps = 2 if head_dim <= 64 else 4
     q3 = q.reshape(num_reqs, num_kv_heads, group, head_dim)
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
     alibi = alibi_slopes is not None

@@ -36,7 +36,7 @@ CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("
 CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("3reqs", 12, (150, 7, 64)),
                      num_splits=(1, 4), alibi=True),
           DecodeCase(layout=Layout(8, 64, 4, 4, "bfloat16"), batch=short_and_long(8), sliding_window=30, alibi=True)]
-# Head size 256 with Gemma 2's soft cap at the op's own keys per iteration and warps for that size (32, 2).
+# Head size 256 with Gemma 2's soft cap, at the op's own configuration.
 CASES += [DecodeCase(layout=Layout(16, 256, 4, 2, "bfloat16"), batch=short_and_long(16), num_splits=(None, 3),
                      blocks_per_iter=None, soft_cap=50.0)]
 CASES += gpu_only([DecodeCase(layout=Layout(16, 256, 16, 8, "bfloat16", "gemma-2-9b"), batch=REAL_DECODE,
