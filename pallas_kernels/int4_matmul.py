@@ -364,6 +364,20 @@ def _f16_bits(v):
     return jax.lax.bitcast_convert_type(v.astype(jnp.float16), jnp.uint16).astype(jnp.int32)
 
 
+# One conversion for two floats: lo to the low half, hi to the high half, each rounded to nearest even as
+# _f16_bits does (ptxas otherwise converts x's pairs one float at a time and packs them with a permute).
+_F16X2_CVT = "cvt.rn.f16x2.f32 $0, $2, $1;"
+
+
+def _f16_pair(lo, hi, asm: bool):
+    """float32 values -> int32 words holding the float16 pair (lo, hi): PTX when compiled, jnp when not."""
+    if not asm:
+        return _f16_bits(lo) | (_f16_bits(hi) << 16)
+    [pair] = plgpu.elementwise_inline_asm(_F16X2_CVT, args=[lo, hi], constraints="=r,f,f", pack=1,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
+    return pair
+
+
 def _pow2_scale(amax):
     """(s, 1 / s), powers of two, with amax * s in [32, 64) (clamped for zero or extreme amax)."""
     biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF          # amax in [2**(b-127), 2**(b-126))
@@ -409,10 +423,11 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
     def slab_step(slab, w, acc, off):
         xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
               for j in range(8)]                                                         # [16] each
-        bits = [_f16_bits(xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0))) for j in range(8)]
+        scaled = [xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0)) for j in range(8)]
+        x_pairs = [_f16_pair(scaled[p], scaled[p + 4], asm) for p in range(4)]                # [16] int32 each
         for pairs in calls:
             g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
-            xs = [jnp.broadcast_to((bits[p] | (bits[p + 4] << 16))[:, None], tile) for p in pairs]
+            xs = [jnp.broadcast_to(x_pairs[p][:, None], tile) for p in pairs]
             if offsets:
                 zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
             else:
