@@ -225,7 +225,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
                                (xs, qweights, scales, zeros), int4_bytes)
     if m == 1:
         for spec in args.int4_kwargs:
-            kw = _parse_kwargs(spec)
+            kw = parse_int4_kwargs(spec)
             for base, (s_, b_, form, nbytes) in {"int4": (scales, zeros, "zeros", int4_bytes),
                                                  "gguf-int4": (g_scales, g_mins, "mins", gguf_int4_bytes)}.items():
                 variants[f"{base} {spec}"] = (
@@ -275,7 +275,7 @@ def bench_shape(args, model, name, k, n, m, results, sms):
               f"  err {err:.1e}", flush=True)
 
 
-def _parse_kwargs(spec: str) -> dict:
+def parse_int4_kwargs(spec: str) -> dict:
     """"gemv_math=f32,block_n=128,prefetch=False" -> {"gemv_math": "f32", "block_n": 128, "prefetch": False}
     (int4_matmul's keywords)."""
     out: dict = {}

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.bench_matmul import GROUP, LINEARS, _parse_kwargs, load_probe  # noqa: E402
+from bench.bench_matmul import GROUP, LINEARS, parse_int4_kwargs, load_probe  # noqa: E402
 from pallas_kernels.int4_matmul import choose_int4_tiling, int4_matmul, pack_int4  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
         zeros = jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.bfloat16)
         x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
         _, block_n, splits = choose_int4_tiling(1, k, n, f16x2=True)
-        gemvs = [jax.jit(functools.partial(int4_matmul, **_parse_kwargs(spec) if spec else {}))
+        gemvs = [jax.jit(functools.partial(int4_matmul, **parse_int4_kwargs(spec) if spec else {}))
                  for spec in ["", *args.int4_kwargs]]
         probe = jax.jit(lambda w, bn=block_n, ns=splits: load_probe(w, block_n=bn, num_splits=ns))
         for gemv in gemvs:
