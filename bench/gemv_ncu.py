@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.bench_matmul import GROUP, LINEARS, parse_int4_kwargs, load_probe  # noqa: E402
+from bench.bench_matmul import GROUP, LINEARS, load_probe, parse_int4_kwargs  # noqa: E402
 from pallas_kernels.int4_matmul import choose_int4_tiling, int4_matmul, pack_int4  # noqa: E402
 
 

@@ -369,10 +369,15 @@ def _f16_bits(v):
 _F16X2_CVT = "cvt.rn.f16x2.f32 $0, $2, $1;"
 
 
+def _f16_pair_bits(lo, hi):
+    """float32 values -> int32 words holding the float16 pair (lo, hi), in jnp."""
+    return _f16_bits(lo) | (_f16_bits(hi) << 16)
+
+
 def _f16_pair(lo, hi, asm: bool):
-    """float32 values -> int32 words holding the float16 pair (lo, hi): PTX when compiled, jnp when not."""
+    """_f16_pair_bits, as one PTX conversion a pair when compiled (asm)."""
     if not asm:
-        return _f16_bits(lo) | (_f16_bits(hi) << 16)
+        return _f16_pair_bits(lo, hi)
     [pair] = plgpu.elementwise_inline_asm(_F16X2_CVT, args=[lo, hi], constraints="=r,f,f", pack=1,
                                           result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
     return pair
@@ -433,9 +438,8 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
             else:
                 z_lo = z_ref[g_lo, cols].astype(jnp.float32)[None, :]
                 z_hi = z_lo if one_group else z_ref[g_hi, cols].astype(jnp.float32)[None, :]
-                zlo = jnp.broadcast_to(_f16_bits(1024.0 + z_lo) | (_f16_bits(1024.0 + z_hi) << 16), tile)
-                zhi = jnp.broadcast_to(_f16_bits(1024.0 + 16.0 * z_lo) | (_f16_bits(1024.0 + 16.0 * z_hi) << 16),
-                                       tile)
+                zlo = jnp.broadcast_to(_f16_pair_bits(1024.0 + z_lo, 1024.0 + z_hi), tile)
+                zhi = jnp.broadcast_to(_f16_pair_bits(1024.0 + 16.0 * z_lo, 1024.0 + 16.0 * z_hi), tile)
             s_lo = jnp.broadcast_to(group_scale(g_lo), tile)
             s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi), tile)
             if asm:
