@@ -8,12 +8,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
 # pytest-xdist workers: each loads JAX, torch and a model (a few GB): 2 suits the 2-core, 24 GB CI machine.
-# --dist loadfile keeps a module's tests on one worker, so its module fixtures (a server, an LLM) load once.
+# --dist loadfile keeps a module's tests on one worker, so its module fixtures (a server, an LLM) load once;
+# --no-loadscope-reorder lets tests/conftest.py start the costliest modules first (their pytest.mark.cost).
 # pytest-randomly shuffles the order and prints its seed in the header: ARGS="--randomly-seed=N" repeats a
 # run, ARGS="-p no:randomly" runs in file order. --durations: the slowest tests in the CI log; -rs: why
 # anything was skipped.
 JOBS   ?= 2
-PYTEST := $(PY) -m pytest tests -n $(JOBS) --dist loadfile --durations=15 -rs
+PYTEST := $(PY) -m pytest tests -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=15 -rs
 
 .PHONY: serve test lint venv clean
 

@@ -38,6 +38,20 @@ def _room_for_compiled_programs():
     yield
 
 
+def pytest_collection_modifyitems(config, items):
+    """The costliest modules first, costliest first: a module's `pytestmark = pytest.mark.cost(seconds)` is its
+    wall time on the 2-core CI machine (the --durations list, summed). pytest-xdist's loadfile hands each worker
+    whole modules, and left to itself it starts the modules with the most tests first (the Makefile turns that
+    off with --no-loadscope-reorder): test_reference_bf16.py, two tests of which one takes two minutes or more,
+    would start last while the other worker idled. pytest-randomly's shuffle (it runs before this hook) still
+    orders the modules without a cost and the tests inside every module; the sort is stable."""
+    def cost(item):
+        marker = item.get_closest_marker("cost")
+        return marker.args[0] if marker else 0
+
+    items.sort(key=lambda item: -cost(item))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     """With pytest-xdist, build the on-disk models that tests in different files share once, in the main

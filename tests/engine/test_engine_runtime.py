@@ -11,6 +11,8 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from conftest import tiny_llama_dir
 
+pytestmark = pytest.mark.cost(175)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -7,6 +7,8 @@ import pytest
 from conftest import tiny_llama_dir
 from jaxpaged import LLM, SamplingParams
 
+pytestmark = pytest.mark.cost(60)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -39,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - jax without the Mosaic GPU interpreter
     InterpretGPUParams = None
 
-pytestmark = pytest.mark.skipif(_NO_MGPU is not None, reason=_NO_MGPU or "")
+pytestmark = [pytest.mark.skipif(_NO_MGPU is not None, reason=_NO_MGPU or ""), pytest.mark.cost(140)]
 
 
 def _unsupported_here() -> str | None:

@@ -26,6 +26,8 @@ from conftest import random_gguf_blocks
 from jaxpaged import LLM, SamplingParams, envs
 from jaxpaged.models.gguf_convert import convert_gguf_to_hf, gguf_model_dir
 
+pytestmark = pytest.mark.cost(90)
+
 WORDS = ["the", "cat", "sat", "on", "mat", "hello", "world", "and", "dog", "ran", "in", "park"]
 TEXTS = ["the cat sat on the mat and the dog ran in the park", " hello  world! the park",
          "Ünïcode dog\nand 123 cat"]

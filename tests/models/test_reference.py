@@ -25,6 +25,8 @@ from conftest import TINY_MODELS, save_tiny_baichuan, save_tiny_chatglm, save_ti
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.config import SUPPORTED_ARCHITECTURES
 
+pytestmark = pytest.mark.cost(95)
+
 MAX_TOKENS = 64
 MAX_MODEL_LEN = 128
 BLOCK_SIZE = 8

@@ -9,6 +9,8 @@ import torch
 
 from test_reference import CASES, NEAR_TIE, SETUPS, case_getter, hf_choices, run_setup
 
+pytestmark = pytest.mark.cost(130)
+
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):

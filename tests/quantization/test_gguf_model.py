@@ -11,6 +11,8 @@ from conftest import tiny_llama_dir
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineArgs
 
+pytestmark = pytest.mark.cost(65)
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 
 

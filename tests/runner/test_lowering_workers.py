@@ -12,6 +12,8 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.runner import lowering_workers
 from jaxpaged.runner.program_spec import ProgramSpec
 
+pytestmark = pytest.mark.cost(75)
+
 ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=16,
               max_num_seqs=4)
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)

@@ -15,6 +15,8 @@ from jaxpaged.config import MOSAIC_INPUT_ALIGN
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.runner.input_batch import InputBatch
 
+pytestmark = pytest.mark.cost(70)
+
 
 def check_batch(batch: InputBatch, s: Scheduler, kv: KVCacheManager) -> None:
     """Every request the runner holds is running (or finished since the last step: the next step's

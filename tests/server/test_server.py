@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ServerProcess, metrics, wait_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cost(90)]
 
 API_KEY = "test-key"
 MODEL = "smol"

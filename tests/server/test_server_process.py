@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ServerProcess, child_pids, save_tiny_llama
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cost(80)]
 
 MODEL = "tiny"
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--served-model-name", MODEL, "--dtype", "float32"]
