@@ -139,12 +139,12 @@ def bench_shape(args, model, name, k, n, m, results, sms):
     # feeds a custom call or a cuBLAS dot, and that copy would be timed with the op.
     qweights = tuple(jnp.asarray(q[i % len(q)]) for i in range(nsets))            # S x [K/8, N]
     scales = tuple(jnp.asarray(rng.uniform(0.001, 0.01, (k // GROUP, n)), jnp.bfloat16) for _ in range(nsets))
-    zeros = tuple(jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.bfloat16) for _ in range(nsets))
+    zeros = tuple(jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.uint8) for _ in range(nsets))
     nsets_bf16 = weight_sets(2 * k * n)
     w_bf16 = tuple(jax.random.normal(jax.random.PRNGKey(i), (k, n), jnp.bfloat16) * 0.02
                    for i in range(nsets_bf16))
     xs = jax.random.normal(jax.random.PRNGKey(2), (64, m, k), jnp.bfloat16)
-    int4_bytes = k * n // 2 + 2 * 2 * (k // GROUP) * n
+    int4_bytes = k * n // 2 + (2 + 1) * (k // GROUP) * n                        # bf16 scales, uint8 zeros
     # GGUF: the offset form (f32 scales and mins per 32 rows), and Q4_K blocks [N, bytes] with small scales
     g_scales = tuple(jnp.asarray(rng.uniform(0.001, 0.01, (k // INT4_GROUP, n)), jnp.float32) for _ in range(nsets))
     g_mins = tuple(jnp.asarray(rng.uniform(-0.08, 0, (k // INT4_GROUP, n)), jnp.float32) for _ in range(nsets))

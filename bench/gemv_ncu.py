@@ -64,7 +64,7 @@ def main() -> None:
             continue
         qweight = jnp.asarray(pack_int4(rng.integers(0, 16, (k, n), dtype=np.uint8)))
         scales = jnp.asarray(rng.uniform(0.001, 0.01, (k // GROUP, n)), jnp.bfloat16)
-        zeros = jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.bfloat16)
+        zeros = jnp.asarray(rng.integers(0, 16, (k // GROUP, n)), jnp.uint8)
         x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
         _, block_n, splits = choose_int4_tiling(1, k, n, f16x2=True)
         gemvs = [jax.jit(functools.partial(int4_matmul, **parse_int4_kwargs(spec) if spec else {}))

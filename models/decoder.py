@@ -181,10 +181,10 @@ class GGUFEmbed(nn.Module):
 
 class Int4Linear(nn.Module):
     """y = x @ W with W in 4-bit groups, in the W4A16 kernel's layout (pallas_kernels/int4_matmul.py):
-    qweight i32[K/8, N] with scales and zeros dtype[K/G, N] (AWQ, GPTQ), and with act order perm i32[K], the
-    input rows in the order the packed rows follow; or, offsets (GGUF's blocks), scales and mins f32[Kp/G, N]
-    with K padded to Kp, a multiple of the kernel's slab, by zero weights (x is padded alike), the values
-    4-bit (GGUF's 4-bit types) or, bits=8, 8-bit (qweight i32[Kp/4, N]: GGUF's other types)."""
+    qweight i32[K/8, N] with scales dtype[K/G, N] and zeros u8[K/G, N] (AWQ, GPTQ), and with act order perm
+    i32[K], the input rows in the order the packed rows follow; or, offsets (GGUF's blocks), scales and mins
+    f32[Kp/G, N] with K padded to Kp, a multiple of the kernel's slab, by zero weights (x is padded alike), the
+    values 4-bit (GGUF's 4-bit types) or, bits=8, 8-bit (qweight i32[Kp/4, N]: GGUF's other types)."""
     features: int
     in_features: int
     group_size: int           # 0: one group over all of K
@@ -201,11 +201,12 @@ class Int4Linear(nn.Module):
         if self.offsets:
             k += -k % slab_rows(self.bits)
         groups = k // (self.group_size or k)
-        affine_dtype = jnp.float32 if self.offsets else self.dtype
         qweight = self.param("qweight", nn.initializers.zeros, (k * self.bits // 32, n), jnp.int32)
-        scales = self.param("scales", nn.initializers.ones, (groups, n), affine_dtype)
-        form = "mins" if self.offsets else "zeros"
-        affine = {form: self.param(form, nn.initializers.zeros, (groups, n), affine_dtype)}
+        scales = self.param("scales", nn.initializers.ones, (groups, n), jnp.float32 if self.offsets else self.dtype)
+        if self.offsets:
+            affine = {"mins": self.param("mins", nn.initializers.zeros, (groups, n), jnp.float32)}
+        else:
+            affine = {"zeros": self.param("zeros", nn.initializers.zeros, (groups, n), jnp.uint8)}
         x = x.astype(self.dtype)
         if self.act_order:
             x = x[:, self.param("perm", lambda _, s: jnp.arange(s[0], dtype=jnp.int32), (k,))]

@@ -134,10 +134,11 @@ def quantized_layer_params(tensors: dict[tuple[int, str], dict], cfg: DecoderCon
     return out
 
 
-# The params of quantized layers not in the model's dtype (scales and zeros of int4 layers are); a layer's
-# "weight" keeps the dtype its converter gives it (fp8 or int8)
-_PARAM_DTYPES = {"qweight": jnp.int32, "perm": jnp.int32, "weight": None, "weight_scale": jnp.float32,
-                 "weight_zero": jnp.float32, "input_scale": jnp.float32}
+# The params of quantized layers held in a dtype of their own (the rest, an int4 layer's scales among them, in the
+# model's): an int4 layer's zeros are the checkpoint's integers; a layer's "weight" keeps the dtype its converter
+# gives it (fp8 or int8)
+_PARAM_DTYPES = {"qweight": jnp.int32, "perm": jnp.int32, "zeros": jnp.uint8, "weight": None,
+                 "weight_scale": jnp.float32, "weight_zero": jnp.float32, "input_scale": jnp.float32}
 
 
 def _require(parts: list[dict], where: list[str], names: tuple[str, ...], method: str) -> None:

@@ -6,16 +6,17 @@ scale and zero point per column), NS splits of K.
 Weights are affine per group and column, in one of two forms that cover the int4 formats jaxpaged loads:
     zero points:  W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n],   q in 0..15
     offsets:      W[k, n] = q[k, n] * scales[k // G, n] + mins[k // G, n]
-Zero points: AWQ and asymmetric GPTQ store theirs, symmetric GPTQ's is 8. They are whole numbers 0..15 (every
-format stores them as 4-bit integers, which every float dtype holds exactly), so the kernels compute with the
-checkpoint's zeros, not a rounded -zero * scale; the GEMV kernel relies on it (its 2**23 trick below).
+Zero points: AWQ and asymmetric GPTQ store theirs, symmetric GPTQ's is 8. Every format stores them as 4-bit
+integers, and they are held so, as uint8: the kernels compute with the checkpoint's zeros, not a rounded
+-zero * scale, and the GEMV kernel builds its float operands from their bits (its 2**23 trick and its float16
+pairs below), with no float conversion.
 Offsets: GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K; jaxpaged/quantization/gguf_blocks.py), whose offset is a
 float of its own (Q4_1's m, Q4_K's -dmin * min), held in float32 with their scales so that q * scale + min is
 the file's weight exactly. The loaders repack each format into one device layout, declared here:
 
     qweight: i32[K/8, N]        slab t (input rows 128t..128t+127) is int32 rows 16t..16t+15; nibble j
                                 (bits 4j..4j+3) of row 16t + r holds q of input row 128t + 16j + r
-    scales, zeros or mins: dtype[K/G, N]
+    scales, mins: dtype[K/G, N]; zeros: u8[K/G, N]
 
 Why this order: nibble j of a slab's 16 int32 rows is 16 consecutive input rows, so one shift and mask of
 the loaded [16, BN] tile is a ready [16, BN] operand of a tensor-core dot against x's matching 16
@@ -103,9 +104,11 @@ def unpack_int4(qweight) -> jax.Array:
 
 
 def _affine(zeros, mins):
-    """(the zeros or mins operand, whether it holds offsets): exactly one of the two forms."""
+    """(the zeros or mins operand, whether it holds offsets): exactly one of the two forms, zeros as integers."""
     if (zeros is None) == (mins is None):
         raise ValueError("give the zero points (zeros) or the offsets (mins), one of the two")
+    if mins is None and not jnp.issubdtype(zeros.dtype, jnp.integer):
+        raise ValueError(f"zeros are the checkpoint's integer zero points (uint8), not {zeros.dtype}")
     return (zeros, False) if mins is None else (mins, True)
 
 
@@ -131,7 +134,7 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
     # x_ref: dtype[M, K]
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
-    # z_ref: dtype[K/G, N], the zero points, or with offsets the mins
+    # z_ref: u8[K/G, N], the zero points, or with offsets the mins dtype[K/G, N]
     # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
     im, jn, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_rows = x_ref.shape[0]
@@ -226,7 +229,7 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
     # x_ref: dtype[M, K], M <= GEMV_MAX_ROWS
     # w_ref: i32[K/8, N]
     # s_ref: dtype[K/G, N]
-    # z_ref: dtype[K/G, N], the zero points, or with offsets the mins
+    # z_ref: u8[K/G, N], the zero points, or with offsets the mins dtype[K/G, N]
     # o_ref: dtype[M, N] (one split) or f32[NS, M, N] (this split's partial sums)
     # Each row of x accumulates x_k * (q_k - z) into a [16, BN] tile (one FMA per weight, no dot), scaled once
     # per group; the 16 rows of the tile are summed at the end. With offsets the tile takes x_k * q_k, and a
@@ -245,14 +248,15 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
         for g in range(groups_per_slab):
             group_row = (slab * slab_len + g * group_size) // group_size
             s = s_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
-            z = z_ref[group_row, cols].astype(jnp.float32)[None, :]                      # [1, BN]
+            z = z_ref[group_row, cols][None, :]                                          # [1, BN]
             zb: dict[int, jax.Array] = {}                                                 # 2**23 + z 2**b
             parts = [jnp.zeros(tile, jnp.float32) for _ in range(num_rows)]
             x_sums = [jnp.zeros((), jnp.float32) for _ in range(num_rows)]
             for j in range(g * nibbles_per_group, (g + 1) * nibbles_per_group):
                 high, b = _nibble_source(j, bits)
                 if b not in zb:
-                    zb[b] = jnp.full_like(z, _MAGIC) if offsets else z * float(2 ** b) + _MAGIC
+                    zb[b] = (jnp.full(z.shape, _MAGIC, jnp.float32) if offsets else
+                             jax.lax.bitcast_convert_type((z.astype(jnp.int32) << b) | _MAGIC_BITS, jnp.float32))
                 word = ((w_high if high else w) & (mask << b)) | _MAGIC_BITS
                 qz = jax.lax.bitcast_convert_type(word, jnp.float32) - zb[b]             # [16, BN]: (q - z) 2**b
                 for r in range(num_rows):
@@ -262,7 +266,7 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
                         x_sums[r] += jnp.sum(xj)
             accs = [acc + part * s for acc, part in zip(accs, parts)]
             if offsets:
-                offs = [off + x_sum * z for off, x_sum in zip(offs, x_sums)]
+                offs = [off + x_sum * z.astype(jnp.float32) for off, x_sum in zip(offs, x_sums)]
         return accs, offs
 
     def body(i, carry):
@@ -383,6 +387,15 @@ def _f16_pair(lo, hi, asm: bool):
     return pair
 
 
+def _zero_pairs(z_lo, z_hi=None):
+    """Integer zero points of the low and high lanes' groups (z_hi None: the low lanes') -> int32 words of the float16
+    pairs (1024 + z_lo, 1024 + z_hi) and (1024 + 16 z_lo, 1024 + 16 z_hi). From 1024 to 2048 float16 steps by one, so
+    1024 + v is the bits 0x6400 | v for v < 1024: a shift and an OR, no conversion."""
+    lo = z_lo.astype(jnp.int32)
+    both = lo | ((lo if z_hi is None else z_hi.astype(jnp.int32)) << 16)
+    return both | _F16_PAIR_1024, (both << 4) | _F16_PAIR_1024
+
+
 def _pow2_scale(amax):
     """(s, 1 / s), powers of two, with amax * s in [32, 64) (clamped for zero or extreme amax)."""
     biased = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF          # amax in [2**(b-127), 2**(b-126))
@@ -403,7 +416,7 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
 
 def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
                             slabs_per_iter, offsets, asm):
-    # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (zeros, or with offsets mins)
+    # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
     jn, split = pl.program_id(0), pl.program_id(1)
@@ -436,10 +449,8 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
             if offsets:
                 zlo = zhi = jnp.full(tile, _F16_PAIR_1024, jnp.int32)
             else:
-                z_lo = z_ref[g_lo, cols].astype(jnp.float32)[None, :]
-                z_hi = z_lo if one_group else z_ref[g_hi, cols].astype(jnp.float32)[None, :]
-                zlo = jnp.broadcast_to(_f16_pair_bits(1024.0 + z_lo, 1024.0 + z_hi), tile)
-                zhi = jnp.broadcast_to(_f16_pair_bits(1024.0 + 16.0 * z_lo, 1024.0 + 16.0 * z_hi), tile)
+                pairs_lo, pairs_hi = _zero_pairs(z_ref[g_lo, cols], None if one_group else z_ref[g_hi, cols])
+                zlo, zhi = jnp.broadcast_to(pairs_lo[None, :], tile), jnp.broadcast_to(pairs_hi[None, :], tile)
             s_lo = jnp.broadcast_to(group_scale(g_lo), tile)
             s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi), tile)
             if asm:
@@ -511,7 +522,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
                 bits: int = 4, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
-    zero points (zeros) or offsets (mins) of scales' shape (the layout and both forms in the module docstring).
+    zero points (zeros, u8) or offsets (mins, floats) of scales' shape (the layout and both forms in the module
+    docstring).
     Tiling None: choose_int4_tiling's; num_warps None: one per GEMV_COLUMNS_PER_WARP columns for the GEMV kernel, 4
     for the dot kernel.
     slabs_per_iter (GEMV kernel): slabs loaded per loop iteration; it must divide each split's slabs.

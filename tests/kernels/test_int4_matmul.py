@@ -39,7 +39,7 @@ class MatmulCase:
 
 
 def make_inputs(case: MatmulCase):
-    """x, qweight, scales, and the zeros (whole numbers 0..15) or, in the offset form, the mins (floats of
+    """x, qweight, scales, and the zeros (uint8, 0..2**bits - 1) or, in the offset form, the mins (floats of
     either sign, scales and mins float32 as the GGUF loader holds them); random values, scales > 0; and q."""
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
     levels = 1 << case.bits
@@ -51,7 +51,7 @@ def make_inputs(case: MatmulCase):
     if case.offsets:
         b = jnp.asarray(rng.uniform(-0.4, 0.1, (groups, case.n)), jnp.float32)
     else:
-        b = jnp.asarray(rng.integers(0, levels, (groups, case.n)), dtype)
+        b = jnp.asarray(rng.integers(0, levels, (groups, case.n)), jnp.uint8)
     x = jnp.asarray(rng.standard_normal((case.m, case.k)), dtype)
     return x, jnp.asarray(pack_bits(q, case.bits)), scales, b, q
 
@@ -208,7 +208,9 @@ class TestInt4Matmul:
         with pytest.raises(ValueError, match="scales"):
             int4_matmul(x, qweight, scales[:, :64], zeros, interpret=INTERPRET)
         with pytest.raises(ValueError, match="group size"):
-            int4_matmul(x, qweight, jnp.ones((32, 128)), jnp.ones((32, 128)), interpret=INTERPRET)   # G = 8
+            int4_matmul(x, qweight, jnp.ones((32, 128)), jnp.ones((32, 128), jnp.uint8), interpret=INTERPRET)  # G 8
+        with pytest.raises(ValueError, match="integer zero points"):
+            int4_matmul(x, qweight, scales, zeros.astype(jnp.float32), interpret=INTERPRET)
         for both in ({}, {"zeros": zeros, "mins": zeros}):
             with pytest.raises(ValueError, match="zero points .* or the offsets"):
                 int4_matmul(x, qweight, scales, interpret=INTERPRET, **both)
@@ -242,7 +244,7 @@ class TestInt4Matmul:
         op = functools.partial(int4_matmul, interpret=False)
         for rows in (1, GEMV_MAX_ROWS + 1):                            # the GEMV kernel, the dot kernel
             assert lowered_calls(op, s((rows, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
-                                 s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.bfloat16)) == (1,)
+                                 s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.uint8)) == (1,)
             offsets = lambda x, w, sc, m: op(x, w, sc, mins=m)              # noqa: E731
             assert lowered_calls(offsets, s((rows, 4096), jnp.bfloat16), s((512, 6144), jnp.int32),
                                  s((128, 6144), jnp.float32), s((128, 6144), jnp.float32)) == (1,)
