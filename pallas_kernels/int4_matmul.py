@@ -178,13 +178,10 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_spl
 
 
 # Rows up to which the GEMV kernel runs (no tensor-core dot: each row keeps its own accumulator), beyond them
-# the dot kernel. One: on the H100 (llama3-8b's qkv and o, bench_matmul.py) the GEMV kernel at 4 rows took
-# 39.3 / 25.1 us, the dot kernel at 16 rows 26.3 / 19.8.
+# the dot kernel. One: from a few rows on, the dot kernel's 16-row tile is faster than a GEMV that repeats its
+# arithmetic per row (bench_matmul.py; bench/results/NOTES.md has the figures of this and the constants below).
 GEMV_MAX_ROWS = 1
-# Warps of the GEMV kernel: one per 16 columns of a program, eight words of the [16, BN] tile a thread. At 64
-# columns, 8 warps took 19.8 / 13.2 us on qkv and o at one row against 4 warps' 22.6 / 15.7 (H100), but
-# llama3-8b's one-request decode got slower with them (4.65 against 4.38 ms a token, the MLP's larger layers
-# included).
+# Warps of the GEMV kernel: one per 16 columns of a program, eight words of the [16, BN] tile a thread.
 GEMV_COLUMNS_PER_WARP = 16
 
 
@@ -195,9 +192,8 @@ def gemv_warps(block_n: int) -> int:
 
 # Warps per SM the GEMV's splits of K aim at: eight programs of 4 warps (64 columns), four of 8 (128 columns).
 GEMV_WARPS_PER_SM = 32
-# The f16x2 form's columns a program. On the H200 (llama3-8b's AWQ layers at one row, one power-of-two scale of x
-# a split, bench_matmul.py) 128 columns on 8 warps, four programs per SM (the splits of 64 columns at eight),
-# took qkv 14.2, o 13.0, gate_up 37.5, down 23.4 us against 64 columns on 4 warps' 17.4, 11.2, 39.9, 26.2.
+# The f16x2 form's columns a program: 128 on 8 warps, four programs per SM, ran llama3-8b's layers faster than 64
+# on 4 warps. 256 did not: Triton then gives each thread 4 of the tile's rows, and x's work per thread doubles.
 GEMV_F16X2_COLUMNS = 128
 # The bits of the float 2**23: OR-ing a 4-bit q into its lowest mantissa bits gives the float 2**23 + q, so
 # subtracting 2**23 + zero leaves q - zero exactly, without an int -> float conversion (a slow instruction).
@@ -300,17 +296,16 @@ def _int4_gemv_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_pe
 # by 8; the odd pairs come scaled by 16, which x's pair divided by 16 undoes exactly. One packed multiply and
 # three packed FMAs fold the word into a float16 pair of lane sums (four products each), which two
 # conversions and two float32 FMAs (by each lane's group scale) add to the accumulator: about 2.6 instructions
-# a weight against 4 in the f32 form, the integer ones 1.1 against 2.4. On the H100 that took 5-15% off the
-# kernel's time at one row, not half: the integer work was not all that bounds it. Float16 needs x in its
-# range: each split's share of x is scaled by a power of two (exact) that puts its largest magnitude in [32, 64),
-# read in a few wide loads before the loop, and the output is scaled back once. (A scale per 128-row slab, reduced
-# across the program every slab, was a fifth of the loop's instructions under Nsight Compute on the H200; one a
-# split took llama3-8b's AWQ layers from 108 to 95 us at one row, and its one-request TPOT from 3.34 to 2.96 ms.)
+# a weight against 4 in the f32 form, the integer ones 1.1 against 2.4. The kernel still waits mostly on its
+# loads' latency, not on its bytes. Float16 needs x in its range: each split's share of x is scaled by a power
+# of two (exact) that puts its largest magnitude in [32, 64), read in a few wide loads before the loop, and the
+# output is scaled back once (one scale a split, not a slab: a scale per slab needs a reduction across the
+# program every slab).
 _F16_PAIR_1024 = 0x64006400
 _LANE_MASKS = (0x000F000F, 0x00F000F0)           # nibbles at bits 0-3 / 4-7 of each 16-bit lane
 F16X2_MIN_GROUP = 32                             # a lane's four nibbles span two groups of 32 at most
 # lop3's truth table for (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA): the mask and the OR in one instruction, which
-# ptxas does not merge from two (on the H200 the loop ran an and and an or per pair)
+# ptxas does not merge from two
 _AND_OR_LUT = (0xF0 & 0xCC) | 0xAA
 
 
@@ -494,10 +489,9 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
     """(block_m, block_n, num_splits): rows padded to a tensor-core tile (16) up to 64 (the GEMV kernel: all
     M rows in one program); K split until the programs fill the GPU (decode sizes leave too few N tiles for it
     alone): four programs per SM for the dot kernel, GEMV_WARPS_PER_SM warps per SM for the GEMV kernel.
-    Columns (block_n None): 128 a program for the dot kernel; for the GEMV kernel 64 (on the H100, llama3-8b at
-    one row: qkv 18.3 against 20.7 us at 128 columns and four programs per SM, o 12.3 against 14.3, gate_up 48.7
-    against 53.9, down 28.5 against 28.6), and in its f16x2 form (f16x2=True) GEMV_F16X2_COLUMNS. num_warps None:
-    the GEMV's one per GEMV_COLUMNS_PER_WARP columns."""
+    Columns (block_n None): 128 a program for the dot kernel; for the GEMV kernel 64 in its f32 form (faster than
+    128 there) and GEMV_F16X2_COLUMNS in its f16x2 form (f16x2=True). num_warps None: the GEMV's one per
+    GEMV_COLUMNS_PER_WARP columns."""
     gemv = m <= GEMV_MAX_ROWS
     block_m = m if gemv else min(64, max(16, 1 << max(0, (m - 1).bit_length())))
     if block_n is None and gemv:
