@@ -193,7 +193,7 @@ def gemv_warps(block_n: int) -> int:
 # Warps per SM the GEMV's splits of K aim at: eight programs of 4 warps (64 columns), four of 8 (128 columns).
 GEMV_WARPS_PER_SM = 32
 # The f16x2 form's columns a program: 128 on 8 warps, four programs per SM, ran llama3-8b's layers faster than 64
-# on 4 warps. 256 did not: Triton then gives each thread 4 of the tile's rows, and x's work per thread doubles.
+# on 4 warps. 256 on 8 warps did not: Triton then gives each thread 4 of the tile's rows, doubling x's work.
 GEMV_F16X2_COLUMNS = 128
 # The bits of the float 2**23: OR-ing a 4-bit q into its lowest mantissa bits gives the float 2**23 + q, so
 # subtracting 2**23 + zero leaves q - zero exactly, without an int -> float conversion (a slow instruction).
@@ -385,7 +385,7 @@ def _f16_pair(lo, hi, asm: bool):
 def _zero_pairs(z_lo, z_hi=None):
     """Integer zero points of the low and high lanes' groups (z_hi None: the low lanes') -> int32 words of the float16
     pairs (1024 + z_lo, 1024 + z_hi) and (1024 + 16 z_lo, 1024 + 16 z_hi). From 1024 to 2048 float16 steps by one, so
-    1024 + v is the bits 0x6400 | v for v < 1024: a shift and an OR, no conversion."""
+    1024 + v is the bits 0x6400 | v for v < 1024 (v is z or 16 z, z < 16): shifts and ORs, no conversion."""
     lo = z_lo.astype(jnp.int32)
     both = lo | ((lo if z_hi is None else z_hi.astype(jnp.int32)) << 16)
     return both | _F16_PAIR_1024, (both << 4) | _F16_PAIR_1024
