@@ -14,7 +14,9 @@
 # included) with py-spy (its wheel in .whl/) through steps 3-5, into $OUT/pyspy-server.json.gz and its summary
 # (bench/pyspy_summary.py) $OUT/pyspy-summary.txt.
 # --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
-# checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT.
+# checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT. Its 12000
+# ShareGPT prompts are in .cache/gpu_soak (prepare_gpu_suite.sh): carry [".whl", ".cache/gpu_soak",
+# ".cache/gpu/bench_models", ".cache/gpu/GIT_REV"] (with all of .cache/gpu the carry passes 64 MiB).
 # --api-server-counts N,M,...: steps 2-5 once per --api-server-count, a fresh server each, the results named
 # ...-apiN, or ...-apiN-rK for the K-th of a count given more than once (2,4,2,4: an alternating A/B); default:
 # one server at its own default count, results unsuffixed. --client-loops asyncio,uvloop: step 3 once per client event
@@ -83,6 +85,7 @@ done
 echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo warm))"
 grep -E "Run config|Compiled|engine core ready|API server processes" /tmp/server.log | sed 's/^/   /'
 if [ $SOAK = 1 ]; then
+  [ -d "$REPO/.cache/gpu_soak/bench_data" ] && export JAXPAGED_BENCH_DATA="$REPO/.cache/gpu_soak/bench_data"
   echo "== soak: bench/soak.py $SOAK_ARGS"
   # shellcheck disable=SC2086  # SOAK_ARGS is a list of flags
   $PY "$BENCH/soak.py" --base-url "http://127.0.0.1:$PORT" --server-pid $SRV --server-log /tmp/server.log \
