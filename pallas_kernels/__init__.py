@@ -23,6 +23,7 @@ on Hopper, "pallas" on other GPUs); this package reads no environment and makes 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ._checks import (CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, cache_values_dtype, in_triton_32bit_window, is_hopper,
                       pool_blocks_outside_window)
@@ -150,7 +151,8 @@ def write_kv(kv_cache, layer_idx, k, v, slot_mapping, *, backend: str = "xla", i
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if kv_scales is not None:
-        k, v = k / kv_scales[0].astype(k.dtype), v / kv_scales[1].astype(v.dtype)
+        # in float32 by the float32 scales attention multiplies back by: one rounding, to e4m3, in to_cache
+        k, v = k.astype(jnp.float32) / kv_scales[0], v.astype(jnp.float32) / kv_scales[1]
     if backend in ("pallas", "mosaic"):
         return write_kv_pallas(kv_cache, layer_idx, k, v, slot_mapping, interpret=interpret)
     return write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)

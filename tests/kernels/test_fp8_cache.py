@@ -78,6 +78,25 @@ def test_write_kv_saturates_into_e4m3_and_scales(backend):
     assert np.isfinite(stored).all() and not stored[0].any()
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_write_kv_divides_by_the_float32_scale_once(backend):
+    """k / k_scale and v / v_scale in float32, by the float32 scales attention multiplies back by, rounded once, to
+    e4m3. (Dividing a bf16 k by the scale rounded to bf16 stores k / 0.30078 for a scale of 0.3, rounded twice:
+    other e4m3 values on some of these elements.)"""
+    rng = np.random.default_rng(0)
+    pool = jnp.zeros((1, 2, 4, 2, 8, 64), FP8_CACHE_DTYPE)
+    k, v = (jnp.asarray(rng.standard_normal((32, 2, 64)) * 4, jnp.bfloat16) for _ in range(2))
+    scales = (jnp.float32(0.3), jnp.float32(0.7))
+    out = pk.write_kv(pool, 0, k, v, jnp.arange(32, dtype=jnp.int32), backend=backend, interpret=INTERPRET,
+                      kv_scales=scales)
+    stored = np.asarray(from_cache(out, jnp.float32))[0]                # [2, B, K, S, D]; slot = block * 8 + s
+    for i, (x, scale) in enumerate(zip((k, v), scales)):
+        want = np.asarray((x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+        twice = np.asarray((x / scale.astype(jnp.bfloat16)).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+        assert (want != twice).any()                                     # the case tells the two apart
+        np.testing.assert_array_equal(stored[i].transpose(0, 2, 1, 3).reshape(32, 2, 64), want)
+
+
 def test_a_cpu_bf16_pool_holds_the_values_bits():
     """On the CPU a bf16 pool is its values' bits (uint16): the write stores them exactly and every path reads
     the same attention as from the bf16 pool, bit for bit."""
