@@ -50,8 +50,7 @@ def test_greedy_smollm2_stays_close_to_its_own_cache(engines):
     """Each token the fp8 run picks, judged by the bf16 cache's run on the same prefix (teacher-forced): the share
     that is also its top choice. Measured with scales of 1.0 / with --calculate-kv-scales (SmolLM2's first layer's
     V lies mostly below e4m3's smallest normal at a scale of 1.0): 241 / 247 of 256 on a Xeon with AVX-512 BF16 and
-    AMX. (While the write divided k and v in bf16 by the scales rounded to bf16: 241 / 241 there, 238 / 247 on an
-    earlier machine, whose CPU math tips bf16 near-ties the other way.) The measure costs about 3 tokens itself:
+    AMX; CPUs differ by a few tokens, where their bf16 math tips near-ties. The measure costs about 3 tokens itself:
     the bf16 cache's own greedy tokens, judged the same way, are its top choice on 253. Guarded below 90% and 95%.
     Issue 26 asks 97%: missed."""
     dense, fp8, calibrated = engines
