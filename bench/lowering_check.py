@@ -30,6 +30,7 @@ def run(model: str, compile_buckets: bool) -> dict:
 
     from jaxpaged import LLM, SamplingParams, envs
     envs.JAXPAGED_CACHE_ROOT = Path(tempfile.mkdtemp(prefix="jaxpaged-lowering-check-"))
+    envs.JAXPAGED_XLA_CACHE_PATH = envs.JAXPAGED_CACHE_ROOT / "xla"     # a cold start (JAX keeps the first run's)
     t0 = time.perf_counter()
     llm = LLM(model=resolve_model(model)[0], load_format="dummy", dtype="bfloat16", max_model_len=1024,
               max_num_batched_tokens=512, max_num_seqs=128, gpu_memory_utilization=0.3,

@@ -7,6 +7,10 @@ import pathlib
 
 # Where the converted default model, the XLA compilation cache and the compiled steps live.
 JAXPAGED_CACHE_ROOT = pathlib.Path(os.environ.get("JAXPAGED_CACHE_ROOT", pathlib.Path.home() / ".cache" / "jaxpaged"))
+# XLA's persistent compilation cache (as vLLM's VLLM_XLA_CACHE_PATH). Fixed here rather than derived from the root
+# when an engine starts: JAX opens its cache once per process, at the first compile after the folder is set, so a
+# later engine pointed at another root could not move it anyway.
+JAXPAGED_XLA_CACHE_PATH = pathlib.Path(os.environ.get("JAXPAGED_XLA_CACHE_PATH", JAXPAGED_CACHE_ROOT / "xla"))
 # Keep compiled programs on disk (XLA's persistent cache and the engine's executables); "0" disables.
 JAXPAGED_COMPILE_CACHE = os.environ.get("JAXPAGED_COMPILE_CACHE", "1") != "0"
 # KV budget on the CPU backend, which reports no device memory (MiB), as vLLM's VLLM_CPU_KVCACHE_SPACE.

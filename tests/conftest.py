@@ -38,6 +38,25 @@ def _room_for_compiled_programs():
     yield
 
 
+@pytest.fixture
+def fresh_xla_cache(tmp_path, monkeypatch):
+    """XLA's persistent compilation cache in a folder of the test's own, for tests of the engine's executable cache
+    on the CPU: XLA:CPU cannot serialize again an executable it loaded from its persistent cache (the copy misses
+    its functions when it runs), so their cold engine must compile for real. JAX opens the cache once per process,
+    at the first compile after the folder is set: reset before, so the test's engine opens its folder, and after,
+    with the folder put back, so the next compile opens the usual one."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from jaxpaged import envs
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setattr(envs, "JAXPAGED_XLA_CACHE_PATH", tmp_path / "xla")
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     """The costliest modules first, costliest first: a module's `pytestmark = pytest.mark.cost(seconds)` is its
     wall time on the 2-core CI machine (the --durations list, summed). pytest-xdist's loadfile hands each worker

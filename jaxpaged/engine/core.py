@@ -62,7 +62,7 @@ def resolve_model_path(model: str | None, quantization: str | None = None) -> st
 def _configure_jax() -> None:
     import jax
     if envs.JAXPAGED_COMPILE_CACHE:
-        jax.config.update("jax_compilation_cache_dir", str(envs.JAXPAGED_CACHE_ROOT / "xla"))
+        jax.config.update("jax_compilation_cache_dir", str(envs.JAXPAGED_XLA_CACHE_PATH))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if envs.JAXPAGED_LOG_COMPILES:
         jax.config.update("jax_log_compiles", True)

@@ -25,10 +25,10 @@ COMPILED = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, 
 
 
 @pytest.fixture
-def exec_cache_root(tmp_path, monkeypatch):
-    """The executable cache on, under a fresh root (nothing from earlier runs); yields that root. The CPU's
-    resolved configuration keeps it off (XLA:CPU cannot run some deserialized programs): here resolve()
-    answers with it on, as on a GPU."""
+def exec_cache_root(tmp_path, monkeypatch, fresh_xla_cache):
+    """The executable cache on, under a fresh root (nothing from earlier runs), beside a fresh XLA cache
+    (fresh_xla_cache); yields that root. The CPU's resolved configuration keeps it off (XLA:CPU cannot run some
+    deserialized programs): here resolve() answers with it on, as on a GPU."""
     import dataclasses
 
     from jaxpaged import envs

@@ -25,9 +25,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def with_workers(tmp_path, monkeypatch):
-    """The executable cache on under a fresh root, and two lowering workers: what resolve() gives a Hopper
-    GPU. Counts the programs this process lowered itself (ProgramSpec.lower)."""
+def with_workers(tmp_path, monkeypatch, fresh_xla_cache):
+    """The executable cache on under a fresh root (and a fresh XLA cache: fresh_xla_cache), and two lowering
+    workers: what resolve() gives a Hopper GPU. Counts the programs this process lowered itself (ProgramSpec.lower)."""
     from jaxpaged import envs
     from jaxpaged.engine import core
     monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
