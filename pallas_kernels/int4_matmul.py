@@ -368,15 +368,11 @@ def _f16_bits(v):
 _F16X2_CVT = "cvt.rn.f16x2.f32 $0, $2, $1;"
 
 
-def _f16_pair_bits(lo, hi):
-    """float32 values -> int32 words holding the float16 pair (lo, hi), in jnp."""
-    return _f16_bits(lo) | (_f16_bits(hi) << 16)
-
-
 def _f16_pair(lo, hi, asm: bool):
-    """_f16_pair_bits, as one PTX conversion a pair when compiled (asm)."""
+    """float32 values -> int32 words holding the float16 pair (lo, hi): one PTX conversion a pair when compiled
+    (asm), jnp when not."""
     if not asm:
-        return _f16_pair_bits(lo, hi)
+        return _f16_bits(lo) | (_f16_bits(hi) << 16)
     [pair] = plgpu.elementwise_inline_asm(_F16X2_CVT, args=[lo, hi], constraints="=r,f,f", pack=1,
                                           result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)])
     return pair

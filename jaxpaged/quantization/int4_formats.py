@@ -177,12 +177,13 @@ def concat_outputs(parts: list[Int4Weight], name: str) -> Int4Weight:
 
 
 def device_layout(w: Int4Weight, act_order: bool) -> dict[str, np.ndarray]:
-    """The Int4Linear params of one layer: qweight i32[K/8, N], scales f32[K/G, N], zeros u8[K/G, N], and with act
-    order perm i32[K], the input rows sorted by group (the model multiplies x[:, perm] by the sorted rows).
+    """The Int4Linear params of one layer: qweight i32[K/8, N], scales and zeros f32[K/G, N] (the loader holds the
+    zeros, whole numbers, as uint8: models/quant_loader.py's _PARAM_DTYPES), and with act order perm i32[K], the
+    input rows sorted by group (the model multiplies x[:, perm] by the sorted rows).
     """
     k, n = w.q.shape
     num_groups = w.scales.shape[0]
-    out = {"scales": w.scales, "zeros": w.zeros.astype(np.uint8)}
+    out = {"scales": w.scales, "zeros": w.zeros}
     if act_order:
         perm = np.argsort(w.g_idx, kind="stable").astype(np.int32)
         if not np.array_equal(np.bincount(w.g_idx, minlength=num_groups), np.full(num_groups, k // num_groups)):
