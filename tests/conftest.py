@@ -44,7 +44,9 @@ def fresh_xla_cache(tmp_path, monkeypatch):
     on the CPU: XLA:CPU cannot serialize again an executable it loaded from its persistent cache (the copy misses
     its functions when it runs), so their cold engine must compile for real. JAX opens the cache once per process,
     at the first compile after the folder is set: reset before, so the test's engine opens its folder, and after,
-    with the folder put back, so the next compile opens the usual one."""
+    with the folder put back, so the next compile opens the usual one. JAX's in-memory caches are cleared too: an
+    engine of the same shapes built earlier in the process (another test) would otherwise hand the cold engine
+    its executable, which may be one XLA loaded from the usual persistent cache."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -52,6 +54,7 @@ def fresh_xla_cache(tmp_path, monkeypatch):
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.setattr(envs, "JAXPAGED_XLA_CACHE_PATH", tmp_path / "xla")
     compilation_cache.reset_cache()
+    jax.clear_caches()
     yield
     jax.config.update("jax_compilation_cache_dir", before)
     compilation_cache.reset_cache()

@@ -302,6 +302,26 @@ def test_host_inputs_reuse_a_slot_only_after_its_step_finished():
     assert len(host._slots[(256, 512)]) == 2
 
 
+def test_host_inputs_reuse_the_slot_of_a_step_that_failed():
+    """A step whose program failed (its results carry the error: a cached executable that cannot run, which the
+    warm-up then compiles instead) has finished with its slot: the next write of that size takes the slot and
+    raises nothing, so the step can be run again."""
+    import jax
+    from jaxpaged.runner.step_inputs import HostInputs
+
+    class FailedResults:                      # what block_until_ready finds on a failed program's outputs
+        def block_until_ready(self):
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_iota not found")
+
+    host = HostInputs(depth=1)
+    ints, floats = np.arange(8, dtype=np.int32), np.ones(4, np.float32)
+    slot = host.write(ints, floats)
+    slot.fence = FailedResults()
+    again = host.write(ints + 1, floats)
+    assert again is slot and slot.fence is None
+    np.testing.assert_array_equal(np.asarray(slot.arrays[0])[:8], ints + 1)
+
+
 @pytest.mark.parametrize("align", [1, 64])
 def test_packed_inputs_round_trip_and_start_on_their_grid(align):
     """pack / unpack give back every input exactly, each cut from its buffer at a multiple of `align`
