@@ -198,6 +198,7 @@ def decode_bench(args, results):
                     except Exception as e:  # noqa: BLE001
                         print(f"jax paged_attention failed: {type(e).__name__}: {str(e)[:300]}")
                 _time_decode_mgpu(args, row, (q, pool, tables, lens), nrot, kv_bytes, d ** -0.5)
+                _time_decode_mgpu_wide(args, row, (q, pool, tables, lens), nrot, kv_bytes, d ** -0.5, cap)
                 _routed(row, r * k)
                 if args.fp8_cache:
                     _time_routed_fp8(row)
@@ -388,6 +389,34 @@ def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
             row[f"mgpu_us[{label}]"], row[f"mgpu_tbps[{label}]"] = us, tbps
             if us < row.get("mgpu_us", math.inf):
                 row["mgpu_us"], row["mgpu_tbps"], row["mgpu_cfg"] = us, tbps, label
+
+
+def _time_decode_mgpu_wide(args, row, data, nrot, kv_bytes, scale, cap):
+    """The wide-head Mosaic decode kernel (paged_decode_attention_mgpu_wide: one compute warpgroup, a pair's
+    rows on the 8-row grid; the layout's soft cap) for each of --decode-wide-configs that fits its shared
+    memory, each first checked against the Triton decode kernel's output; the fastest is 'wide'."""
+    if SMOKE or not args.decode_wide_configs:
+        return
+    from pallas_kernels.paged_decode_attention_mgpu_wide import (mgpu_wide_decode_supported,
+                                                                 paged_decode_attention_mgpu_wide as wide, smem_bytes)
+    from pallas_kernels.ragged_paged_attention_mgpu import _SMEM_BYTES
+    q, pool, tables, lens = data
+    if mgpu_wide_decode_supported(q, pool) is not None:
+        return
+    ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale, soft_cap=cap)
+    for cfg in args.decode_wide_configs:
+        label, kw = _mgpu_variant(cfg)
+        if smem_bytes(q.shape[-1], kw["block_kv"], kw["max_concurrent_steps"]) > _SMEM_BYTES:
+            continue
+
+        def f(i, q, pool, tables, lens, kw=kw):
+            return wide(q, pool, jnp.int32(0), tables[i], lens, scale=scale, soft_cap=cap, **kw)
+        t = _checked_time(f"wide:{label}", f, data, nrot, row, ref)
+        if t is not None:
+            us, tbps = t * 1e6, kv_bytes / t / 1e12
+            row[f"wide_us[{label}]"], row[f"wide_tbps[{label}]"] = us, tbps
+            if us < row.get("wide_us", math.inf):
+                row["wide_us"], row["wide_tbps"], row["wide_cfg"] = us, tbps, label
 
 
 def _parts(text: str) -> list[str]:
@@ -624,6 +653,16 @@ def write_outputs(args, results):
                      f"{r.get('mgpu_us', float('nan')):.1f} | {r.get('mgpu_tbps', float('nan')):.2f} | "
                      f"{r.get('mgpu_cfg', '')} | "
                      f"{r.get('jax_us', float('nan')) / r.get('mgpu_us', float('nan')):.2f} |")
+    wide = [r for r in results.get("decode", []) if "wide_us" in r]
+    if wide:
+        lines += ["", "## Decode on the wide-head Mosaic kernel (paged_decode_attention_mgpu_wide, best of "
+                  "--decode-wide-configs: block_kv, slots)", "",
+                  "| layout | seqs x ctx | Triton default µs | Mosaic (packed) µs | wide µs | wide TB/s | wide cfg "
+                  "| default / wide |", "|---|---|---|---|---|---|---|---|"]
+        for r in wide:
+            lines.append(f"| {r['layout']} | {r['seqs']} x {r['ctx']} | {r.get('default_us', float('nan')):.1f} | "
+                         f"{r.get('mgpu_us', float('nan')):.1f} | {r['wide_us']:.1f} | {r['wide_tbps']:.2f} | "
+                         f"{r['wide_cfg']} | {r.get('default_us', float('nan')) / r['wide_us']:.2f} |")
     varied = [r for r in results.get("decode", []) if any(k.startswith("variant_us[") for k in r)]
     if varied:
         names = sorted({k[11:-1] for r in varied for k in r if k.startswith("variant_us[")})
@@ -729,6 +768,10 @@ def main():
     ap.add_argument("--decode-mgpu-configs", type=_mgpu_configs, default=[],
                     help="also time the Mosaic GPU decode kernel (paged_decode_attention_mgpu) on the decode "
                          "batches: configurations as --mgpu-configs (e.g. '128,2;64,4'); default none")
+    ap.add_argument("--decode-wide-configs", type=_mgpu_configs, default=[],
+                    help="also time the wide-head Mosaic decode kernel (paged_decode_attention_mgpu_wide) on the "
+                         "decode batches of head size 128 and 256: configurations as --mgpu-configs, those over its "
+                         "shared memory skipped (e.g. '64,2;128,2;64,4'); default none")
     ap.add_argument("--mgpu-configs", type=_mgpu_configs, default=[(128, 2, None)],
                     help="Mosaic GPU prefill kernel configurations 'block_kv,max_concurrent_steps[,num_ctas]' "
                          "separated by ';' ('' for none; num_ctas 0: one CTA per work item, not persistent); "

@@ -30,6 +30,8 @@ from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attentio
 
 try:
     from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
+    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu_wide import (mgpu_wide_decode_supported,
+                                                                          paged_decode_attention_mgpu_wide)
     from jaxpaged.pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
     _NO_MGPU = None
 except ImportError as e:  # pragma: no cover - a jax without Pallas's Mosaic GPU module
@@ -307,6 +309,62 @@ class TestPagedDecodeMosaic:
                 sds((), jnp.int32), sds((64, 32), jnp.int32), sds((64,), jnp.int32))
         lowered = jax.jit(lambda *a: paged_decode_attention_mgpu(*a, scale=0.1, interpret=False)).trace(
             *args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+# The wide-head decode kernel: Gemma's head size 256 with a soft cap low enough to bend the scores and a window
+# that cuts inside a key step (150 - 100 = 50 keys masked of step 0, steps of 64); head size 128 with 4 query
+# heads a kv head (8-row pair tiles) and 9 (16-row tiles, 128-key steps over blocks of 32), windows on and off;
+# the contexts and padding request of the decodes above, several items a CTA, the race detector on.
+WIDE_DECODE_CASES = [MosaicCase(layout=Layout(block_size, head_dim, kv * group, kv, "bfloat16"), batch=_DECODES,
+                                block_kv=block_kv, num_ctas=2, detect_races=True, **kw)
+                     for block_size, head_dim, kv, group, block_kv, kw in [
+                         (16, 256, 2, 2, 64, dict(soft_cap=2.0, sliding_window=100)),
+                         (16, 128, 2, 4, 64, {}), (32, 128, 1, 9, 128, dict(sliding_window=33))]]
+# Real sizes: gemma-2-9b's heads, its soft cap of 50, and a window inside the 4k contexts.
+WIDE_DECODE_CASES += gpu_only(MosaicCase(layout=Layout(16, 256, 16, 8, "bfloat16", "gemma-2-9b"), batch=REAL_DECODE,
+                                         block_kv=64, soft_cap=50.0, sliding_window=window) for window in (None, 1000))
+
+
+class TestPagedDecodeMosaicWide:
+    @runs_kernel
+    @pytest.mark.parametrize("case", WIDE_DECODE_CASES, ids=case_id)
+    def test_matches_reference(self, case):
+        """paged_decode_attention_mgpu_wide: one compute warpgroup, a pair's rows on the 8-row grid."""
+        x = decode_inputs(case.rng(), case.layout, case.batch)
+        scale = case.layout.head_dim ** -0.5
+        opts = dict(soft_cap=case.soft_cap, sliding_window=case.sliding_window)
+        out = paged_decode_attention_mgpu_wide(*x.args, scale=scale, block_kv=case.block_kv,
+                                               max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
+                                               interpret=interpret_arg(case.detect_races), **opts)
+        _check(out, reference(paged_decode_attention_reference, *x.args, scale=scale, **opts), case,
+               np.asarray(x.seq_lens) == 0)
+
+    def test_declines_what_it_does_not_take(self):
+        q, kv = jnp.zeros((4, 16, 256), jnp.bfloat16), jnp.zeros((1, 2, 4, 8, 16, 256), jnp.bfloat16)
+        assert mgpu_wide_decode_supported(q, kv) is None
+        assert "head dims" in mgpu_wide_decode_supported(q[..., :64], kv[..., :64])
+        assert "dtype" in mgpu_wide_decode_supported(q, kv.astype(jnp.uint8))
+        assert "group" in mgpu_wide_decode_supported(jnp.zeros((4, 65, 128), jnp.bfloat16),
+                                                     jnp.zeros((1, 2, 4, 1, 16, 128), jnp.bfloat16))
+        args = (q, kv, 0, jnp.zeros((4, 2), jnp.int32), jnp.ones((4,), jnp.int32))
+        for kw in (dict(block_kv=32), dict(max_concurrent_steps=1), dict(max_concurrent_steps=3),
+                   dict(soft_cap=0.0), dict(sliding_window=0)):
+            with pytest.raises(ValueError):
+                paged_decode_attention_mgpu_wide(*args, scale=0.0625, **kw)
+
+    @on_hopper
+    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+    @pytest.mark.parametrize("head_dim", [128, 256])
+    def test_lowers_for_cuda(self, semantics, head_dim):
+        """gemma-2-9b's decode (16 heads over 8 kv heads, its soft cap and window) lowers to a Mosaic GPU module
+        for CUDA: the TMA loads of a pair's rows into the swizzled q tile and its output rows out of one."""
+        sds = jax.ShapeDtypeStruct
+        args = (sds((64, 16, head_dim), jnp.bfloat16), sds((2, 2, 100, 8, 16, head_dim), jnp.bfloat16),
+                sds((), jnp.int32), sds((64, 32), jnp.int32), sds((64,), jnp.int32))
+        lowered = jax.jit(lambda *a: paged_decode_attention_mgpu_wide(
+            *a, scale=0.0625, soft_cap=50.0, sliding_window=4096, interpret=False, lowering_semantics=semantics)
+        ).trace(*args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
