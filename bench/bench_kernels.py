@@ -330,13 +330,15 @@ JAX_ANCHOR_US = {
 def _routed(row, pairs):
     """The kernel attention() runs for this decode outside while loops: the Mosaic decode kernel from
     MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs where it was timed (its default configuration,
-    '128,2'), else the Triton kernel's default; with its ratio to JAX's op in this run and in the
-    BENCHMARKS.md anchor table."""
+    '128,2'), or where it declines the call the wide-head one ('64,2'), else the Triton kernel's default; with
+    its ratio to JAX's op in this run and in the BENCHMARKS.md anchor table."""
     mosaic = pairs >= pk.MOSAIC_DECODE_MIN_PAIRS and "mgpu_us[128,2]" in row
-    us = row["mgpu_us[128,2]"] if mosaic else row.get("default_us")
+    # where the packed kernel declines (head size 256, a soft cap): the wide-head one at its default, 64 keys x 2 slots
+    wide = pairs >= pk.MOSAIC_DECODE_MIN_PAIRS and not mosaic and "wide_us[64,2]" in row
+    us = row["mgpu_us[128,2]"] if mosaic else row["wide_us[64,2]"] if wide else row.get("default_us")
     if us is None:
         return
-    row["routed_us"], row["routed_kernel"] = us, "mosaic" if mosaic else "triton"
+    row["routed_us"], row["routed_kernel"] = us, "mosaic" if mosaic else "mosaic-wide" if wide else "triton"
     row["routed_tbps"] = row["kv_bytes"] / us / 1e6
     if "jax_us" in row:
         row["routed_vs_jax"] = row["jax_us"] / us

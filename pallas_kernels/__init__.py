@@ -13,7 +13,9 @@ which implementation runs below them is chosen by `backend`:
                cuDNN's dense attention, well ahead of the Triton kernel, and that shows end to end.
                Decode batches of at least MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs outside while
                loops (per-layer or unrolled dispatch, one step per program) run the Mosaic decode kernel
-               (paged_decode_attention_mgpu), other decodes the Triton split-K one. Over an e4m3 pool:
+               (paged_decode_attention_mgpu), or where it declines a soft cap, a sliding window or head size
+               256 (Gemma 2 and 3), the wide-head one (paged_decode_attention_mgpu_wide); other decodes the
+               Triton split-K one. Over an e4m3 pool:
                the Mosaic decode kernel from head size MOSAIC_FP8_DECODE_MIN_HEAD_DIM (with
                MOSAIC_FP8_DECODE_CONFIG: both compute warpgroups widen the slots), the Triton prefill kernel.
 
@@ -41,6 +43,10 @@ BACKENDS = ("reference", "xla", "pallas", "mosaic")
 # below it slower, since without split-K a few dozen CTAs leave most SMs idle (16 qwen2-0.5b requests are
 # 32 pairs).
 MOSAIC_DECODE_MIN_PAIRS = 128
+# The wide-head Mosaic decode kernel (paged_decode_attention_mgpu_wide) takes, from the same pair count, the bf16
+# decodes the packed one declines: head size 256, soft caps, sliding windows. At gemma-2-9b's layout (head size
+# 256, soft cap 50) it read K/V at 1.65-1.79x the Triton decode kernel's rate (H200, 64 x 1k to 256 x 4k), and
+# at llama3-8b's it ran as fast as the packed kernel, which keeps those calls.
 # Over an e4m3 pool the Mosaic decode kernel widens every K/V slot to float16 in its one busy compute
 # warpgroup, so it is no longer bound by bytes alone: on the H100 it beat the Triton decode kernel on the same
 # pool for head size 128 (llama3-8b 64 x 4k: 324 against 357 us) and lost for 64 (qwen2-0.5b, whose seven
@@ -125,6 +131,13 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
                     return paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
                                                        scale=scale, num_ctas=num_sms, alibi_slopes=alibi_slopes,
                                                        interpret=False, **(MOSAIC_FP8_DECODE_CONFIG if fp8 else {}))
+                # what the packed kernel declines: head size 256, soft caps, windows (Gemma 2 and 3, Mistral)
+                from . import paged_decode_attention_mgpu_wide as wide
+                if alibi_slopes is None and wide.mgpu_wide_decode_supported(q, kv_cache) is None:
+                    return wide.paged_decode_attention_mgpu_wide(q, kv_cache, layer_idx, block_tables, seq_lens,
+                                                                 scale=scale, sliding_window=sliding_window,
+                                                                 soft_cap=soft_cap, num_ctas=num_sms,
+                                                                 interpret=False)
             return paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, scale=scale,
                                           sliding_window=sliding_window, soft_cap=soft_cap,
                                           alibi_slopes=alibi_slopes, interpret=interpret, num_sms=num_sms)

@@ -104,6 +104,38 @@ class TestAttentionBackends:
         assert calls(s((reqs, 4, 128), jnp.bfloat16), pool, decode_only=True, alibi_slopes=grouped) == (0, 1)
         assert calls(s((256, 4, 128), jnp.bfloat16), pool, alibi_slopes=grouped) == (1, 0)
 
+    def test_mosaic_routing_of_wide_heads_soft_caps_and_windows(self, monkeypatch):
+        """Lowered for CUDA under backend="mosaic": from MOSAIC_DECODE_MIN_PAIRS pairs, the decodes the packed Mosaic
+        kernel declines (head size 256, a soft cap, a sliding window) take the wide-head Mosaic kernel, one Mosaic
+        GPU call; the Triton decode kernel keeps head size 64, e4m3 pools of head size 256, decodes inside loops
+        and fewer pairs. Prefill with a soft cap or a window stays on the Triton kernel."""
+        from jaxpaged.pallas_kernels import paged_decode_attention_mgpu_wide as wide
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
+        s = jax.ShapeDtypeStruct
+        layer, reqs = s((), jnp.int32), 64
+        taken = []
+        real = wide.paged_decode_attention_mgpu_wide
+        monkeypatch.setattr(wide, "paged_decode_attention_mgpu_wide", lambda *a, **k: taken.append(k) or real(*a, **k))
+
+        def calls(head_dim, reqs=reqs, pool_dtype=jnp.bfloat16, **kw):
+            pool = s((4, 2, 100, 2, 16, head_dim), pool_dtype)
+            fn = functools.partial(pk.attention, scale=0.1, backend="mosaic", **kw)
+            return lowered_calls(fn, s((reqs, 4, head_dim), jnp.bfloat16), pool, layer, s((reqs, 32), jnp.int32),
+                                 s((reqs,), jnp.int32), s((reqs + 1,), jnp.int32), names=MOSAIC_AND_TRITON)
+        gemma = dict(decode_only=True, soft_cap=50.0, sliding_window=4096)
+        assert calls(256, **gemma) == (1, 0)                                # 128 pairs: the wide kernel
+        assert taken[-1]["soft_cap"] == 50.0 and taken[-1]["sliding_window"] == 4096
+        assert calls(256, decode_only=True) == (1, 0) and len(taken) == 2   # head size 256 alone
+        assert calls(128, decode_only=True, sliding_window=4096) == (1, 0) and len(taken) == 3   # Mistral's window
+        assert calls(128, decode_only=True) == (1, 0) and len(taken) == 3   # the packed kernel's own call
+        assert calls(64, decode_only=True, sliding_window=4096) == (0, 1)
+        assert calls(256, reqs=32, **gemma) == (0, 1)                       # 64 pairs
+        assert calls(256, **gemma, in_loop=True) == (0, 1)
+        ones = (jnp.float32(1.0), jnp.float32(1.0))
+        assert calls(256, pool_dtype=pk.FP8_CACHE_DTYPE, **gemma, kv_scales=ones) == (0, 1)
+        assert calls(256, reqs=256, soft_cap=50.0) == (0, 1)                # prefill
+        assert len(taken) == 3
+
     def test_mosaic_decode_lowers_inside_a_layer_scan(self, monkeypatch):
         """The model calls attention() inside lax.scan over layers with a traced layer index: the Mosaic
         decode route lowers there for CUDA too (one Mosaic GPU call in the scan body)."""
