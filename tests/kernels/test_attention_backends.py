@@ -213,3 +213,43 @@ class TestAttentionBackends:
         mosaic_calls, triton_calls = calls(in_loop=False)
         assert mosaic_calls == 1                       # the decode; KV write stays the Triton kernel
         assert calls(in_loop=True) == (0, triton_calls + 1)
+
+
+def test_gemma_layers_take_the_wide_mosaic_decode_outside_loops(monkeypatch):
+    """A Gemma 2 decoder layer of each kind (global, sliding) lowered for CUDA on a decode of 128 (request, kv
+    head) pairs at head size 256: its attention is the wide-head Mosaic decode call, with the layer's window and
+    the model's soft cap; inside a loop the Triton decode kernel."""
+    from jaxpaged.models.config import decoder_config_from_hf
+    from jaxpaged.models.decoder import AttentionMetadata, DecoderLayer, RuntimeOptions, layer_phase
+    from jaxpaged.pallas_kernels import paged_decode_attention_mgpu_wide as wide
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    taken = []
+    real = wide.paged_decode_attention_mgpu_wide
+    monkeypatch.setattr(wide, "paged_decode_attention_mgpu_wide", lambda *a, **k: taken.append(k) or real(*a, **k))
+    cfg = decoder_config_from_hf({
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192})
+    assert cfg.layer_kinds() == (1, 0) and cfg.attention_windows() == (None, 4096)
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    r, m = 64, 8                                                      # 64 requests x 2 kv heads
+    meta = AttentionMetadata(s((r,), jnp.int32), s((r,), jnp.int32), s((r, m), jnp.int32), s((r,), jnp.int32),
+                             s((r + 1,), jnp.int32))
+    rope = cfg.rope_dim // 2
+    h, cos, sin = s((r, 128), bf), s((2, r, rope), jnp.float32), s((2, r, rope), jnp.float32)
+    pool = s((2, 2, 64, 2, 16, 256), bf)
+
+    def calls(kind, in_loop):
+        options = RuntimeOptions("mosaic", True, in_loop=in_loop)
+        params = jax.eval_shape(lambda: DecoderLayer(cfg, bf, options, kind).init(
+            jax.random.PRNGKey(0), (jnp.zeros((r, 128), bf), jnp.zeros(pool.shape, bf), jnp.int32(0)),
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), meta), jnp.zeros(cos.shape), jnp.zeros(sin.shape)))
+
+        def fn(p, h, kv, meta, cos, sin):
+            return layer_phase(cfg, bf, options, p["params"], h, kv, jnp.int32(0), meta, cos, sin, kind)
+        return lowered_calls(fn, params, h, pool, meta, cos, sin, names=MOSAIC_AND_TRITON)
+    for kind, window in ((0, None), (1, 4096)):
+        mosaic_calls, triton_calls = calls(kind, in_loop=False)
+        assert mosaic_calls == 1 and taken[-1]["sliding_window"] == window and taken[-1]["soft_cap"] == 50.0
+        assert calls(kind, in_loop=True) == (0, triton_calls + 1)
