@@ -3,6 +3,8 @@ Mosaic GPU interpreter (the CPU) runs instead: wgmma matmuls, register layouts, 
 differences, compiler and interpreter parameters."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -73,3 +75,38 @@ def layout(x, layout, interpret):  # layout_cast has no CPU lowering: the interp
 
 def iota(shape, dim, interpret):
     return layout(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA, interpret)
+
+
+def gather_kv_steps(kv_ref, tables_ref, req, first_step, num_steps, k_row0, v_row0, slots, bars, *, num_kv_heads,
+                    table_step0=None):
+    """The memory warpgroup's part of one item: its num_steps K/V steps into the slots, the CTA's steps first_step
+    on, P = BKV // S TMA copies a slot from request req's block table, each slot refilled once its consumers
+    freed it. kv_ref rows are (layer, K/V, block, kv head) flattened: block b's K row is k_row0 + b * K (V's
+    v_row0 + ...). table_step0: the item's first key step in the table (None: its first)."""
+    k_smem, v_smem = slots
+    k_bar, v_bar, k_free, v_free = bars
+    num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
+    block_size = kv_ref.shape[1]
+    per_step = block_kv // block_size
+
+    @pl.loop(0, num_steps)
+    def _(j):
+        step = first_step + j
+        slot = lax.rem(step, num_slots)
+        key_step = j if table_step0 is None else table_step0 + j
+        # Block ids are read before waiting for the slot, so their latency hides behind the wait.
+        blocks = [tables_ref[req, key_step * per_step + i] for i in range(per_step)]
+        for row0, dst, bar, free in ((k_row0, k_smem, k_bar, k_free), (v_row0, v_smem, v_bar, v_free)):
+            pl.when(step >= num_slots)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+            for i, block in enumerate(blocks):
+                plgpu.copy_gmem_to_smem(kv_ref.at[row0 + block * num_kv_heads],
+                                        dst.at[slot, pl.ds(i * block_size, block_size)], bar.at[slot])
+
+
+def observe_last_frees(total, k_free, v_free, num_slots: int):
+    """The memory warpgroup's end: wait on the frees of the last slots it filled (total steps in all), so every
+    waiter sees every barrier phase (the interpreter insists; free on the GPU)."""
+    @pl.loop(jnp.maximum(total - num_slots, 0), total)
+    def _(step):
+        plgpu.barrier_wait(k_free.at[lax.rem(step, num_slots)])
+        plgpu.barrier_wait(v_free.at[lax.rem(step, num_slots)])

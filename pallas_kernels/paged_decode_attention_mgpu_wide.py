@@ -138,39 +138,20 @@ def _compute_wg(work, meta_ref, q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, ba
 
 
 def _memory_wg(work, meta_ref, layer_ref, tables_ref, kv_ref, k_smem, v_smem, bars, *, num_blocks, num_kv_heads):
-    """Gathers every item's K/V steps into the C slots, P TMA copies a slot."""
+    """Gathers every item's K/V steps (from its first in the window) into the C slots, P TMA copies a slot."""
     k_bar, v_bar, _, k_free, v_free = bars
     plgpu.set_max_registers(40, action="decrease")
-    num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
-    block_size = kv_ref.shape[1]
-    per_step = block_kv // block_size
 
     def run_item(k, first_step):
         pair, _, step0, num_steps = (meta_ref[work.item(k)[0], c] for c in range(4))
-        req, head = pair // num_kv_heads, lax.rem(pair, num_kv_heads)
-        # kv_ref rows are (layer, K/V, block, kv head) flattened: row of block b = row0 + b * K.
-        k_row0 = layer_ref[0] * (2 * num_blocks * num_kv_heads) + head
-        v_row0 = k_row0 + num_blocks * num_kv_heads
-
-        @pl.loop(0, num_steps)
-        def _(j):
-            step = first_step + j
-            slot = lax.rem(step, num_slots)
-            blocks = [tables_ref[req, (step0 + j) * per_step + i] for i in range(per_step)]   # before the wait
-            for row0, dst, bar, free in ((k_row0, k_smem, k_bar, k_free), (v_row0, v_smem, v_bar, v_free)):
-                pl.when(step >= num_slots)(functools.partial(plgpu.barrier_wait, free.at[slot]))
-                for i, block in enumerate(blocks):
-                    plgpu.copy_gmem_to_smem(kv_ref.at[row0 + block * num_kv_heads],
-                                            dst.at[slot, pl.ds(i * block_size, block_size)], bar.at[slot])
+        k_row0 = layer_ref[0] * (2 * num_blocks * num_kv_heads) + lax.rem(pair, num_kv_heads)
+        ops.gather_kv_steps(kv_ref, tables_ref, pair // num_kv_heads, first_step, num_steps, k_row0,
+                            k_row0 + num_blocks * num_kv_heads, (k_smem, v_smem), (k_bar, v_bar, k_free, v_free),
+                            num_kv_heads=num_kv_heads, table_step0=step0)
         return first_step + num_steps
 
     total = lax.fori_loop(0, work.num_iters, run_item, jnp.int32(0))
-
-    # Observe the last frees too: every waiter sees every phase (the interpreter insists; free on HW).
-    @pl.loop(jnp.maximum(total - num_slots, 0), total)
-    def _(step):
-        plgpu.barrier_wait(k_free.at[lax.rem(step, num_slots)])
-        plgpu.barrier_wait(v_free.at[lax.rem(step, num_slots)])
+    ops.observe_last_frees(total, k_free, v_free, k_smem.shape[0])
 
 
 def _kernel(meta_ref, layer_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, o_smem, k_smem, v_smem, *bars,

@@ -383,37 +383,17 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
     k_smem, v_smem = smem[3:5]
     k_bar, v_bar, _, k_free, v_free, _ = bars[:6]
     plgpu.set_max_registers(40, action="decrease")
-    num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
-    block_size = kv_ref.shape[1]
-    per_step = block_kv // block_size
 
     def run_item(k, first_step):
         tile, head = work.item(k)
         req, item_steps = sched_ref[tile, ms.REQ], sched_ref[tile, ms.STEPS]
-        # kv_ref rows are (layer, K/V, block, kv head) flattened: row of block b = row0 + b * K.
         k_row0 = layer_ref[0] * (2 * num_blocks * num_kv_heads) + head // group
-        v_row0 = k_row0 + num_blocks * num_kv_heads
-
-        @pl.loop(0, item_steps)
-        def _(j):
-            step = first_step + j
-            slot = lax.rem(step, num_slots)
-            # Block ids are read before waiting for the slot, so their latency hides behind the wait.
-            blocks = [tables_ref[req, j * per_step + i] for i in range(per_step)]
-            for row0, dst, bar, free in ((k_row0, k_smem, k_bar, k_free), (v_row0, v_smem, v_bar, v_free)):
-                pl.when(step >= num_slots)(functools.partial(plgpu.barrier_wait, free.at[slot]))
-                for i, block in enumerate(blocks):
-                    plgpu.copy_gmem_to_smem(kv_ref.at[row0 + block * num_kv_heads],
-                                            dst.at[slot, pl.ds(i * block_size, block_size)], bar.at[slot])
+        ops.gather_kv_steps(kv_ref, tables_ref, req, first_step, item_steps, k_row0, k_row0 + num_blocks * num_kv_heads,
+                            (k_smem, v_smem), (k_bar, v_bar, k_free, v_free), num_kv_heads=num_kv_heads)
         return first_step + item_steps
 
     total = lax.fori_loop(0, work.num_iters, run_item, jnp.int32(0))
-
-    # Observe the last frees too: every waiter sees every phase (the interpreter insists; free on HW).
-    @pl.loop(jnp.maximum(total - num_slots, 0), total)
-    def _(step):
-        plgpu.barrier_wait(k_free.at[lax.rem(step, num_slots)])
-        plgpu.barrier_wait(v_free.at[lax.rem(step, num_slots)])
+    ops.observe_last_frees(total, k_free, v_free, k_smem.shape[0])
 
 
 def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *scratch, scale, group, num_heads,
