@@ -31,7 +31,6 @@ writes zeros.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import _mgpu_ops as ops
 from ._checks import is_hopper
 from .paged_decode_attention import device_num_sms, validate_decode_inputs
-from .ragged_paged_attention_mgpu import _SMEM_BYTES, _Work
+from .ragged_paged_attention_mgpu import _LOG2E, _M_INIT, _SMEM_BYTES, _online_softmax, _Work
 
-_LOG2E = math.log2(math.e)
-_M_INIT = -1e30                  # finite: a row with no unmasked key stays NaN-free until the division
 _ROWS = 64                       # wgmma's M: the tile a pair's Gp rows sit in
 _INTERPRET_CTAS = 3              # the interpreter's CTA count: several items a CTA
 
@@ -110,14 +107,10 @@ def _compute_wg(work, meta_ref, q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, ba
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
             keys = ops.iota(s.shape, 1, interpret) + (step0 + j) * block_kv
-            s = jnp.where((keys < seq_len) & (keys >= key_lo), s * _LOG2E, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
+            s = jnp.where((keys < seq_len) & (keys >= key_lo), s, -jnp.inf)
+            acc, m_new, l, p16 = _online_softmax(s, acc, m, l, _LOG2E, q_smem.dtype)
             plgpu.barrier_wait(v_bar.at[slot])
-            acc = ops.pv(acc, p.astype(q_smem.dtype), v_smem.at[slot], lambda: None, interpret)
+            acc = ops.pv(acc, p16, v_smem.at[slot], lambda: None, interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
