@@ -371,6 +371,22 @@ def _checked_time(what, f, data, n, row, ref=None):
         return None
 
 
+def _time_decode_configs(name, op, configs, row, data, nrot, kv_bytes, ref, **op_kw):
+    """op (a Mosaic decode kernel) at each of configs (--mgpu-configs entries), each first checked against ref:
+    row[name_us[label]] and [name_tbps[label]], and the fastest as name_us, name_tbps, name_cfg."""
+    for cfg in configs:
+        label, kw = _mgpu_variant(cfg)
+
+        def f(i, q, pool, tables, lens, kw=kw):
+            return op(q, pool, jnp.int32(0), tables[i], lens, **op_kw, **kw)
+        t = _checked_time(f"{name}:{label}", f, data, nrot, row, ref)
+        if t is not None:
+            us, tbps = t * 1e6, kv_bytes / t / 1e12
+            row[f"{name}_us[{label}]"], row[f"{name}_tbps[{label}]"] = us, tbps
+            if us < row.get(f"{name}_us", math.inf):
+                row[f"{name}_us"], row[f"{name}_tbps"], row[f"{name}_cfg"] = us, tbps, label
+
+
 def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
     """The Mosaic GPU decode kernel (paged_decode_attention_mgpu: the persistent ragged kernel with the G
     heads of a kv head packed into one tile) for each of --decode-mgpu-configs, each first checked
@@ -380,17 +396,7 @@ def _time_decode_mgpu(args, row, data, nrot, kv_bytes, scale):
     from pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu as mgpu
     q, pool, tables, lens = data
     ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
-    for cfg in args.decode_mgpu_configs:
-        label, kw = _mgpu_variant(cfg)
-
-        def f(i, q, pool, tables, lens, kw=kw):
-            return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
-        t = _checked_time(f"mgpu:{label}", f, data, nrot, row, ref)
-        if t is not None:
-            us, tbps = t * 1e6, kv_bytes / t / 1e12
-            row[f"mgpu_us[{label}]"], row[f"mgpu_tbps[{label}]"] = us, tbps
-            if us < row.get("mgpu_us", math.inf):
-                row["mgpu_us"], row["mgpu_tbps"], row["mgpu_cfg"] = us, tbps, label
+    _time_decode_configs("mgpu", mgpu, args.decode_mgpu_configs, row, data, nrot, kv_bytes, ref, scale=scale)
 
 
 def _time_decode_mgpu_wide(args, row, data, nrot, kv_bytes, scale, cap):
@@ -406,19 +412,8 @@ def _time_decode_mgpu_wide(args, row, data, nrot, kv_bytes, scale, cap):
     if mgpu_wide_decode_supported(q, pool) is not None:
         return
     ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale, soft_cap=cap)
-    for cfg in args.decode_wide_configs:
-        label, kw = _mgpu_variant(cfg)
-        if smem_bytes(q.shape[-1], kw["block_kv"], kw["max_concurrent_steps"]) > _SMEM_BYTES:
-            continue
-
-        def f(i, q, pool, tables, lens, kw=kw):
-            return wide(q, pool, jnp.int32(0), tables[i], lens, scale=scale, soft_cap=cap, **kw)
-        t = _checked_time(f"wide:{label}", f, data, nrot, row, ref)
-        if t is not None:
-            us, tbps = t * 1e6, kv_bytes / t / 1e12
-            row[f"wide_us[{label}]"], row[f"wide_tbps[{label}]"] = us, tbps
-            if us < row.get("wide_us", math.inf):
-                row["wide_us"], row["wide_tbps"], row["wide_cfg"] = us, tbps, label
+    fits = [c for c in args.decode_wide_configs if smem_bytes(q.shape[-1], c[0], c[1]) <= _SMEM_BYTES]
+    _time_decode_configs("wide", wide, fits, row, data, nrot, kv_bytes, ref, scale=scale, soft_cap=cap)
 
 
 def _parts(text: str) -> list[str]:
