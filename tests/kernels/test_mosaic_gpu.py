@@ -340,6 +340,7 @@ class TestPagedDecodeMosaicWide:
         _check(out, reference(paged_decode_attention_reference, *x.args, scale=scale, **opts), case,
                np.asarray(x.seq_lens) == 0)
 
+    @on_hopper
     def test_declines_what_it_does_not_take(self):
         q, kv = jnp.zeros((4, 16, 256), jnp.bfloat16), jnp.zeros((1, 2, 4, 8, 16, 256), jnp.bfloat16)
         assert mgpu_wide_decode_supported(q, kv) is None
