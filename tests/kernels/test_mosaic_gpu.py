@@ -315,12 +315,15 @@ class TestPagedDecodeMosaic:
 # The wide-head decode kernel: Gemma's head size 256 with a soft cap low enough to bend the scores and a window
 # that cuts inside a key step (150 - 100 = 50 keys masked of step 0, steps of 64); head size 128 with 4 query
 # heads a kv head (8-row pair tiles) and 9 (16-row tiles, 128-key steps over blocks of 32), windows on and off;
-# the contexts and padding request of the decodes above, several items a CTA, the race detector on.
-WIDE_DECODE_CASES = [MosaicCase(layout=Layout(block_size, head_dim, kv * group, kv, "bfloat16"), batch=_DECODES,
+# blocks of 8 (8 copies a slot) and 64 (one copy of a 128-key step's two); the contexts and padding request of
+# the decodes above, several items a CTA, the race detector on.
+WIDE_DECODE_CASES = [MosaicCase(layout=Layout(block_size, head_dim, kv * group, kv, "bfloat16"),
+                                batch=_DECODES if block_size > 8 else dataclasses.replace(_DECODES, max_blocks=24),
                                 block_kv=block_kv, num_ctas=2, detect_races=True, **kw)
                      for block_size, head_dim, kv, group, block_kv, kw in [
                          (16, 256, 2, 2, 64, dict(soft_cap=2.0, sliding_window=100)),
-                         (16, 128, 2, 4, 64, {}), (32, 128, 1, 9, 128, dict(sliding_window=33))]]
+                         (16, 128, 2, 4, 64, {}), (32, 128, 1, 9, 128, dict(sliding_window=33)),
+                         (8, 256, 1, 2, 64, dict(soft_cap=3.0)), (64, 128, 2, 1, 128, dict(sliding_window=70))]]
 # Real sizes: gemma-2-9b's heads, its soft cap of 50, and a window inside the 4k contexts.
 WIDE_DECODE_CASES += gpu_only(MosaicCase(layout=Layout(16, 256, 16, 8, "bfloat16", "gemma-2-9b"), batch=REAL_DECODE,
                                          block_kv=64, soft_cap=50.0, sliding_window=window) for window in (None, 1000))
