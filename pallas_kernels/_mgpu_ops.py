@@ -1,6 +1,7 @@
-"""Small Mosaic GPU building blocks of ragged_paged_attention_mgpu.py, each with the plain path the
-Mosaic GPU interpreter (the CPU) runs instead: wgmma matmuls, register layouts, jax 0.10/0.11 API
-differences, compiler and interpreter parameters."""
+"""Small Mosaic GPU building blocks of the Mosaic kernels (ragged_paged_attention_mgpu.py and
+paged_decode_attention_mgpu_wide.py), each with the plain path the Mosaic GPU interpreter (the CPU) runs instead
+where it differs: wgmma matmuls, register layouts, jax 0.10/0.11 API differences, compiler and interpreter
+parameters, and the memory warpgroup's K/V gather."""
 from __future__ import annotations
 
 import functools
