@@ -1,0 +1,254 @@
+"""x @ w for a few rows of x (decode batches) on a persistent Mosaic GPU kernel (Hopper) that streams the
+weight by TMA, with a plain-jnp reference.
+
+Legend: M rows of x (tokens), Mp = M rounded up to 8 (at most 64), K input features, N output features,
+BK x BN the weight tile of one pipeline step, NS splits of K, C pipeline slots.
+
+Why: at decode sizes a linear layer reads its whole weight for a few rows of work, so its time is its bytes.
+XLA's dot (cuBLAS) read llama3-8b's four bf16 layers at 50-82% of the H100's HBM bandwidth at M = 1, and a
+Triton-lowered Pallas GEMV was no faster (bench/bench_matmul.py, gemv-bf16); at a one-request step those
+layers are over 90% of the step. TMA with several tiles in flight per SM is what read K/V at 4.1-4.4 TB/s of
+the H200's 4.8 in the wide decode kernel; this kernel gives a weight the same pipeline.
+
+Work: items (column tile n, split s), each BN columns by K / NS rows of the weight, all of one length;
+persistent CTAs (one per SM) take items round-robin. One memory warpgroup streams every item's steps through
+the C slots on one step count across items (no pipeline drain between items); one compute warpgroup runs a
+wgmma per step. A step's operands:
+
+  x: rows [0, Mp) of its BK columns, by TMA into rows [0, Mp) of a [64, BK] wgmma operand. Rows Mp..63 are
+     never written: an output row depends only on its own row of x, and rows Mp..63 of the result are never
+     stored.
+  w: the [BK, BN] tile as stored (N contiguous), wgmma's B operand like attention's V.
+
+An item's f32[Mp, BN] partial sum leaves through an untiled f32 buffer by TMA into out f32[NS, Mp, N]; the
+caller's sum over splits and its rounding to x's dtype are a small XLA op that fuses into the consumer (one
+rounding of an f32 sum: what XLA's bf16 dot computes). Shared memory at BK = BN = 128, C = 3: C x (16 KiB of
+x + 32 KiB of w) + 32 KiB of output = 176 KiB, one CTA an SM.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import _mgpu_ops as ops
+from ._checks import is_hopper
+from .paged_decode_attention import device_num_sms
+from .ragged_paged_attention_mgpu import _SMEM_BYTES
+
+_ROWS = 64                      # wgmma's M: the operand tile x's Mp rows sit in
+MAX_ROWS = _ROWS                # rows of x the kernel takes
+_INTERPRET_CTAS = 3             # the interpreter's CTA count: several items a CTA
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def small_matmul_supported(x, w) -> str | None:
+    """None when small_matmul_mgpu takes x @ w, else the reason: x dtype[M <= 64, K] and w of its dtype
+    (bf16/fp16) [K, N], K and N multiples of 64, on Hopper (or the CPU's interpreter)."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        return f"x {x.shape} @ w {w.shape}: not a 2-d matmul"
+    if jnp.dtype(x.dtype) not in _DTYPES or w.dtype != x.dtype:
+        return f"the small Mosaic matmul takes bf16/fp16 x and w of one dtype; got {x.dtype}, {w.dtype}"
+    if x.shape[0] > MAX_ROWS:
+        return f"{x.shape[0]} rows: the small Mosaic matmul takes at most {MAX_ROWS}"
+    k, n = w.shape
+    if k % 64 or n % 64:
+        return f"K {k} and N {n} must be multiples of 64"
+    device = jax.devices()[0]
+    if device.platform == "gpu" and not is_hopper(device):
+        return f"the Mosaic GPU kernels need Hopper's wgmma (sm_90); this GPU is {device.device_kind}"
+    return None
+
+
+def smem_bytes(block_k: int, block_n: int, num_slots: int, itemsize: int = 2) -> int:
+    """C slots of x ([64, BK]) and w ([BK, BN]), and the f32 output tile [64, BN]."""
+    return num_slots * (_ROWS * block_k + block_k * block_n) * itemsize + _ROWS * block_n * 4
+
+
+def choose_tiling(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
+    """(block_k, block_n, num_splits): 128-wide tiles where K and N allow (else 64), and the split of K that
+    makes the busiest CTA's share of weight bytes smallest, counting the f32 partial sums' write and read.
+
+    # llama3-8b at M = 1 on 132 SMs: qkv (4096 x 6144) 48 column tiles x 32 steps -> 8 splits (384 items, 3 a
+    # CTA of 4 steps each: 12 steps against the even share's 11.6); gate_up (4096 x 28672) -> 4 splits
+    """
+    block_k = 128 if k % 128 == 0 else 64
+    block_n = 128 if n % 128 == 0 else 64
+    rows = _padded_rows(m)
+    tiles, steps = n // block_n, k // block_k
+    tile_bytes = block_k * block_n * 2
+
+    def cost(splits):
+        items = tiles * splits
+        per_cta = -(-items // min(sms, items))
+        return per_cta * (steps // splits) * tile_bytes * sms + 2 * splits * rows * n * 4
+
+    splits = min((d for d in range(1, steps + 1) if steps % d == 0), key=lambda d: (cost(d), d))
+    return block_k, block_n, splits
+
+
+def _padded_rows(m: int) -> int:
+    return max(8, -(-m // 8) * 8)
+
+
+class _Items:
+    """This CTA's items, round-robin: item i is column tile i // NS, split i % NS (all of one length)."""
+
+    def __init__(self, num_items, num_ctas, num_splits):
+        self.cta, self.num_ctas, self.num_splits = lax.axis_index("ctas"), num_ctas, num_splits
+        self.num_iters = num_items // num_ctas + (self.cta < num_items % num_ctas).astype(jnp.int32)
+
+    def item(self, k):
+        """-> (column tile, split) of this CTA's k-th item."""
+        i = k * self.num_ctas + self.cta
+        return i // self.num_splits, lax.rem(i, self.num_splits)
+
+
+def _mma(acc, a_ref, b_ref, interpret):
+    """acc + a @ b, f32[64, BN], a [64, BK] and b [BK, BN] in shared memory."""
+    if interpret:  # the interpreter has no wgmma: the same f32-accumulated product
+        return acc + lax.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+
+    def compute(acc_ref):
+        plgpu.wgmma(acc_ref, a_ref, b_ref)
+    return pl.run_state(compute)(plgpu.ACC.init(acc))
+
+
+def _compute_wg(items, o_ref, x_smem, w_smem, o_smem, bars, *, steps_per_item, interpret):
+    """Each item: wgmma over its steps' slots, then its rows [0, Mp) of the f32 sum stored by TMA."""
+    loaded, free = bars
+    plgpu.set_max_registers(232, action="increase")
+    num_slots, block_n = w_smem.shape[0], w_smem.shape[2]
+    rows = o_ref.shape[1]                                   # Mp
+
+    def run_item(k, first_step):
+        tile, split = items.item(k)
+
+        def step(j, acc):
+            slot = lax.rem(first_step + j, num_slots)
+            plgpu.barrier_wait(loaded.at[slot])
+            acc = _mma(acc, x_smem.at[slot], w_smem.at[slot], interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return acc
+
+        acc = ops.layout(jnp.zeros((_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        acc = lax.fori_loop(0, steps_per_item, step, acc)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last item's store has read o_smem
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)],
+                                o_ref.at[split, pl.ds(0, rows), pl.ds(tile * block_n, block_n)])
+        return first_step + steps_per_item
+
+    lax.fori_loop(0, items.num_iters, run_item, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _memory_wg(items, x_ref, w_ref, x_smem, w_smem, bars, *, steps_per_item):
+    """Every item's steps into the C slots, x's rows and the weight tile a slot, each slot refilled once the
+    compute warpgroup freed it."""
+    loaded, free = bars
+    plgpu.set_max_registers(40, action="decrease")
+    num_slots, block_k, block_n = w_smem.shape
+    rows = x_ref.shape[0]                                   # Mp
+
+    def run_item(k, first_step):
+        tile, split = items.item(k)
+
+        @pl.loop(0, steps_per_item)
+        def _(j):
+            step = first_step + j
+            slot = lax.rem(step, num_slots)
+            k0 = (split * steps_per_item + j) * block_k
+            pl.when(step >= num_slots)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, block_k)], x_smem.at[slot, pl.ds(0, rows)],
+                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, block_k), pl.ds(tile * block_n, block_n)], w_smem.at[slot],
+                                    loaded.at[slot])
+        return first_step + steps_per_item
+
+    total = lax.fori_loop(0, items.num_iters, run_item, jnp.int32(0))
+
+    @pl.loop(jnp.maximum(total - num_slots, 0), total)     # every waiter sees every phase (the interpreter)
+    def _(step):
+        plgpu.barrier_wait(free.at[lax.rem(step, num_slots)])
+
+
+def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, *bars, num_ctas, num_splits, steps_per_item, interpret):
+    # x_ref: dtype[Mp, K]; w_ref: dtype[K, N]; o_ref: f32[NS, Mp, N]
+    # x_smem: dtype[C, 64, BK] and w_smem: dtype[C, BK, BN], swizzled wgmma operands; o_smem: f32[64, BN] untiled
+    # bars: slot loaded (two TMA copies), slot free
+    num_items = (w_ref.shape[1] // w_smem.shape[2]) * num_splits
+    items = _Items(num_items, num_ctas, num_splits)
+    wg = lax.axis_index("wg")
+    pl.when(wg == 0)(functools.partial(_compute_wg, items, o_ref, x_smem, w_smem, o_smem, bars,
+                                       steps_per_item=steps_per_item, interpret=interpret))
+    pl.when(wg == 1)(functools.partial(_memory_wg, items, x_ref, w_ref, x_smem, w_smem, bars,
+                                       steps_per_item=steps_per_item))
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_splits", "max_concurrent_steps", "num_ctas",
+                                             "interpret", "lowering_semantics"))
+def small_matmul_mgpu(x, w, *, block_k: int | None = None, block_n: int | None = None, num_splits: int | None = None,
+                      max_concurrent_steps: int = 3, num_ctas: int | None = None, interpret=None,
+                      lowering_semantics: str | None = None):
+    """x dtype[M, K] @ w dtype[K, N] -> dtype[M, N] (small_matmul_supported: M <= 64, bf16/fp16), summed in f32
+    and rounded once.
+
+    block_k, block_n, num_splits: None takes choose_tiling's; max_concurrent_steps: pipeline slots (C >= 2);
+    num_ctas: persistent CTAs (None: one per SM on the GPU, 3 in the interpreter; the tiling is sized by it);
+    interpret: None (the CPU -> Mosaic GPU interpreter), a bool or an InterpretGPUParams; lowering_semantics:
+    None, "lane" or "warpgroup".
+    """
+    reason = small_matmul_supported(x, w)
+    if reason:
+        raise ValueError(reason)
+    m, k = x.shape
+    n = w.shape[1]
+    interpret = ops.interpret_params(interpret)
+    if num_ctas is None:
+        num_ctas = _INTERPRET_CTAS if interpret is not None else device_num_sms()
+    bk, bn, ns = choose_tiling(m, k, n, num_ctas)
+    block_k, block_n, num_splits = block_k or bk, block_n or bn, num_splits or ns
+    if (block_k not in (64, 128) or block_n not in (64, 128, 256) or k % block_k or n % block_n
+            or (k // block_k) % num_splits or max_concurrent_steps < 2):
+        raise ValueError(f"K {k} / N {n} do not divide into tiles {block_k} x {block_n} (64/128 x 64/128/256) and "
+                         f"{num_splits} splits, or max_concurrent_steps {max_concurrent_steps} < 2")
+    if smem_bytes(block_k, block_n, max_concurrent_steps) > _SMEM_BYTES:
+        raise ValueError(f"{smem_bytes(block_k, block_n, max_concurrent_steps)} bytes of shared memory needed, "
+                         f"{_SMEM_BYTES} available: lower block_k, block_n or max_concurrent_steps")
+    rows = _padded_rows(m)
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    num_items = n // block_n * num_splits
+    # 128-byte rows (64 2-byte columns) in 8-row tiles, swizzled: the layout wgmma reads.
+    mma = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch: list[Any] = [
+        plgpu.SMEM((max_concurrent_steps, _ROWS, block_k), x.dtype, transforms=mma),     # x slots
+        plgpu.SMEM((max_concurrent_steps, block_k, block_n), x.dtype, transforms=mma),   # w slots
+        plgpu.SMEM((_ROWS, block_n), jnp.float32),                              # output tile, untiled
+        plgpu.Barrier(num_arrivals=2, num_barriers=max_concurrent_steps),       # slot loaded (x and w)
+        plgpu.Barrier(num_barriers=max_concurrent_steps),                       # slot free
+    ]
+    ctas = min(num_ctas, num_items)
+    kernel = functools.partial(_kernel, num_ctas=ctas, num_splits=num_splits,
+                               steps_per_item=k // block_k // num_splits, interpret=interpret is not None)
+    out = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((num_splits, rows, n), jnp.float32), scratch_types=scratch,
+        grid=(ctas,), grid_names=("ctas",), num_threads=2, thread_name="wg",
+        compiler_params=ops.compiler_params(lowering_semantics), interpret=interpret,
+    )(xp, w)
+    return jnp.sum(out, axis=0)[:m].astype(x.dtype)
+
+
+def small_matmul_reference(x, w):
+    """x @ w summed in f32, rounded once to x's dtype."""
+    return lax.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+__all__ = ["MAX_ROWS", "choose_tiling", "small_matmul_mgpu", "small_matmul_reference", "small_matmul_supported",
+           "smem_bytes"]
