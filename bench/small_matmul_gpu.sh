@@ -29,7 +29,7 @@ OUT=${OUT:-/tmp/small_matmul_out}; mkdir -p "$OUT"
   if [ $TABLE = 1 ]; then
     echo "== 2. bench_matmul"
     timeout 200 $PY "$REPO/bench/bench_matmul.py" --out "$OUT" --git-rev "$JAXPAGED_GIT_REV" --budget-s 150 \
-      --models llama3-8b,qwen2-0.5b --rows 1,8,64 --only xla-bf16,mgpu-bf16 $TABLE_ARGS 2>&1 | grep -v "^WARNING" | tail -40
+      --rows 1,8,64 --only xla-bf16,mgpu-bf16 ${TABLE_ARGS:---models llama3-8b,qwen2-0.5b} 2>&1 | grep -v "^WARNING" | tail -40
   fi
 )
 if [ $C1 = 1 ]; then

@@ -4,26 +4,25 @@ weight by TMA, with a plain-jnp reference.
 Legend: M rows of x (tokens), Mp = M rounded up to 8 (at most 64), K input features, N output features,
 BK x BN the weight tile of one pipeline step, NS splits of K, C pipeline slots.
 
-Why: at decode sizes a linear layer reads its whole weight for a few rows of work, so its time is its bytes.
-XLA's dot (cuBLAS) read llama3-8b's four bf16 layers at 50-82% of the H100's HBM bandwidth at M = 1, and a
-Triton-lowered Pallas GEMV was no faster (bench/bench_matmul.py, gemv-bf16); at a one-request step those
-layers are over 90% of the step. TMA with several tiles in flight per SM is what read K/V at 4.1-4.4 TB/s of
-the H200's 4.8 in the wide decode kernel; this kernel gives a weight the same pipeline.
+Why: at decode sizes a linear layer reads its whole weight for a few rows of work, so its time is its bytes,
+and a one-request step of llama3-8b is over 90% such reads. XLA's dot (cuBLAS) reads llama3-8b's four bf16
+layers at 44-78% of the HBM's bandwidth at M = 1 (bench/bench_matmul.py), and a Triton-lowered Pallas GEMV
+was no faster. What keeps a Hopper SM's share of the HBM busy is bytes in flight: this kernel keeps up to C
+weight tiles of 32 KiB in flight per SM by TMA.
+
+The product is computed transposed, out^T = w^T @ x^T, so that the weight is wgmma's A operand (its M is N,
+in steps of 64) and x's Mp rows are its N (any multiple of 8): the tensor core does Mp, not 64, rows of work,
+and a slot holds a [BK, BN] weight tile (A, transposed: N fastest, as stored) beside a [Mp, BK] x tile (B,
+K fastest), so most of the shared memory goes to weight in flight.
 
 Work: items (column tile n, split s), each BN columns by K / NS rows of the weight, all of one length;
-persistent CTAs (one per SM) take items round-robin. One memory warpgroup streams every item's steps through
-the C slots on one step count across items (no pipeline drain between items); one compute warpgroup runs a
-wgmma per step. A step's operands:
-
-  x: rows [0, Mp) of its BK columns, by TMA into rows [0, Mp) of a [64, BK] wgmma operand. Rows Mp..63 are
-     never written: an output row depends only on its own row of x, and rows Mp..63 of the result are never
-     stored.
-  w: the [BK, BN] tile as stored (N contiguous), wgmma's B operand like attention's V.
-
-An item's f32[Mp, BN] partial sum leaves through an untiled f32 buffer by TMA into out f32[NS, Mp, N]; the
-caller's sum over splits and its rounding to x's dtype are a small XLA op that fuses into the consumer (one
-rounding of an f32 sum: what XLA's bf16 dot computes). Shared memory at BK = BN = 128, C = 3: C x (16 KiB of
-x + 32 KiB of w) + 32 KiB of output = 176 KiB, one CTA an SM.
+persistent CTAs (one per SM) take items round-robin. One memory warpgroup streams every item's steps
+through the C slots on one step count across items (no pipeline drain between items); one compute
+warpgroup runs a wgmma per step. An item's f32[BN, Mp] partial sum leaves through an untiled buffer by TMA
+into out f32[NS, N, Mp]; the caller's sum over splits, its transpose and its rounding to x's dtype are a
+small XLA op that fuses into the consumer (one rounding of an f32 sum, what XLA's bf16 dot computes).
+Shared memory at BK = BN = 128: C x (32 KiB of w + Mp x 256 bytes of x) + BN x Mp x 4 bytes of output; C
+as many as fit (6 at Mp = 8, 4 at Mp = 64).
 """
 from __future__ import annotations
 
@@ -41,8 +40,10 @@ from ._checks import is_hopper
 from .paged_decode_attention import device_num_sms
 from .ragged_paged_attention_mgpu import _SMEM_BYTES
 
-_ROWS = 64                      # wgmma's M: the operand tile x's Mp rows sit in
-MAX_ROWS = _ROWS                # rows of x the kernel takes
+# Rows of x the kernel takes: decode batches up to 64 requests. Past a few dozen rows a linear layer's time is
+# no longer its bytes alone, and x's slots grow with its rows.
+MAX_ROWS = 64
+MAX_SLOTS = 8
 _INTERPRET_CTAS = 3             # the interpreter's CTA count: several items a CTA
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -65,9 +66,15 @@ def small_matmul_supported(x, w) -> str | None:
     return None
 
 
-def smem_bytes(block_k: int, block_n: int, num_slots: int, itemsize: int = 2) -> int:
-    """C slots of x ([64, BK]) and w ([BK, BN]), and the f32 output tile [64, BN]."""
-    return num_slots * (_ROWS * block_k + block_k * block_n) * itemsize + _ROWS * block_n * 4
+def smem_bytes(rows: int, block_k: int, block_n: int, num_slots: int, itemsize: int = 2) -> int:
+    """C slots of x ([Mp, BK]) and w ([BK, BN]), and the f32 output tile [BN, Mp]."""
+    return num_slots * (rows * block_k + block_k * block_n) * itemsize + block_n * rows * 4
+
+
+def most_slots(rows: int, block_k: int, block_n: int) -> int:
+    """The most pipeline slots (up to MAX_SLOTS) that fit in shared memory."""
+    per_slot = smem_bytes(rows, block_k, block_n, 1) - smem_bytes(rows, block_k, block_n, 0)
+    return min(MAX_SLOTS, (_SMEM_BYTES - smem_bytes(rows, block_k, block_n, 0)) // per_slot)
 
 
 def choose_tiling(m: int, k: int, n: int, sms: int) -> tuple[int, int, int]:
@@ -109,22 +116,24 @@ class _Items:
         return i // self.num_splits, lax.rem(i, self.num_splits)
 
 
-def _mma(acc, a_ref, b_ref, interpret):
-    """acc + a @ b, f32[64, BN], a [64, BK] and b [BK, BN] in shared memory."""
+def _mma(acc, x_ref, w_ref, interpret):
+    """acc + (x @ w)^T = w^T @ x^T, f32[BN, Mp]: x [Mp, BK] and w [BK, BN] in shared memory, w^T wgmma's A
+    operand (transposed: N fastest) and x^T its B (K fastest)."""
     if interpret:  # the interpreter has no wgmma: the same f32-accumulated product
-        return acc + lax.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
+        return acc + lax.dot_general(w_ref[...], x_ref[...], (((0,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
 
     def compute(acc_ref):
-        plgpu.wgmma(acc_ref, a_ref, b_ref)
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(w_ref, (1, 0)), plgpu.transpose_ref(x_ref, (1, 0)))
     return pl.run_state(compute)(plgpu.ACC.init(acc))
 
 
 def _compute_wg(items, o_ref, x_smem, w_smem, o_smem, bars, *, steps_per_item, interpret):
-    """Each item: wgmma over its steps' slots, then its rows [0, Mp) of the f32 sum stored by TMA."""
+    """Each item: wgmma over its steps' slots, then its f32 sum out^T [BN, Mp] stored by TMA."""
     loaded, free = bars
     plgpu.set_max_registers(232, action="increase")
-    num_slots, block_n = w_smem.shape[0], w_smem.shape[2]
-    rows = o_ref.shape[1]                                   # Mp
+    block_n, rows = w_smem.shape[2], x_smem.shape[1]       # BN, Mp
+    num_slots = w_smem.shape[0]
 
     def run_item(k, first_step):
         tile, split = items.item(k)
@@ -136,13 +145,12 @@ def _compute_wg(items, o_ref, x_smem, w_smem, o_smem, bars, *, steps_per_item, i
             plgpu.barrier_arrive(free.at[slot])
             return acc
 
-        acc = ops.layout(jnp.zeros((_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA, interpret)
+        acc = ops.layout(jnp.zeros((block_n, rows), jnp.float32), plgpu.Layout.WGMMA, interpret)
         acc = lax.fori_loop(0, steps_per_item, step, acc)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)    # the last item's store has read o_smem
         o_smem[...] = acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)],
-                                o_ref.at[split, pl.ds(0, rows), pl.ds(tile * block_n, block_n)])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, pl.ds(tile * block_n, block_n)])
         return first_step + steps_per_item
 
     lax.fori_loop(0, items.num_iters, run_item, jnp.int32(0))
@@ -155,7 +163,6 @@ def _memory_wg(items, x_ref, w_ref, x_smem, w_smem, bars, *, steps_per_item):
     loaded, free = bars
     plgpu.set_max_registers(40, action="decrease")
     num_slots, block_k, block_n = w_smem.shape
-    rows = x_ref.shape[0]                                   # Mp
 
     def run_item(k, first_step):
         tile, split = items.item(k)
@@ -166,8 +173,7 @@ def _memory_wg(items, x_ref, w_ref, x_smem, w_smem, bars, *, steps_per_item):
             slot = lax.rem(step, num_slots)
             k0 = (split * steps_per_item + j) * block_k
             pl.when(step >= num_slots)(functools.partial(plgpu.barrier_wait, free.at[slot]))
-            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, block_k)], x_smem.at[slot, pl.ds(0, rows)],
-                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, block_k)], x_smem.at[slot], loaded.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, block_k), pl.ds(tile * block_n, block_n)], w_smem.at[slot],
                                     loaded.at[slot])
         return first_step + steps_per_item
@@ -180,8 +186,8 @@ def _memory_wg(items, x_ref, w_ref, x_smem, w_smem, bars, *, steps_per_item):
 
 
 def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, *bars, num_ctas, num_splits, steps_per_item, interpret):
-    # x_ref: dtype[Mp, K]; w_ref: dtype[K, N]; o_ref: f32[NS, Mp, N]
-    # x_smem: dtype[C, 64, BK] and w_smem: dtype[C, BK, BN], swizzled wgmma operands; o_smem: f32[64, BN] untiled
+    # x_ref: dtype[Mp, K]; w_ref: dtype[K, N]; o_ref: f32[NS, N, Mp] (out^T's partial sums)
+    # x_smem: dtype[C, Mp, BK] and w_smem: dtype[C, BK, BN], swizzled wgmma operands; o_smem: f32[BN, Mp] untiled
     # bars: slot loaded (two TMA copies), slot free
     num_items = (w_ref.shape[1] // w_smem.shape[2]) * num_splits
     items = _Items(num_items, num_ctas, num_splits)
@@ -195,15 +201,15 @@ def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, *bars, num_ctas, num_sp
 @functools.partial(jax.jit, static_argnames=("block_k", "block_n", "num_splits", "max_concurrent_steps", "num_ctas",
                                              "interpret", "lowering_semantics"))
 def small_matmul_mgpu(x, w, *, block_k: int | None = None, block_n: int | None = None, num_splits: int | None = None,
-                      max_concurrent_steps: int = 3, num_ctas: int | None = None, interpret=None,
+                      max_concurrent_steps: int | None = None, num_ctas: int | None = None, interpret=None,
                       lowering_semantics: str | None = None):
     """x dtype[M, K] @ w dtype[K, N] -> dtype[M, N] (small_matmul_supported: M <= 64, bf16/fp16), summed in f32
     and rounded once.
 
-    block_k, block_n, num_splits: None takes choose_tiling's; max_concurrent_steps: pipeline slots (C >= 2);
-    num_ctas: persistent CTAs (None: one per SM on the GPU, 3 in the interpreter; the tiling is sized by it);
-    interpret: None (the CPU -> Mosaic GPU interpreter), a bool or an InterpretGPUParams; lowering_semantics:
-    None, "lane" or "warpgroup".
+    block_k, block_n, num_splits: None takes choose_tiling's; max_concurrent_steps: pipeline slots (C >= 2; None:
+    most_slots'); num_ctas: persistent CTAs (None: one per SM on the GPU, 3 in the interpreter; the tiling is
+    sized by it); interpret: None (the CPU -> Mosaic GPU interpreter), a bool or an InterpretGPUParams;
+    lowering_semantics: None, "lane" or "warpgroup".
     """
     reason = small_matmul_supported(x, w)
     if reason:
@@ -215,34 +221,35 @@ def small_matmul_mgpu(x, w, *, block_k: int | None = None, block_n: int | None =
         num_ctas = _INTERPRET_CTAS if interpret is not None else device_num_sms()
     bk, bn, ns = choose_tiling(m, k, n, num_ctas)
     block_k, block_n, num_splits = block_k or bk, block_n or bn, num_splits or ns
-    if (block_k not in (64, 128) or block_n not in (64, 128, 256) or k % block_k or n % block_n
-            or (k // block_k) % num_splits or max_concurrent_steps < 2):
-        raise ValueError(f"K {k} / N {n} do not divide into tiles {block_k} x {block_n} (64/128 x 64/128/256) and "
-                         f"{num_splits} splits, or max_concurrent_steps {max_concurrent_steps} < 2")
-    if smem_bytes(block_k, block_n, max_concurrent_steps) > _SMEM_BYTES:
-        raise ValueError(f"{smem_bytes(block_k, block_n, max_concurrent_steps)} bytes of shared memory needed, "
-                         f"{_SMEM_BYTES} available: lower block_k, block_n or max_concurrent_steps")
     rows = _padded_rows(m)
+    slots = max_concurrent_steps or most_slots(rows, block_k, block_n)
+    if (block_k not in (64, 128) or block_n not in (64, 128, 256) or k % block_k or n % block_n
+            or (k // block_k) % num_splits or slots < 2):
+        raise ValueError(f"K {k} / N {n} do not divide into tiles {block_k} x {block_n} (64/128 x 64/128/256) and "
+                         f"{num_splits} splits, or max_concurrent_steps {slots} < 2")
+    if smem_bytes(rows, block_k, block_n, slots) > _SMEM_BYTES:
+        raise ValueError(f"{smem_bytes(rows, block_k, block_n, slots)} bytes of shared memory needed, "
+                         f"{_SMEM_BYTES} available: lower block_k, block_n or max_concurrent_steps")
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     num_items = n // block_n * num_splits
     # 128-byte rows (64 2-byte columns) in 8-row tiles, swizzled: the layout wgmma reads.
     mma = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch: list[Any] = [
-        plgpu.SMEM((max_concurrent_steps, _ROWS, block_k), x.dtype, transforms=mma),     # x slots
-        plgpu.SMEM((max_concurrent_steps, block_k, block_n), x.dtype, transforms=mma),   # w slots
-        plgpu.SMEM((_ROWS, block_n), jnp.float32),                              # output tile, untiled
-        plgpu.Barrier(num_arrivals=2, num_barriers=max_concurrent_steps),       # slot loaded (x and w)
-        plgpu.Barrier(num_barriers=max_concurrent_steps),                       # slot free
+        plgpu.SMEM((slots, rows, block_k), x.dtype, transforms=mma),      # x slots (wgmma's B, transposed)
+        plgpu.SMEM((slots, block_k, block_n), x.dtype, transforms=mma),   # w slots (its A, transposed)
+        plgpu.SMEM((block_n, rows), jnp.float32),                         # output tile out^T, untiled
+        plgpu.Barrier(num_arrivals=2, num_barriers=slots),                # slot loaded (x and w)
+        plgpu.Barrier(num_barriers=slots),                                # slot free
     ]
     ctas = min(num_ctas, num_items)
     kernel = functools.partial(_kernel, num_ctas=ctas, num_splits=num_splits,
                                steps_per_item=k // block_k // num_splits, interpret=interpret is not None)
     out = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((num_splits, rows, n), jnp.float32), scratch_types=scratch,
+        kernel, out_type=jax.ShapeDtypeStruct((num_splits, n, rows), jnp.float32), scratch_types=scratch,
         grid=(ctas,), grid_names=("ctas",), num_threads=2, thread_name="wg",
         compiler_params=ops.compiler_params(lowering_semantics), interpret=interpret,
     )(xp, w)
-    return jnp.sum(out, axis=0)[:m].astype(x.dtype)
+    return jnp.sum(out, axis=0).T[:m].astype(x.dtype)
 
 
 def small_matmul_reference(x, w):
@@ -250,5 +257,5 @@ def small_matmul_reference(x, w):
     return lax.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-__all__ = ["MAX_ROWS", "choose_tiling", "small_matmul_mgpu", "small_matmul_reference", "small_matmul_supported",
-           "smem_bytes"]
+__all__ = ["MAX_ROWS", "MAX_SLOTS", "choose_tiling", "most_slots", "small_matmul_mgpu", "small_matmul_reference",
+           "small_matmul_supported", "smem_bytes"]
