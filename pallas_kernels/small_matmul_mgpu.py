@@ -104,16 +104,19 @@ def _padded_rows(m: int) -> int:
 
 
 class _Items:
-    """This CTA's items, round-robin: item i is column tile i // NS, split i % NS (all of one length)."""
+    """This CTA's items, round-robin over items split-major: item i is column tile i % NT, split i // NT (all of
+    one length). So the CTAs of one round read the same rows of the weight side by side, whole rows of it
+    where the round spans every column tile, rather than a few 256-byte pieces of many rows each."""
 
-    def __init__(self, num_items, num_ctas, num_splits):
-        self.cta, self.num_ctas, self.num_splits = lax.axis_index("ctas"), num_ctas, num_splits
+    def __init__(self, num_tiles, num_ctas, num_splits):
+        self.cta, self.num_ctas, self.num_tiles = lax.axis_index("ctas"), num_ctas, num_tiles
+        num_items = num_tiles * num_splits
         self.num_iters = num_items // num_ctas + (self.cta < num_items % num_ctas).astype(jnp.int32)
 
     def item(self, k):
         """-> (column tile, split) of this CTA's k-th item."""
         i = k * self.num_ctas + self.cta
-        return i // self.num_splits, lax.rem(i, self.num_splits)
+        return lax.rem(i, self.num_tiles), i // self.num_tiles
 
 
 def _mma(acc, x_ref, w_ref, interpret):
@@ -189,8 +192,7 @@ def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, *bars, num_ctas, num_sp
     # x_ref: dtype[Mp, K]; w_ref: dtype[K, N]; o_ref: f32[NS, N, Mp] (out^T's partial sums)
     # x_smem: dtype[C, Mp, BK] and w_smem: dtype[C, BK, BN], swizzled wgmma operands; o_smem: f32[BN, Mp] untiled
     # bars: slot loaded (two TMA copies), slot free
-    num_items = (w_ref.shape[1] // w_smem.shape[2]) * num_splits
-    items = _Items(num_items, num_ctas, num_splits)
+    items = _Items(w_ref.shape[1] // w_smem.shape[2], num_ctas, num_splits)
     wg = lax.axis_index("wg")
     pl.when(wg == 0)(functools.partial(_compute_wg, items, o_ref, x_smem, w_smem, o_smem, bars,
                                        steps_per_item=steps_per_item, interpret=interpret))
