@@ -13,12 +13,11 @@ For each model's four linear layers (K, N) and each row count M:
   gguf-int8     the same kernel on 8-bit values (bits=8), groups of 16 with float32 scales and mins: GGUF's
                 other types (Q8_0, Q5_x, Q6_K) and their mixes with 4-bit ones, as quantization="gguf" repacks them
   gguf-q4k-xla  Q4_K blocks expanded in XLA then the dot (what a GGUF layer cost without the kernel)
-  gemv-bf16     the Pallas (Triton) dense GEMV below (M <= 16 only)
-  mgpu-bf16     pallas_kernels.small_matmul_mgpu, the Mosaic GPU kernel that streams the weight by TMA (M <= 64)
+  gemv-bf16     the Pallas dense GEMV below (M <= 16 only)
 --sweep adds, at M = 1, int4 and gemv-bf16 under other tilings (splits, columns per program, warps, stages);
 --load-probe, at M = 1, the int4 GEMV's weight loads alone (no arithmetic) under several tilings.
---int4-kwargs K=V[,K=V] (repeatable), at M = 1: int4 and gguf-int4 with those int4_matmul keywords; --mgpu-kwargs
-K=V[,K=V] (repeatable): mgpu-bf16 with those small_matmul_mgpu keywords; --only keeps the named variant families.
+--int4-kwargs K=V[,K=V] (repeatable), at M = 1: int4 and gguf-int4 with those int4_matmul keywords; --only keeps
+the named variant families.
 Each Pallas variant's output is checked against XLA's dot first (relative error printed). Times: median of
 device-synchronised samples (bench_kernels.time_op), each sample's ops reading weight copies that together
 exceed the 50 MB L2 (>= 1 GiB or 32 copies); TB/s counts the weight bytes only. Writes
@@ -48,7 +47,6 @@ from bench.bench_kernels import rel_err, time_op  # noqa: E402
 from pallas_kernels.int4_matmul import (choose_int4_tiling, dequantize_int4, int4_matmul, pack_bits,  # noqa: E402
                                         pack_int4)
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, INT4_GROUP, dequantize  # noqa: E402
-from pallas_kernels.small_matmul_mgpu import MAX_ROWS as SMALL_MAX_ROWS, small_matmul_mgpu  # noqa: E402
 
 LINEARS = {   # (name, K, N): qkv, o, gate_up, down
     "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
@@ -202,14 +200,6 @@ def bench_shape(args, model, name, k, n, m, results, sms):
         ns = _gemv_splits(k, n, 128, 128, sms)
         variants["gemv-bf16"] = (lambda i, xs, w: gemv_bf16(xs[i % 64], w[i % nsets_bf16], num_splits=ns),
                                  (xs, w_bf16), 2 * k * n)
-    if m <= SMALL_MAX_ROWS:
-        variants["mgpu-bf16"] = (lambda i, xs, w: small_matmul_mgpu(xs[i % 64], w[i % nsets_bf16], interpret=False),
-                                 (xs, w_bf16), 2 * k * n)
-        for spec in args.mgpu_kwargs:
-            variants[f"mgpu-bf16 {spec}"] = (
-                lambda i, xs, w, kw=parse_int4_kwargs(spec): small_matmul_mgpu(xs[i % 64], w[i % nsets_bf16],
-                                                                               interpret=False, **kw),
-                (xs, w_bf16), 2 * k * n)
     if args.sweep and m == 1:
         for ns_mult in (0.5, 2):
             for bn in (64, 256):
@@ -329,8 +319,6 @@ def main():
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--int4-kwargs", action="append", default=[], metavar="K=V[,K=V]",
                    help="at M = 1, also time int4 and gguf-int4 with these int4_matmul keywords (repeatable)")
-    p.add_argument("--mgpu-kwargs", action="append", default=[], metavar="K=V[,K=V]",
-                   help="also time mgpu-bf16 with these small_matmul_mgpu keywords (repeatable)")
     p.add_argument("--only", default="",
                    help="comma list of variant families to time (e.g. xla-bf16,int4,gguf-int4); default all")
     p.add_argument("--load-probe", action="store_true",

@@ -123,38 +123,20 @@ def matmul(x, w, dtype):
     return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ()))).astype(dtype)
 
 
-def small_matmul_runs(x, w, options: RuntimeOptions | None) -> bool:
-    """Whether x @ w runs the small Mosaic matmul (pallas_kernels/small_matmul_mgpu.py: the weight streamed by
-    TMA): decode-sized x (up to its MAX_ROWS rows) under the "mosaic" backend (Hopper) on the GPU, outside
-    while loops (XLA's CUDA graphs do not capture a Mosaic kernel there: pallas_kernels.attention's in_loop),
-    bf16/fp16 weights of x's dtype (a float32 model keeps XLA's float32 dot)."""
-    if options is None or options.attn_backend != "mosaic" or options.in_loop or x.ndim != 2:
-        return False
-    interpret = options.interpret if options.interpret is not None else jax.default_backend() == "cpu"
-    if interpret:
-        return False
-    from jaxpaged.pallas_kernels.small_matmul_mgpu import small_matmul_supported   # only "mosaic" needs Mosaic GPU
-    return small_matmul_supported(x, w) is None
-
-
 class Linear(nn.Module):
-    """nn.Dense (y = x @ kernel [in, out], then + bias, in dtype) with the kernel held in weight_dtype; decode
-    sizes under the "mosaic" backend take the small Mosaic matmul (small_matmul_runs)."""
+    """nn.Dense (y = x @ kernel [in, out], then + bias, in dtype) with the kernel held in weight_dtype. Decode
+    sizes take XLA's dot too: a Mosaic kernel that streamed the weight by TMA was no faster on Hopper, and each
+    Mosaic call breaks the step's CUDA graph (bench/results/NOTES.md, "a Mosaic matmul for decode-sized
+    layers")."""
     features: int
     use_bias: bool
     dtype: Any
     weight_dtype: Any
-    options: RuntimeOptions | None = None
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.weight_dtype)
-        x = x.astype(self.dtype)
-        if small_matmul_runs(x, kernel, self.options):
-            from jaxpaged.pallas_kernels.small_matmul_mgpu import small_matmul_mgpu
-            y = small_matmul_mgpu(x, kernel, num_ctas=self.options.num_sms, interpret=False)
-        else:
-            y = matmul(x, kernel, self.dtype)
+        y = matmul(x.astype(self.dtype), kernel, self.dtype)
         return y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype) if self.use_bias else y
 
 
@@ -296,7 +278,7 @@ def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bo
     values), Int8Linear (an "int8..." scheme) or Fp8Linear (an "fp8..." scheme)."""
     qtype = cfg.quant_of(name)
     if qtype is None:
-        return Linear(features, bias, dtype, held_dtype(cfg, dtype), options, name=name)
+        return Linear(features, bias, dtype, held_dtype(cfg, dtype), name=name)
     gguf_form = repacked_form(qtype)
     if gguf_form is not None:
         bits, group = gguf_form

@@ -249,52 +249,7 @@ def test_gemma_layers_take_the_wide_mosaic_decode_outside_loops(monkeypatch):
         def fn(p, h, kv, meta, cos, sin):
             return layer_phase(cfg, bf, options, p["params"], h, kv, jnp.int32(0), meta, cos, sin, kind)
         return lowered_calls(fn, params, h, pool, meta, cos, sin, names=MOSAIC_AND_TRITON)
-    linear_layers = 4                 # qkv, o, gate_up, down: 64 rows take the small Mosaic matmul outside loops
     for kind, window in ((0, None), (1, 4096)):
         mosaic_calls, triton_calls = calls(kind, in_loop=False)
-        assert mosaic_calls == 1 + linear_layers
-        assert taken[-1]["sliding_window"] == window and taken[-1]["soft_cap"] == 50.0
+        assert mosaic_calls == 1 and taken[-1]["sliding_window"] == window and taken[-1]["soft_cap"] == 50.0
         assert calls(kind, in_loop=True) == (0, triton_calls + 1)
-
-
-def test_decode_linear_layers_take_the_small_mosaic_matmul_outside_loops(monkeypatch):
-    """A Llama decoder layer lowered for CUDA: under backend "mosaic", outside while loops, a decode of up to 64
-    rows runs its four bf16 linear layers on the small Mosaic matmul (with the program's SM count); more rows,
-    a loop, the "pallas" backend or float32 weights keep XLA's dot."""
-    from jaxpaged.models.config import decoder_config_from_hf
-    from jaxpaged.models.decoder import AttentionMetadata, DecoderLayer, RuntimeOptions, layer_phase
-    from jaxpaged.pallas_kernels import small_matmul_mgpu as small
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    taken = []
-    real = small.small_matmul_mgpu
-    monkeypatch.setattr(small, "small_matmul_mgpu", lambda *a, **k: taken.append((a[0].shape, a[1].shape, k))
-                        or real(*a, **k))
-    cfg = decoder_config_from_hf({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 256,
-        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096})
-    s = jax.ShapeDtypeStruct
-
-    def calls(r, dtype=jnp.bfloat16, backend="mosaic", in_loop=False):
-        meta = AttentionMetadata(s((r,), jnp.int32), s((r,), jnp.int32), s((r, 8), jnp.int32), s((r,), jnp.int32),
-                                 s((r + 1,), jnp.int32))
-        options = RuntimeOptions(backend, True, in_loop=in_loop, interpret=False, num_sms=132)
-        h, pool, cs = s((r, 256), dtype), s((2, 2, 64, 2, 16, 64), dtype), s((1, r, 32), jnp.float32)
-        params = jax.eval_shape(lambda: DecoderLayer(cfg, dtype, options, 0).init(
-            jax.random.PRNGKey(0), (jnp.zeros(h.shape, dtype), jnp.zeros(pool.shape, dtype), jnp.int32(0)),
-            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), meta), jnp.zeros(cs.shape), jnp.zeros(cs.shape)))
-
-        def fn(p, h, kv, meta, cos, sin):
-            return layer_phase(cfg, dtype, options, p["params"], h, kv, jnp.int32(0), meta, cos, sin, 0)
-        taken.clear()                                                   # (init traced the layer too)
-        mosaic, _ = lowered_calls(fn, params, h, pool, meta, cs, cs, names=MOSAIC_AND_TRITON)
-        return mosaic, [(x, w) for x, w, _ in taken], {k["num_ctas"] for _, _, k in taken}
-    for r in (1, 16, 64):
-        mosaic, shapes, ctas = calls(r)
-        assert mosaic == 4 + (2 * r >= pk.MOSAIC_DECODE_MIN_PAIRS) and ctas == {132}   # (+ attention's own)
-        assert shapes == [((r, 256), (256, 512)), ((r, 256), (256, 256)), ((r, 256), (256, 1024)),
-                          ((r, 512), (512, 256))]                       # qkv, o, gate_up, down
-    assert calls(128)[0] == 1                                            # attention's own call alone
-    assert calls(16, in_loop=True)[0] == 0
-    assert calls(16, backend="pallas")[0] == 0
-    assert calls(16, dtype=jnp.float32)[0] == 0

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from kernel_cases import (INTERPRET, POOL_TOO_SMALL, REAL_DECODE, REAL_LAYOUTS, REAL_RAGGED, Case, DecodeBatch, Layout,
-                          RaggedBatch, case_id, chunked_reference, decode_inputs, gpu_only, max_rel_err, normal,
-                          ragged_inputs, reference, seeded_rng)
+                          RaggedBatch, case_id, chunked_reference, decode_inputs, gpu_only, max_rel_err,
+                          ragged_inputs, reference)
 from jaxpaged.pallas_kernels._checks import FP8_CACHE_DTYPE, to_cache
 from jaxpaged.pallas_kernels._mgpu_schedule import tile_schedule
 from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attention_reference
@@ -33,8 +33,6 @@ try:
     from jaxpaged.pallas_kernels.paged_decode_attention_mgpu_wide import (mgpu_wide_decode_supported,
                                                                           paged_decode_attention_mgpu_wide)
     from jaxpaged.pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
-    from jaxpaged.pallas_kernels.small_matmul_mgpu import (choose_tiling, small_matmul_mgpu, small_matmul_reference,
-                                                            small_matmul_supported)
     _NO_MGPU = None
 except ImportError as e:  # pragma: no cover - a jax without Pallas's Mosaic GPU module
     _NO_MGPU = f"no Mosaic GPU Pallas here: {e}"
@@ -371,68 +369,6 @@ class TestPagedDecodeMosaicWide:
         lowered = jax.jit(lambda *a: paged_decode_attention_mgpu_wide(
             *a, scale=0.0625, soft_cap=50.0, sliding_window=4096, interpret=False, lowering_semantics=semantics)
         ).trace(*args).lower(lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
-
-
-# (M, K, N, dtype, keywords): rows of x below and at the 8-row grid and the kernel's 64, one and several splits,
-# 64- and 128-wide tiles, 2 and 3 slots; in the interpreter 3 CTAs, so every CTA runs several items and the slots
-# turn over across items. The GPU adds llama3-8b's four layers at M = 1 and 64 (the kernel's own tiling).
-SMALL_MATMUL_CASES = [
-    (1, 256, 256, "bfloat16", {}),
-    (5, 512, 384, "bfloat16", dict(num_splits=2)),
-    (16, 128, 192, "float16", dict(block_k=64, block_n=64, num_splits=2, max_concurrent_steps=2)),
-    (64, 384, 128, "bfloat16", dict(block_k=64, num_splits=3)),
-    (8, 256, 512, "bfloat16", dict(block_n=256, max_concurrent_steps=2)),
-] + gpu_only([(m, k, n, "bfloat16", {}) for m in (1, 64)
-              for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))])
-
-
-class TestSmallMatmulMosaic:
-    @runs_kernel
-    @pytest.mark.parametrize("case", SMALL_MATMUL_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{c[4]}")
-    def test_matches_reference(self, case):
-        """small_matmul_mgpu: x's rows TMA'd into a 64-row wgmma operand, the weight streamed through the slots,
-        f32 partial sums over splits; with the race detector on in the interpreter."""
-        m, k, n, dtype, kw = case
-        rng = seeded_rng(f"TestSmallMatmulMosaic/{m}x{k}x{n}")
-        x, w = normal(rng, (m, k), dtype), normal(rng, (k, n), dtype) * 0.05
-        out = small_matmul_mgpu(x, w, **kw, interpret=interpret_arg(detect_races=True))
-        assert out.shape == (m, n) and out.dtype == x.dtype
-        ref = small_matmul_reference(x, w).astype(jnp.float32)
-        assert max_rel_err(out.astype(jnp.float32), ref) <= TOL[dtype]
-        assert not races_found()
-
-    def test_tiling_spreads_the_weight_over_the_sms(self):
-        """The split of K that gives the busiest of 132 CTAs the least weight (llama3-8b's layers at M = 1)."""
-        assert choose_tiling(1, 4096, 6144, 132) == (128, 128, 8)        # 384 items of 4 steps, 3 a CTA
-        assert choose_tiling(1, 4096, 28672, 132) == (128, 128, 4)
-        assert choose_tiling(1, 896, 1152, 132)[:2] == (128, 128)
-        assert choose_tiling(1, 4864, 896, 132)[:2] == (128, 128)        # qwen2-0.5b's down: K 38 steps
-        assert choose_tiling(1, 320, 192, 132)[:2] == (64, 64)
-
-    @on_hopper
-    def test_declines_what_it_does_not_take(self):
-        bf = jnp.bfloat16
-        assert small_matmul_supported(jnp.zeros((64, 256), bf), jnp.zeros((256, 128), bf)) is None
-        assert "rows" in small_matmul_supported(jnp.zeros((65, 256), bf), jnp.zeros((256, 128), bf))
-        assert "dtype" in small_matmul_supported(jnp.zeros((1, 256)), jnp.zeros((256, 128)))
-        assert "dtype" in small_matmul_supported(jnp.zeros((1, 256), bf), jnp.zeros((256, 128)))
-        assert "multiples of 64" in small_matmul_supported(jnp.zeros((1, 96), bf), jnp.zeros((96, 128), bf))
-        x, w = jnp.zeros((1, 256), bf), jnp.zeros((256, 128), bf)
-        for kw in (dict(max_concurrent_steps=1), dict(num_splits=3), dict(block_k=32), dict(block_n=512)):
-            with pytest.raises(ValueError):
-                small_matmul_mgpu(x, w, **kw)
-
-    @on_hopper
-    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
-    @pytest.mark.parametrize("shape", [(1, 4096, 6144), (64, 14336, 4096), (8, 896, 1152)], ids=str)
-    def test_lowers_for_cuda(self, semantics, shape):
-        """llama3-8b's qkv and down and qwen2-0.5b's qkv lower to a Mosaic GPU module for CUDA: the TMA copies of
-        x's rows into the swizzled operand and of the weight tiles, the f32 rows out of the untiled tile."""
-        m, k, n = shape
-        sds = jax.ShapeDtypeStruct
-        fn = jax.jit(lambda x, w: small_matmul_mgpu(x, w, num_ctas=132, interpret=False, lowering_semantics=semantics))
-        lowered = fn.trace(sds((m, k), jnp.bfloat16), sds((k, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
