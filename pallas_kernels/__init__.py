@@ -133,7 +133,7 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
                                                        interpret=False, **(MOSAIC_FP8_DECODE_CONFIG if fp8 else {}))
                 # what the packed kernel declines: head size 256, soft caps, windows (Gemma 2 and 3, Mistral)
                 from . import paged_decode_attention_mgpu_wide as wide
-                if alibi_slopes is None and wide.mgpu_wide_decode_supported(q, kv_cache) is None:
+                if wide.mgpu_wide_decode_supported(q, kv_cache, alibi=alibi_slopes is not None) is None:
                     return wide.paged_decode_attention_mgpu_wide(q, kv_cache, layer_idx, block_tables, seq_lens,
                                                                  scale=scale, sliding_window=sliding_window,
                                                                  soft_cap=soft_cap, num_ctas=num_sms,

@@ -47,8 +47,11 @@ _ROWS = 64                       # wgmma's M: the tile a pair's Gp rows sit in
 _INTERPRET_CTAS = 3              # the interpreter's CTA count: several items a CTA
 
 
-def mgpu_wide_decode_supported(q, kv_cache) -> str | None:
-    """None when paged_decode_attention_mgpu_wide takes this call (any soft cap or window), else the reason."""
+def mgpu_wide_decode_supported(q, kv_cache, *, alibi: bool = False) -> str | None:
+    """None when paged_decode_attention_mgpu_wide takes this call (any soft cap or window; no ALiBi), else the
+    reason."""
+    if alibi:
+        return "the wide Mosaic decode kernel has no ALiBi bias"
     if q.dtype not in (jnp.bfloat16, jnp.float16) or kv_cache.dtype != q.dtype:
         return (f"the wide Mosaic decode kernel needs a bf16/fp16 q and a cache of its dtype; "
                 f"got {q.dtype}, {kv_cache.dtype}")
