@@ -12,8 +12,11 @@ echo "families: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version
 for m in $MODELS; do
   echo "== $m"
   t0=$(date +%s)
+  # One line a preemption would push the pool's size and the throughput out of the tail: counted instead.
   $PY "$REPO/bench/throughput.py" --no-tqdm --dataset sharegpt --model "$m" --max-model-len 4096 \
-      --result-name "families-$m" 2>&1 | grep -E "Throughput|Run config|KV cache:|startup|Error|error|WARNING" | tail -9
+      --result-name "families-$m" > "/tmp/families-$m.log" 2>&1
+  grep -E "Throughput|Run config|KV cache:|startup|Error|error|WARNING" "/tmp/families-$m.log" | grep -v "preempted by" | tail -9
+  echo "   preemptions logged: $(grep -c "preempted by" "/tmp/families-$m.log")"
   echo "   ($(( $(date +%s) - t0 )) s)"
 done
 $PY "$REPO/bench/families.py" --models "$(echo $MODELS | tr ' ' ',')" --results "$REPO/bench/results" 2>&1 | tail -15 || true

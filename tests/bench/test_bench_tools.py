@@ -118,6 +118,28 @@ def test_bandwidth_floor_llama3_8b():
     assert bandwidth_floor_s(QWEN2_0_5B_CONFIG, 1, 0)["params"] == pytest.approx(0.494e9, rel=0.01)
 
 
+def test_families_roofline_counts_prefill_flops_weights_a_step_and_kv_up_to_each_window():
+    from bench.families import ModelCosts, roofline_seconds
+    # two layer kinds: 10 bytes a token of context on global layers, 4 on ones with a window of 5 tokens
+    costs = ModelCosts(step_weight_bytes=100, layer_flops_per_token=7, attn_flops_per_pair=3,
+                       kv_bytes=((10, None), (4, 5)))
+    prompts, outputs = np.array([3, 1]), np.array([4, 1])
+    # FLOPs: 7 x 4 prompt tokens + 3 x (6 + 1) causal pairs = 49, at 1 FLOP/s. Bytes: 2 steps of 100; the
+    # decode contexts [4, 5, 6] (the second request's one token is its prefill's), 10 x 15 + 4 x (4 + 5 + 5)
+    # = 206; at 2 bytes/s.
+    assert roofline_seconds(costs, prompts, outputs, num_steps=2, peaks=(1.0, 2.0)) == 49 + (200 + 206) / 2
+
+
+def test_families_model_costs_from_the_configs_shapes():
+    from bench.families import model_costs
+    llama = model_costs("llama3-8b")
+    assert llama.kv_bytes == ((32 * 2 * 8 * 128 * 2, None),)             # 128 KiB a token, no window
+    assert llama.layer_flops_per_token == 2 * (8_030_261_248 - 2 * 128256 * 4096 - 4096)   # no embedding, head, norm
+    assert llama.attn_flops_per_pair == 4 * 32 * 128 * 32
+    gemma = model_costs("gemma-2-9b")                                     # 21 sliding layers (window 4096), 21 global
+    assert gemma.kv_bytes == ((21 * 2 * 8 * 256 * 2, 4096), (21 * 2 * 8 * 256 * 2, None))
+
+
 def test_static_batches_packing():
     r = lambda i, o: SampleRequest(None, [0] * i, o)  # noqa: E731
     reqs = [r(900, 900), r(200, 1200), r(10, 10), r(10, 10), r(10, 10)]
