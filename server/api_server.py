@@ -34,7 +34,8 @@ from jaxpaged.server import openapi
 from jaxpaged.server.middleware import APIKeyCheck, BodySizeLimit, is_public
 from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse)
+                                      FieldError, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                      VersionResponse)
 from jaxpaged.server.serving import HTTP_ERROR_TYPES, APIError, ServerState, error_for, logger
 from jaxpaged.server.serving_chat import apply_chat_template, create_chat_completion
 from jaxpaged.server.serving_completion import create_completion
@@ -60,6 +61,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         if e.get("type") == "json_invalid":
             return f"Invalid JSON in the request body: {e.get('msg')}", None
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):          # a check across fields: its own words, the field it names
+            param = param or cause.param
+            parts.append(str(cause))
+            continue
         if param is None and loc:
             param = loc[0]
         parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
@@ -186,7 +192,9 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
         def run() -> list[int]:
             if request.messages is not None:
-                text = apply_chat_template(state, request.messages, request.add_generation_prompt)
+                text = apply_chat_template(state, request.messages,
+                                           request.add_generation_prompt and not request.continue_final_message,
+                                           continue_final_message=request.continue_final_message)
                 return tok.encode(text, add_special_tokens=False)
             if request.prompt is not None:
                 return tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)

@@ -1,6 +1,7 @@
 """Request and response bodies of the OpenAI API (and vLLM's extras), as pydantic v2 models."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -8,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxpaged.server")
 
 
 
@@ -17,10 +20,34 @@ def random_id(prefix: str) -> str:
 
 MAX_N = 128               # samples per prompt, as OpenAI's limit (each is a request in the engine)
 # Fields of OpenAI's and vLLM's APIs that jaxpaged does not implement yet: refused with a 400 naming them,
-# never ignored (a client relying on one must know). response_format {"type": "text"} is the default.
-NOT_IMPLEMENTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-                   "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                   "logits_processors", "prompt_embeds", "lora_request", "suffix")
+# never ignored (a client relying on one must know). Each maps to the values that ask for nothing (the
+# field's default, which clients often send): those pass, as does null.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    # tool calling and structured outputs
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "structured_outputs": (), "structural_tag": (),
+    # sampling and decoding that the engine has no path for behind the API
+    "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (), "bad_words": ([],),
+    "logits_processors": (), "vllm_xargs": (),
+    # inputs and outputs beyond text
+    "prompt_embeds": (), "suffix": ("",), "modalities": (["text"],), "audio": (), "prediction": (),
+    "mm_processor_kwargs": (), "documents": (), "web_search_options": (), "reasoning_effort": (),
+    # adapters, cache control, disaggregation
+    "lora_request": (), "cache_salt": (), "kv_transfer_params": (),
+}
+# OpenAI's fields about storing, billing and tagging a request, which change nothing about its tokens:
+# accepted as they are, without the log's warning for fields of neither API.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
+
+
+class FieldError(ValueError):
+    """A request's value refused by a check across fields; `param` names the field (the error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class OpenAIModel(BaseModel):
@@ -61,11 +88,15 @@ class SamplingFields(OpenAIModel):
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in NOT_IMPLEMENTED:
+            for name, inert in NOT_IMPLEMENTED.items():
                 value = data.get(name)
-                if value is None or (name == "response_format" and value == {"type": "text"}):
-                    continue
-                raise ValueError(f"`{name}` is not supported by this server yet.")
+                if value is not None and not any(value == v and type(value) is type(v) for v in inert):
+                    raise FieldError(f"`{name}` is not supported by this server yet.", name)
+            # Fields of neither API (a typo, another server's extension) change nothing: as vLLM, they are
+            # ignored with a warning in the log rather than refused.
+            unknown = sorted(set(data) - set(cls.model_fields) - set(NOT_IMPLEMENTED) - IGNORED_FIELDS)
+            if unknown:
+                logger.warning("The following fields were present in the request but ignored: %s", unknown)
         return data
 
     # The ranges are OpenAI's and vLLM's (SamplingParams checks the same for LLM); declared here, they reach
@@ -93,6 +124,38 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    prompt_logprobs: int | None = Field(None, ge=0)      # vLLM's: the prompt tokens' logprobs, top k of each
+    spaces_between_special_tokens: bool = True
+    # keep only the prompt's last k tokens (-1: max_model_len of them), as vLLM
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    return_tokens_as_token_ids: bool = False              # logprobs name tokens "token_id:<id>"
+    request_id: str | None = Field(None, min_length=1, max_length=256)    # names the response: <prefix>-<request_id>
+
+    @model_validator(mode="after")
+    def _check_extras(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if self.truncate_prompt_tokens == 0:
+            raise FieldError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1.",
+                             "truncate_prompt_tokens")
+        return self
+
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it: its last k tokens."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        if k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                             f"({max_model_len}). Please, select a smaller truncation size.")
+        k = max_model_len if k == -1 else k
+        return token_ids[-k:]
+
+    def ids(self, prefix: str) -> tuple[str, str]:
+        """(the engine's id, the response's id). The engine's is always drawn here: a client's request_id
+        need not be unique, and two running requests of one id would collide in the engine."""
+        engine_id = random_id(prefix)
+        return engine_id, engine_id if self.request_id is None else f"{prefix}-{self.request_id}"
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (-> 400) for values out of range, with SamplingParams' messages. (logprobs past
@@ -109,8 +172,9 @@ class SamplingFields(OpenAIModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=bias or None,
+            include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=bias or None,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
@@ -135,6 +199,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True        # vLLM's: the tokenizer's BOS (and the like) on text prompts
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -149,12 +214,25 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's prompt_logprobs."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, {token id (as a JSON key): PromptLogprob} holding the
+# prompt's own token and the top k; null for the first token, which nothing precedes.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -202,8 +280,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False   # the prompt ends inside the last message: the model continues it
+    echo: bool = False                     # the last message's content starts the reply, if it is the assistant's
+    add_special_tokens: bool = False       # the template holds the special tokens already
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_generation_prompt(cls, data: Any) -> Any:
+        # as vLLM: both named true is a contradiction; continue_final_message alone implies no generation prompt
+        if isinstance(data, dict) and data.get("continue_final_message") and data.get("add_generation_prompt"):
+            raise FieldError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                             "continue_final_message")
+        return data
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -245,6 +335,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -293,8 +384,9 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True        # on `prompt` (a chat's template holds its special tokens)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs
 from jaxpaged.engine.detokenizer import bytes_to_unicode
 
 logger = logging.getLogger("jaxpaged.server")
@@ -224,6 +224,32 @@ def top_entries(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     ranked = sorted(((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k),
                     key=lambda item: item[1].rank)
     return ranked[:k]
+
+
+def token_name(tokenizer, token_id: int, lp: Logprob | None, as_ids: bool = False) -> str:
+    """A token as logprobs name it: its text (the detokenizer's piece, else decoded here), or vLLM's
+    "token_id:<id>" under return_tokens_as_token_ids (for tokens whose text is no valid string alone)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def format_prompt_logprobs(tokenizer, token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None,
+                           k: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs from the engine's: each prompt token's own entry and its top k by rank (the
+    engine may hold more, when echo asked for more), -inf clamped; null for the first token."""
+    out: PromptLogprobs = []
+    for tid, entry in zip(token_ids, prompt_logprobs or [None] * len(token_ids)):
+        if entry is None:
+            out.append(None)
+            continue
+        keep = {tid: entry[tid], **dict(top_entries(entry, k))}
+        out.append({str(t): PromptLogprob(logprob=clamp(lp.logprob), rank=lp.rank,
+                                          decoded_token=token_name(tokenizer, t, lp))
+                    for t, lp in keep.items()})
+    return out
 
 
 _BYTE_DECODER = bytes_to_unicode()   # printable stand-in character -> byte

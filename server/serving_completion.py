@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxpaged.outputs import CompletionOutput, Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                      UsageInfo, random_id)
-from jaxpaged.server.serving import (APIError, ServerState, clamp, merge_outputs, sse, sse_with_errors,
-                                     top_entries, with_cancellation)
+                                      UsageInfo)
+from jaxpaged.server.serving import (APIError, ServerState, clamp, format_prompt_logprobs, merge_outputs, sse,
+                                     sse_with_errors, token_name, top_entries, with_cancellation)
 
 
 def _prompts(request: CompletionRequest) -> list[str | list[int]]:
@@ -31,28 +31,33 @@ class _Prepared:
     """One prompt, tokenized and checked, with its sampling params."""
 
     def __init__(self, state: ServerState, request: CompletionRequest, prompt: str | list[int]):
-        text, self.token_ids = state.llm.input_processor.tokenize_prompt(prompt)
+        text, token_ids = state.llm.input_processor.tokenize_prompt(prompt, request.add_special_tokens)
+        self.token_ids = request.truncate(token_ids, state.llm.max_model_len)
+        if len(self.token_ids) < len(token_ids):
+            text = None                        # what runs (and what echo shows) is the kept tail
         self.params: SamplingParams = request.to_sampling_params(
             state.default_max_tokens(request.max_tokens, len(self.token_ids)))
         state.check_prompt(self.token_ids, self.params, request.priority)
         # token prompts' text is read only to echo it (as vLLM, the output's prompt is None otherwise), and
         # only once their ids are known to be in the vocabulary
         self.text = text if text is not None or not request.echo else state.tokenizer.decode(self.token_ids)
-        if request.echo and request.logprobs is not None:
-            self.params.prompt_logprobs = request.logprobs     # echo scores the prompt tokens too
+        if request.echo and request.logprobs is not None:     # echo scores the prompt tokens too
+            self.params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
 
 
 def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], k: int,
-                    offset: int) -> CompletionLogProbs:
+                    offset: int, as_ids: bool = False) -> CompletionLogProbs:
     """OpenAI completions logprobs; `offset` is where these tokens' text starts in the choice's text. A None
-    entry (the prompt's first token under echo) gets null logprobs, as OpenAI's legacy API."""
+    entry (the prompt's first token under echo) gets null logprobs, as OpenAI's legacy API. as_ids:
+    return_tokens_as_token_ids (text offsets still count the tokens' text)."""
     out = CompletionLogProbs()
     for tid, entry in zip(token_ids, logprobs):
         lp = entry[tid] if entry is not None else None
-        token = lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([tid])
+        text = token_name(tokenizer, tid, lp)
+        token = token_name(tokenizer, tid, lp, as_ids)
         out.tokens.append(token)
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(text)
         if lp is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -60,7 +65,7 @@ def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Lo
         out.token_logprobs.append(clamp(lp.logprob))
         top = {token: clamp(lp.logprob)}
         for top_id, top_lp in top_entries(entry, k):
-            top.setdefault(top_lp.decoded_token or tokenizer.decode([top_id]), clamp(top_lp.logprob))
+            top.setdefault(token_name(tokenizer, top_id, top_lp, as_ids), clamp(top_lp.logprob))
         out.top_logprobs.append(top)
     return out
 
@@ -81,10 +86,10 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
                                             lambda: [_Prepared(state, request, p) for p in prompts])
     except ValueError as e:
         raise APIError(str(e)) from None
-    request_id = random_id("cmpl")
+    engine_id, request_id = request.ids("cmpl")
     gens = []
     for i, prep in enumerate(prepared):
-        rid = request_id if len(prepared) == 1 else f"{request_id}-{i}"
+        rid = engine_id if len(prepared) == 1 else f"{engine_id}-{i}"
         state.log_request(rid, len(prep.token_ids), prep.params)
         gens.append(state.llm.generate({"prompt": prep.text, "prompt_token_ids": prep.token_ids}, prep.params,
                                        rid, priority=request.priority))
@@ -101,21 +106,26 @@ async def _full(state: ServerState, request: CompletionRequest, request_id: str,
     async for i, out in merge_outputs(gens):
         if out.finished:
             finals[i] = out
-    n = request.n
+    n, as_ids = request.n, request.return_tokens_as_token_ids
     choices = []
     for i, prep in enumerate(prepared):
+        prompt_lps = None
+        if request.prompt_logprobs is not None:
+            prompt_lps = format_prompt_logprobs(state.tokenizer, prep.token_ids, finals[i].prompt_logprobs,
+                                                request.prompt_logprobs)
         for comp in sorted(finals[i].outputs, key=lambda c: c.index):
             prefix = prep.text if request.echo else ""
             logprobs = None
             if request.logprobs is not None:
                 logprobs = format_logprobs(state.tokenizer, comp.token_ids, comp.logprobs or [],
-                                           request.logprobs, len(prefix))
+                                           request.logprobs, len(prefix), as_ids)
                 if request.echo:
-                    prompt_lps = finals[i].prompt_logprobs or [None] * len(prep.token_ids)
-                    logprobs = _with_prompt(format_logprobs(state.tokenizer, prep.token_ids, prompt_lps,
-                                                            request.logprobs, 0), logprobs)
+                    echoed = finals[i].prompt_logprobs or [None] * len(prep.token_ids)
+                    logprobs = _with_prompt(format_logprobs(state.tokenizer, prep.token_ids, echoed,
+                                                            request.logprobs, 0, as_ids), logprobs)
             choices.append(CompletionChoice(index=i * n + comp.index, text=prefix + comp.text, logprobs=logprobs,
-                                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+                                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                                            prompt_logprobs=prompt_lps))
     num_prompt = sum(len(p.token_ids) for p in prepared)
     num_gen = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices,
@@ -165,7 +175,8 @@ def _stream_choice(state: ServerState, request: CompletionRequest, index: int, c
     logprobs = None
     if request.logprobs is not None:
         logprobs = format_logprobs(state.tokenizer, comp.token_ids, comp.logprobs or [], request.logprobs,
-                                   text_len[index] + len(text) - len(comp.text)).model_dump()
+                                   text_len[index] + len(text) - len(comp.text),
+                                   request.return_tokens_as_token_ids).model_dump()
     text_len[index] += len(text)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": comp.finish_reason,
             "stop_reason": comp.stop_reason}

@@ -26,13 +26,14 @@ class InputProcessor:
         # per-sample seeds of requests that give none (a sequence of its own in each API process)
         self._rng = np.random.default_rng(seed if client_index == 0 else [seed, client_index])
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; add_special_tokens: the tokenizer's own (a BOS) on text prompts."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)):
             ids = _token_ids(prompt)
             if ids is not None:

@@ -244,6 +244,84 @@ def test_chat_n_logprobs_seed(client):
     assert texts == [c.message.content for c in a.choices]
 
 
+# ---- vLLM's extra fields --------------------------------------------------------------------------
+def test_vllm_extras_do_what_vllms_do(client, http, llm):
+    """Each of vLLM's extra fields the engine can serve does what vLLM's does (checked against LLM); the ones
+    it cannot are refused by name (the rest of that list: test_server_unit)."""
+    from jaxpaged import SamplingParams
+    tok = llm.get_tokenizer()
+    # prompt_logprobs: the prompt's own token and its top k at each position, the LLM's values
+    ref = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0,
+                                          "prompt_logprobs": 2}).json()
+    plps = r["choices"][0]["prompt_logprobs"]
+    assert len(plps) == len(ref.prompt_token_ids) and plps[0] is None
+    for p in range(1, len(plps)):
+        tid, want = ref.prompt_token_ids[p], ref.prompt_logprobs[p]
+        top = {t for t, lp in want.items() if lp.rank <= 2}
+        assert set(plps[p]) == {str(t) for t in top | {tid}}
+        for t in top | {tid}:
+            got = plps[p][str(t)]
+            assert got["rank"] == want[t].rank and got["decoded_token"] == tok.decode([t])
+            assert got["logprob"] == pytest.approx(want[t].logprob, abs=1e-4)
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}
+    r = http.post("/v1/chat/completions", json=chat).json()
+    assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"] and r["prompt_logprobs"][0] is None
+    err = _assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "prompt_logprobs": 1,
+                                                           "stream": True}), 400)
+    assert err["param"] == "prompt_logprobs" and "stream=True" in err["message"]
+    # continue_final_message: the reply goes on from inside the last message, as LLM does from that prompt;
+    # echo puts the message's text before it
+    start = [CHAT[1], {"role": "assistant", "content": "The capital of France is"}]
+    text = tok.apply_chat_template(start, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    want = greedy(llm, [{"prompt_token_ids": tok.encode(text, add_special_tokens=False)}], 6)[0]
+    for echo, prefix in ((False, ""), (True, start[1]["content"])):
+        r = client.chat.completions.create(model=MODEL, messages=start, max_tokens=6, temperature=0,
+                                           extra_body={"continue_final_message": True, "echo": echo})
+        assert r.choices[0].message.content == prefix + want and r.choices[0].message.role == "assistant"
+        chunks = list(client.chat.completions.create(model=MODEL, messages=start, max_tokens=6, temperature=0,
+                                                     stream=True, extra_body={"continue_final_message": True,
+                                                                              "echo": echo}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == prefix + want
+    err = _assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": start,
+                                                                "continue_final_message": True,
+                                                                "add_generation_prompt": True}), 400)
+    assert err["param"] == "continue_final_message"
+    # truncate_prompt_tokens: only the prompt's last k tokens run
+    ids = tok.encode(PROMPTS[2])
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text == greedy(llm, [ids[-3:]], 4)[0]
+    # return_tokens_as_token_ids: logprobs name their tokens by id
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=1,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.token_ids]
+    # request_id names the response; add_special_tokens and spaces_between_special_tokens are taken
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                "request_id": "abc-1", "spaces_between_special_tokens": False})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-abc-1"
+    import concurrent.futures               # one request_id twice at once: two requests, as vLLM (not one)
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "request_id": "dup"}
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        both = list(ex.map(lambda _: http.post("/v1/chat/completions", json=body).json(), range(2)))
+    assert [b["id"] for b in both] == ["chatcmpl-dup"] * 2 and [b["usage"]["completion_tokens"] for b in both] == [8, 8]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1,
+                                           "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode(PROMPTS[0],
+                                                                                            add_special_tokens=False))
+    # fields the server cannot serve: refused by name, unless the value asks for nothing
+    for field, value, code in (("use_beam_search", True, 400), ("use_beam_search", False, 200),
+                               ("allowed_token_ids", [1, 2], 400), ("cache_salt", "s", 400), ("tools", [], 200)):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1, field: value})
+        assert r.status_code == code, (field, value, r.text)
+        if code == 400:
+            assert r.json()["error"]["param"] == field
+
+
 # ---- concurrency ---------------------------------------------------------------------------------
 def test_64_concurrent_streams(server, llm):
     from jaxpaged import SamplingParams

@@ -116,7 +116,8 @@ class _StubLLM:
         self.model_path, self.max_model_len, self.vocab_size = "/stub", 64, 100
         self.core_stats, self.request_stats = CoreStats(num_free_blocks=9), RequestStats()
         self.input_processor = _Namespace(
-            tokenize_prompt=lambda p: (p, _Tok().encode(p)) if isinstance(p, str) else (None, p),
+            tokenize_prompt=lambda p, add_special_tokens=True: ((p, _Tok().encode(p)) if isinstance(p, str)
+                                                                else (None, p)),
             validate_prompt=lambda ids, params: None, max_new_tokens=lambda n: self.max_model_len - n)
         self.healthy, self.errored, self.dead_error = True, False, None
         self.aborted = []
@@ -298,7 +299,8 @@ def test_tokenizing_never_blocks_the_event_loop(path, body):
 
     llm = _StubLLM()
     llm.tokenizer = _SlowTok()
-    llm.input_processor.tokenize_prompt = lambda p: (p, llm.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
+    llm.input_processor.tokenize_prompt = lambda p, add_special_tokens=True: (
+        (p, llm.tokenizer.encode(p, add_special_tokens)) if isinstance(p, str) else (None, p))
     pool = concurrent.futures.ThreadPoolExecutor(2)
 
     async def run_blocking(fn, *args):
@@ -315,3 +317,55 @@ def test_tokenizing_never_blocks_the_event_loop(path, body):
                 release.set()
             assert slow.result(timeout=120).status_code in (200, 503)   # (the stub engine then fails, 503)
     pool.shutdown()
+
+
+# ---- the request bodies --------------------------------------------------------------------------
+def test_fields_not_implemented_are_refused_by_name_unless_they_ask_for_nothing(caplog):
+    import logging
+
+    from pydantic import ValidationError
+
+    from jaxpaged.server.protocol import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest, FieldError
+
+    def cause(exc: ValidationError) -> FieldError:
+        (err,) = exc.errors()
+        return err["ctx"]["error"]
+
+    for name in NOT_IMPLEMENTED:
+        with pytest.raises(ValidationError) as e:
+            CompletionRequest.model_validate({"prompt": "Hi", name: {"x": 1}})
+        assert str(cause(e.value)) == f"`{name}` is not supported by this server yet." and cause(e.value).param == name
+    # a client sending the field's default (or null) asks for nothing: accepted; a value of another type is not
+    # the default (False == 0 in Python, but use_beam_search 0 is no boolean)
+    for body in ({"use_beam_search": False}, {"length_penalty": 1.0}, {"tools": []}, {"tool_choice": "none"},
+                 {"response_format": {"type": "text"}}, {"modalities": ["text"]}, {"cache_salt": None}):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **body})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "Hi", "use_beam_search": 0})
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "Hi", "prompt_logprobs": 1, "stream": True})
+    assert cause(e.value).param == "prompt_logprobs"
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
+                                              "continue_final_message": True, "add_generation_prompt": True})
+    assert cause(e.value).param == "continue_final_message"
+    # fields of neither API are ignored, with a warning naming them; OpenAI's bookkeeping fields silently
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
+        CompletionRequest.model_validate({"prompt": "Hi", "frobnicate": 1, "metadata": {"a": "b"}, "store": False})
+    assert [r.getMessage() for r in caplog.records] == [
+        "The following fields were present in the request but ignored: ['frobnicate']"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k():
+    from pydantic import ValidationError
+
+    from jaxpaged.server.protocol import CompletionRequest
+
+    ids = [10, 11, 12, 13, 14]
+    assert CompletionRequest(prompt=ids, truncate_prompt_tokens=2).truncate(ids, 8) == [13, 14]
+    assert CompletionRequest(prompt=ids, truncate_prompt_tokens=-1).truncate(ids, 3) == [12, 13, 14]
+    assert CompletionRequest(prompt=ids).truncate(ids, 3) == ids          # unset: the engine's length check
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        CompletionRequest(prompt=ids, truncate_prompt_tokens=9).truncate(ids, 8)
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=ids, truncate_prompt_tokens=0)
