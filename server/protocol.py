@@ -13,7 +13,6 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("jaxpaged.server")
 
 
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -40,6 +39,11 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # OpenAI's fields about storing, billing and tagging a request, which change nothing about its tokens:
 # accepted as they are, without the log's warning for fields of neither API.
 IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Equal as JSON values: 1 is 1.0, but 0 is no false (a bool only equals a bool)."""
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
 class FieldError(ValueError):
@@ -90,7 +94,7 @@ class SamplingFields(OpenAIModel):
         if isinstance(data, dict):
             for name, inert in NOT_IMPLEMENTED.items():
                 value = data.get(name)
-                if value is not None and not any(value == v and type(value) is type(v) for v in inert):
+                if value is not None and not any(_same(value, v) for v in inert):
                     raise FieldError(f"`{name}` is not supported by this server yet.", name)
             # Fields of neither API (a typo, another server's extension) change nothing: as vLLM, they are
             # ignored with a warning in the log rather than refused.

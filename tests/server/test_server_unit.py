@@ -337,7 +337,8 @@ def test_fields_not_implemented_are_refused_by_name_unless_they_ask_for_nothing(
         assert str(cause(e.value)) == f"`{name}` is not supported by this server yet." and cause(e.value).param == name
     # a client sending the field's default (or null) asks for nothing: accepted; a value of another type is not
     # the default (False == 0 in Python, but use_beam_search 0 is no boolean)
-    for body in ({"use_beam_search": False}, {"length_penalty": 1.0}, {"tools": []}, {"tool_choice": "none"},
+    for body in ({"use_beam_search": False}, {"length_penalty": 1.0}, {"length_penalty": 1}, {"tools": []},
+                 {"tool_choice": "none"},
                  {"response_format": {"type": "text"}}, {"modalities": ["text"]}, {"cache_salt": None}):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **body})
     with pytest.raises(ValidationError):
