@@ -259,6 +259,14 @@ class ChatMessage(OpenAIModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_tool_calls(cls, data: Any) -> Any:
+        # an earlier turn's tool calls would reach the template as nothing: refused, as `tools` is
+        if isinstance(data, dict) and data.get("tool_calls"):
+            raise FieldError("`tool_calls` in messages are not supported by this server yet.", "messages")
+        return data
+
     def text(self) -> str:
         if self.content is None:
             return ""

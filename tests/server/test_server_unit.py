@@ -350,6 +350,11 @@ def test_fields_not_implemented_are_refused_by_name_unless_they_ask_for_nothing(
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
                                               "continue_final_message": True, "add_generation_prompt": True})
     assert cause(e.value).param == "continue_final_message"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"},
+                                                           {"role": "assistant", "tool_calls": [call]}]})
+    assert "`tool_calls` in messages" in str(cause(e.value)) and cause(e.value).param == "messages"
     # fields of neither API are ignored, with a warning naming them; OpenAI's bookkeeping fields silently
     with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
         CompletionRequest.model_validate({"prompt": "Hi", "frobnicate": 1, "metadata": {"a": "b"}, "store": False})
