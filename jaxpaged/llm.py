@@ -43,6 +43,7 @@ class LLM:
         tokenized = []
         for p, sp in zip(prompts, params):
             text, token_ids = self.llm_engine.tokenize_prompt(p)
+            token_ids = self.llm_engine.input_processor.truncate(token_ids, sp)
             self.llm_engine.validate_prompt(token_ids, sp)
             tokenized.append((text, token_ids))
         ids = []
@@ -53,12 +54,19 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of them. continue_final_message:
+        the prompt ends inside the last message, which the model continues (no generation prompt then);
+        chat_template_kwargs: more variables for the template (e.g. enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         prompts = [tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt) for c in conversations]
+                                           add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                           **kwargs) for c in conversations]
         # the template already holds any BOS; don't add special tokens twice
         token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)

@@ -36,11 +36,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens (-1: max_model_len of them)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
+                                      or not all(isinstance(s, str) for s in self.stop)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -88,6 +92,10 @@ class SamplingParams:
             fail(f"seed must be an integer, got {self.seed!r}.")
         if any(not s for s in self.stop or ()):
             fail("stop cannot contain an empty string.")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            fail(f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}.")
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxpaged.engine.input_processor import truncate_prompt
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.server")
@@ -145,15 +146,9 @@ class SamplingFields(OpenAIModel):
         return self
 
     def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as truncate_prompt_tokens keeps it: its last k tokens."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return token_ids
-        if k > max_model_len:
-            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
-                             f"({max_model_len}). Please, select a smaller truncation size.")
-        k = max_model_len if k == -1 else k
-        return token_ids[-k:]
+        """The prompt as truncate_prompt_tokens keeps it (the engine's rule), before max_tokens' default is
+        taken from its length."""
+        return truncate_prompt(token_ids, self.truncate_prompt_tokens, max_model_len)
 
     def ids(self, prefix: str) -> tuple[str, str]:
         """(the engine's id, the response's id). The engine's is always drawn here: a client's request_id
@@ -179,6 +174,7 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=bias or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property

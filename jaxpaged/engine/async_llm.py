@@ -196,6 +196,7 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError(f"the engine core is gone: {self.dead_error}")
         text, token_ids = await self.tokenize(prompt)
+        token_ids = self.input_processor.truncate(token_ids, sampling_params)
         self.input_processor.validate_prompt(token_ids, sampling_params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -15,6 +15,19 @@ from jaxpaged.sampling_params import SamplingParams
 PromptType = str | list[int] | dict
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len of them; None: all).
+
+        [5, 6, 7, 8], keep 2 -> [7, 8]
+    """
+    if keep is None:
+        return token_ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
+                         "Please, select a smaller truncation size.")
+    return token_ids[-(max_model_len if keep == -1 else keep):]
+
+
 class InputProcessor:
     def __init__(self, tokenizer, info: CoreInfo, seed: int = 0, client_index: int = 0):
         """client_index: this API process's number among --api-server-count (0 for LLM and a single one)."""
@@ -40,6 +53,9 @@ class InputProcessor:
                 return None, ids
         raise ValueError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                          "'prompt_token_ids'")
+
+    def truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        return truncate_prompt(token_ids, params.truncate_prompt_tokens, self.info.max_model_len)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         info = self.info

@@ -72,6 +72,7 @@ class LLMEngine:
         blocks through the prefix cache). Raises ValueError for a request that could never run."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
+        token_ids = self.input_processor.truncate(token_ids, params)
         self.validate_prompt(token_ids, params)
         return self.add_validated_request(request_id, text, token_ids, params, arrival_time, priority)
 
