@@ -167,6 +167,10 @@ def main() -> None:
     bar_plot(results / "families.png", [r["model"] for r in rows], [r["ratio"] for r in rows],
              "measured / expected output tok/s", "Families against llama3-8b, scaled by weight bytes",
              ", ".join(devices))
+    if all("roofline_ratio" in r for r in rows):
+        bar_plot(results / "families-roofline.png", [r["model"] for r in rows], [r["roofline_ratio"] for r in rows],
+                 "measured / expected output tok/s", "Families against llama3-8b, scaled by each run's roofline",
+                 ", ".join(devices))
 
 
 if __name__ == "__main__":
