@@ -320,7 +320,7 @@ def test_tokenizing_never_blocks_the_event_loop(path, body):
 
 
 # ---- the request bodies --------------------------------------------------------------------------
-def test_fields_not_implemented_are_refused_by_name_unless_they_ask_for_nothing(caplog):
+def test_fields_not_implemented_are_refused_by_name_unless_they_ask_for_nothing():
     import logging
 
     from pydantic import ValidationError
@@ -356,9 +356,17 @@ def test_fields_not_implemented_are_refused_by_name_unless_they_ask_for_nothing(
                                                            {"role": "assistant", "tool_calls": [call]}]})
     assert "`tool_calls` in messages" in str(cause(e.value)) and cause(e.value).param == "messages"
     # fields of neither API are ignored, with a warning naming them; OpenAI's bookkeeping fields silently
-    with caplog.at_level(logging.WARNING, logger="jaxpaged.server"):
+    # (a handler on the logger itself: the jaxpaged logger does not propagate to pytest's capture)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append           # type: ignore[method-assign]
+    log = logging.getLogger("jaxpaged.server")
+    log.addHandler(handler)
+    try:
         CompletionRequest.model_validate({"prompt": "Hi", "frobnicate": 1, "metadata": {"a": "b"}, "store": False})
-    assert [r.getMessage() for r in caplog.records] == [
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
         "The following fields were present in the request but ignored: ['frobnicate']"]
 
 
