@@ -3,7 +3,7 @@
 #   bash bench/families.sh [MODEL ...]      (default: llama3-8b mistral-7b gemma-2-9b glm-4-9b baichuan2-13b)
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Each model, in a process of its
 # own: offline LLM.generate on llama3-8b's ShareGPT 1000 (dummy weights, max_model_len 4096 for all), results
-# bench/results/families-MODEL.json; then the table over every families-*.json present, and all of it in $OUT.
+# bench/results/families-MODEL.json; then the table over every families-*.json present; the JSONs and the table in $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODELS=${*:-llama3-8b mistral-7b gemma-2-9b glm-4-9b baichuan2-13b}
@@ -20,6 +20,8 @@ for m in $MODELS; do
   echo "   ($(( $(date +%s) - t0 )) s)"
 done
 $PY "$REPO/bench/families.py" --models "$(echo $MODELS | tr ' ' ',')" --results "$REPO/bench/results" 2>&1 | tail -15 || true
+# $OUT brings back 8 files: each model's JSON (the table and plots are remade from them with bench/families.py),
+# then the table; the caller's tee'd log is the eighth with five models.
 if [ -n "${OUT:-}" ]; then
-  cp "$REPO"/bench/results/families* "$OUT"/ 2>/dev/null || true
+  cp "$REPO"/bench/results/families-*.json "$REPO"/bench/results/families.md "$OUT"/ 2>/dev/null || true
 fi
