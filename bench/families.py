@@ -41,7 +41,7 @@ DEVICE_PEAKS = {"NVIDIA H100 80GB HBM3": (989e12, 3.35e12), "NVIDIA H200": (989e
 
 
 class ModelCosts(NamedTuple):
-    step_weight_bytes: int          # the weights one decode step reads in bf16 (step_weight_bytes's rule)
+    step_weight_bytes: int          # the weights one decode step reads in bf16
     layer_flops_per_token: int      # 2 x the decoder layers' parameters: one prompt token's linear layers
     attn_flops_per_pair: int        # one (query, key) pair's QK and PV products over all layers: 4 x N x D x L
     kv_bytes: tuple[tuple[int, int | None], ...]   # (bf16 K and V bytes a token of context, window) per layer kind
@@ -66,14 +66,9 @@ def model_costs(model: str) -> ModelCosts:
             continue
         weight_bytes += n * jnp.dtype(sds.dtype).itemsize
     per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    kinds = cfg.layer_types or ("",) * cfg.num_layers
-    windows = [cfg.sliding_window if (t == "sliding_attention" or not cfg.layer_types) else None for t in kinds]
+    windows = [cfg.attention_windows()[k] for k in cfg.layer_kinds() or (0,) * cfg.num_layers]
     kv = tuple((per_layer * windows.count(w), w) for w in dict.fromkeys(windows))
     return ModelCosts(weight_bytes, 2 * layer_params, 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers, kv)
-
-
-def step_weight_bytes(model: str) -> int:
-    return model_costs(model).step_weight_bytes
 
 
 def workload_lengths() -> tuple[np.ndarray, np.ndarray]:

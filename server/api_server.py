@@ -192,8 +192,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics) -> Non
 
         def run() -> list[int]:
             if request.messages is not None:
-                text = apply_chat_template(state, request.messages,
-                                           request.add_generation_prompt and not request.continue_final_message,
+                text = apply_chat_template(state, request.messages, request.add_generation_prompt,
                                            continue_final_message=request.continue_final_message)
                 return tok.encode(text, add_special_tokens=False)
             if request.prompt is not None:

@@ -146,8 +146,8 @@ class SamplingFields(OpenAIModel):
         return self
 
     def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as truncate_prompt_tokens keeps it (the engine's rule), before max_tokens' default is
-        taken from its length."""
+        """The prompt as truncate_prompt_tokens keeps it (the engine's rule). The server applies it itself,
+        before max_tokens' default is taken from the kept length, so its SamplingParams leave it unset."""
         return truncate_prompt(token_ids, self.truncate_prompt_tokens, max_model_len)
 
     def ids(self, prefix: str) -> tuple[str, str]:
@@ -174,7 +174,6 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=bias or None,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property

@@ -18,7 +18,8 @@ def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_gen
                         template: str | None = None, kwargs: dict | None = None,
                         continue_final_message: bool = False) -> str:
     """messages -> prompt text with the request's template, else --chat-template, else the tokenizer's.
-    continue_final_message: the text ends inside the last message (no end-of-turn after it)."""
+    continue_final_message: the text ends inside the last message (no end-of-turn after it, and so no
+    generation prompt, whatever add_generation_prompt says)."""
     template = template or state.chat_template
     tok = state.tokenizer
     if template is None and not getattr(tok, "chat_template", None):
@@ -27,7 +28,8 @@ def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_gen
     kwargs = {**(kwargs or {}), **({"continue_final_message": True} if continue_final_message else {})}
     try:
         return tok.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt, **kwargs)
+                                       add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                       **kwargs)
     except Exception as e:           # a Jinja error in a user-supplied template is the client's to fix
         raise APIError(f"could not apply the chat template: {e}") from None
 
@@ -73,7 +75,7 @@ def echo_prefix(request: ChatCompletionRequest) -> str:
 
 
 def _template_and_tokenize(state: ServerState, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-    prompt = apply_chat_template(state, request.messages, _generation_prompt(request), request.chat_template,
+    prompt = apply_chat_template(state, request.messages, request.add_generation_prompt, request.chat_template,
                                  request.chat_template_kwargs, request.continue_final_message)
     token_ids = chat_prompt_ids(state, prompt, request.add_special_tokens)
     kept = request.truncate(token_ids, state.llm.max_model_len)

@@ -54,7 +54,7 @@ def format_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Lo
     for tid, entry in zip(token_ids, logprobs):
         lp = entry[tid] if entry is not None else None
         text = token_name(tokenizer, tid, lp)
-        token = token_name(tokenizer, tid, lp, as_ids)
+        token = token_name(tokenizer, tid, lp, as_ids=True) if as_ids else text
         out.tokens.append(token)
         out.text_offset.append(offset)
         offset += len(text)
