@@ -43,7 +43,7 @@ def main() -> None:
         ids = rng.integers(0, vocab, r).astype(np.int32)
         z = np.zeros(r, np.float32)
         empty = np.zeros((r, 0))
-        return kv_cache, prev_sampled, (ids, z, z.astype(np.int32), empty.astype(np.int32), empty, ())
+        return kv_cache, prev_sampled, (ids, z, z.astype(np.int32), empty.astype(np.int32), empty, ()), None
 
     step.packed_step = fake_packed_step      # what StepPrograms calls under the layer scan (the CPU's)
     prompts = [rng.integers(100, vocab - 200, int(n)).tolist() for n in rng.integers(50, 400, args.num_requests)]

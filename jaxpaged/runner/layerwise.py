@@ -10,7 +10,8 @@ where the group size does not divide L, the last, smaller group is a second prog
 launches per step instead of one. unrolled makes the whole step one program (one CUDA graph), at the cost
 of a longer compile.
 
-Same inputs and outputs as step.packed_step; a test checks both give the same tokens.
+Same inputs and outputs as step.packed_step; a test checks both give the same tokens. resample is the
+head and sampler alone, on a step's last hidden states (step.StepPrograms says when).
 """
 from __future__ import annotations
 
@@ -71,11 +72,25 @@ def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: 
     return sample_and_keep(logits, prompt, sampling, flags, prev_sampled)
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "flags", "head_opts"),
+                   donate_argnames=("prev_sampled",))
+def resample(head_params, h, prev_sampled, ints, floats, *, layout, cfg, dtype, flags: SamplerFlags,
+             head_opts: RuntimeOptions | None = None):
+    """The head and a sampler variant on a step's last hidden states h [T, H] (before the final norm), for
+    inputs packed as the step packs them -> (sampled_buf, result), as the step's own head gives them. What
+    a batch whose sampler variant has no compiled step runs after the default variant's step
+    (step.StepPrograms): a small program, so a new sampling parameter never compiles the model again."""
+    model_input, sampling = unpack(ints, floats, layout)
+    return _post.__wrapped__(head_params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype, flags=flags,
+                             head_opts=head_opts)
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
                    donate_argnames=("kv_cache", "prev_sampled"))
 def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
                options: RuntimeOptions, flags: SamplerFlags):
-    """The whole step as one program, every layer unrolled on its own weights (all layers in one group)."""
+    """The whole step as one program, every layer unrolled on its own weights (all layers in one group) ->
+    (kv_cache, sampled_buf, results, the last hidden states or None for several decode steps)."""
     if options.num_steps > 1:      # multi-step decoding (model_runner.decode_steps)
         model_input, sampling = unpack(ints, floats, layout)
 
@@ -85,7 +100,8 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
                             kinds=cfg.layer_kinds() or None)
             return head_phase(cfg, dtype, params, h, model_input.logits_indices,
                               options=head_options(cfg, options))[0], kv
-        return decode_steps(forward, kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)
+        return (*decode_steps(forward, kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags),
+                None)
     h, cos, sin, model_input, sampling = _pre.__wrapped__(params, prev_sampled, ints, floats, layout=layout,
                                                           cfg=cfg, dtype=dtype)
     h, kv_cache = _layers(layer_params, h, kv_cache, 0, model_input.meta, cos, sin, cfg=cfg, dtype=dtype,
@@ -93,7 +109,7 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
     sampled_buf, result = _post.__wrapped__(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
                                             head_opts=head_options(cfg, options),
                                             flags=flags)
-    return kv_cache, sampled_buf, result
+    return kv_cache, sampled_buf, result, h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +124,13 @@ class GroupedStep:
     post: Any          # (params, h, prev_sampled, model_input, sampling) -> (sampled_buf, result)
 
     def __call__(self, params, layer_groups, kv_cache, prev_sampled, ints, floats):
-        """The step -> (kv_cache, sampled_buf, results), as step.packed_step."""
+        """The step -> (kv_cache, sampled_buf, results, last hidden states), as step.packed_step."""
         h, cos, sin, model_input, sampling = self.pre(params, prev_sampled, ints, floats)
         meta = model_input.meta
         for (group_params, first_idx, _), layers in zip(layer_groups, self.layers):
             h, kv_cache = layers(group_params, h, kv_cache, first_idx, meta, cos, sin)
         sampled_buf, result = self.post(params, h, prev_sampled, model_input, sampling)
-        return kv_cache, sampled_buf, result
+        return kv_cache, sampled_buf, result, h
 
     def flat(self) -> list:
         """The programs in the order they run (a group's once per group)."""
@@ -162,7 +178,7 @@ def program_specs(params, layer_groups, kv_cache, prev_sampled, ints, floats, *,
 
 def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
          options: RuntimeOptions, flags: SamplerFlags):
-    """One engine step through jit -> (kv_cache, sampled_buf, results), as step.packed_step.
+    """One engine step through jit -> (kv_cache, sampled_buf, results, last hidden states), as step.packed_step.
 
     layer_groups: from group_layers; each group's layers run unrolled in one program (a last, smaller
     group compiles its own), its first index a device scalar made once (a Python int is copied every call).

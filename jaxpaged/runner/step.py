@@ -3,11 +3,17 @@ under the resolved layer dispatch, and how its buckets are compiled, loaded from
 warmed up at start-up."""
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
+import dataclasses
 import functools
 import logging
 import pathlib
+import queue
+import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +21,7 @@ import numpy as np
 
 from jaxpaged.config import RunConfig
 from jaxpaged.models import AttentionMetadata, DecoderModel, RuntimeOptions
+from jaxpaged.models.decoder import head_options
 from jaxpaged.runner import layerwise
 from jaxpaged.runner.buckets import Bucket
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
@@ -23,13 +30,71 @@ from jaxpaged.runner.multi_step import decode_steps
 from jaxpaged.runner.lowering_workers import LoweringJob, LoweringWorkers, Result
 from jaxpaged.runner.program_spec import ProgramSpec, abstract
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_head, sample_and_keep
-from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, pack, unpack
+from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, pack, padded_len, unpack
 
 logger = logging.getLogger("jaxpaged.runner")
 
 # Start-up threads with the executable cache on: they deserialize the cached programs and XLA-compile the
 # missing ones while the main thread traces and lowers the next.
 STARTUP_THREADS = 8
+
+DEFAULT_FLAGS = SamplerFlags()      # the sampler variant the warm-up compiles
+
+
+def _plain_inputs(model_input: ModelInput, sampling: SamplingInputs) -> tuple[ModelInput, SamplingInputs]:
+    """A step's inputs without what only a sampler variant reads (penalty histories, logit bias, prompt-logprob
+    targets): the layout of the default variant's step for the same bucket."""
+    rows = sampling.temperature.shape[0]
+    no_ints, no_floats = np.zeros((rows, 0), np.int32), np.zeros((rows, 0), np.float32)
+    return (dataclasses.replace(model_input, prompt_target_ids=np.zeros(0, np.int32)),
+            dataclasses.replace(sampling, output_ids=no_ints, prompt_ids=no_ints, bias_ids=no_ints,
+                                bias_values=no_floats))
+
+
+def abstract_like(x: jax.Array) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and placement, for lowering a program it will be passed to."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+class _BackgroundCompiler:
+    """One daemon thread that runs queued compiles in turn; a compile that fails is logged, and the step
+    keeps the path it had. At the interpreter's exit the queue is dropped and a compile under way is waited
+    for (a thread killed inside XLA's compiler aborts the process)."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="jaxpaged-variant-compile", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def submit(self, fn) -> None:
+        if not self._closed:
+            self._queue.put(fn)
+
+    def join(self) -> None:
+        """Until every compile queued so far is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+                self._queue.task_done()
+        self._queue.put(None)
+        self._thread.join()
+
+    def _work(self) -> None:
+        while (fn := self._queue.get()) is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the step goes on without the variant's own program
+                logger.exception("Compiling a sampler variant's step failed; it keeps running on the default step")
+            finally:
+                del fn            # the engine it compiled for is not kept alive by this thread
+                self._queue.task_done()
+        self._queue.task_done()
 
 
 class StepPrograms:
@@ -57,6 +122,9 @@ class StepPrograms:
         self.host_inputs = HostInputs()
         self.kv_cache_shape, self.max_blocks_per_req, self.max_rows = kv_cache_shape, max_blocks_per_req, max_rows
         self._compiled: dict = {}       # (layout, options, flags) -> the step's compiled programs, at warm-up
+        self.head_params = {k: v for k, v in self.params.items() if k != "layers"}   # what resample reads
+        self._later: set = set()        # sampler variants queued for the background thread (_compile_later)
+        self._background: _BackgroundCompiler | None = None
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
@@ -75,17 +143,119 @@ class StepPrograms:
 
     def __call__(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
                  options: RuntimeOptions, flags: SamplerFlags):
-        """Run one step: its inputs go into a pinned host slot (one copy), which the step reads itself."""
+        """Run one step -> (kv_cache, sampled-token buffer, results): its inputs go into a pinned host slot
+        (one copy), which the step reads itself.
+
+        A sampler variant (top-k/p, penalties, logit bias, logprobs: SamplerFlags) with no compiled step
+        of its own runs the default variant's step, which the warm-up compiled, then the head and that
+        variant's sampler on the step's last hidden states (layerwise.resample, a small program), so a new
+        sampling parameter never stalls every request in flight while the whole model compiles again. Where
+        the warm-up compiles (GPUs), the variant's own step then compiles on a background thread and takes
+        over once it is ready (it saves the second head)."""
+        if flags != DEFAULT_FLAGS:
+            int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
+            if (layout, options, flags) not in self._compiled:
+                self._compile_later(layout, options, flags, kv_cache, prev_sampled, int_pieces, float_pieces)
+                if options.num_steps > 1:
+                    return self._steps_one_by_one(kv_cache, prev_sampled, model_input, sampling, options, flags)
+                return self._resampled(kv_cache, prev_sampled, model_input, sampling, options, flags)
+        return self._run(kv_cache, prev_sampled, model_input, sampling, options, flags)[:3]
+
+    def _run(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
+             options: RuntimeOptions, flags: SamplerFlags):
+        """The step's own programs -> (kv_cache, sampled-token buffer, results, last hidden states or None)."""
         int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
         slot = self.host_inputs.write(int_pieces, float_pieces)
         out = self.run_packed(kv_cache, prev_sampled, *slot.arrays, layout=layout, options=options, flags=flags)
         slot.fence = out[2]       # the slot is free again once this step's results are
         return out
 
+    def _resampled(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
+                   options: RuntimeOptions, flags: SamplerFlags):
+        """One step of a sampler variant without its own compiled step: the default variant's step on the
+        inputs without the variant's extras (so they have the layout it was compiled for), then
+        layerwise.resample on the full inputs, which overwrites the sampled-token buffer."""
+        kv_cache, prev_sampled, _, h = self._run(kv_cache, prev_sampled, *_plain_inputs(model_input, sampling),
+                                                 options, DEFAULT_FLAGS)
+        int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
+        slot = self.host_inputs.write(int_pieces, float_pieces)
+        prev_sampled, result = layerwise.resample(self.head_params, h, prev_sampled, *slot.arrays, layout=layout,
+                                                  cfg=self.cfg, dtype=self.dtype, flags=flags,
+                                                  head_opts=head_options(self.cfg, options))
+        slot.fence = result
+        return kv_cache, prev_sampled, result
+
+    def _steps_one_by_one(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
+                          options: RuntimeOptions, flags: SamplerFlags):
+        """A multi-step batch (multi_step.decode_steps) of a sampler variant without its own compiled
+        program: its decode steps one at a time (_resampled), each one's inputs advanced on the host as
+        decode_steps advances them on the device; the results stacked as a multi-step program's."""
+        single = dataclasses.replace(options, num_steps=1, in_loop=self.layer_groups is None)
+        meta = model_input.meta
+        live = (meta.seq_lens > 0).astype(np.int32)
+        rows = np.arange(len(live))
+        block_size = self.kv_cache_shape[4]
+        results = []
+        for k in range(options.num_steps):
+            step_input, step_sampling = model_input, sampling
+            if k:
+                positions = meta.positions + k * live
+                blocks = meta.block_tables[rows, positions // block_size]
+                slots = np.where(live > 0, blocks * block_size + positions % block_size, 0).astype(np.int32)
+                step_input = dataclasses.replace(
+                    model_input, meta=AttentionMetadata(positions, slots, meta.block_tables, meta.seq_lens + k * live,
+                                                        meta.query_start_loc),
+                    # every live request's token is the one the last step sampled into its row
+                    fill_token_idx=np.where(live > 0, rows, len(model_input.token_ids)).astype(np.int32),
+                    fill_src_row=rows.astype(np.int32))
+                step_sampling = dataclasses.replace(sampling, positions=sampling.positions + k)
+            kv_cache, prev_sampled, result = self._resampled(kv_cache, prev_sampled, step_input, step_sampling,
+                                                             single, flags)
+            results.append(result[:5])
+        return kv_cache, prev_sampled, (*(jnp.stack(xs) for xs in zip(*results)), None)
+
+    def _compile_later(self, layout: tuple, options: RuntimeOptions, flags: SamplerFlags, kv_cache, prev_sampled,
+                       int_pieces, float_pieces) -> None:
+        """Where the warm-up compiles (RunConfig.compile_buckets), compile this sampler variant's own step on
+        the background thread (once per variant), from the executable cache where it is there."""
+        key = (layout, options, flags)
+        if not self.run.compile_buckets or key in self._later:
+            return
+        self._later.add(key)
+        sizes = (padded_len(sum(map(len, int_pieces))), padded_len(sum(map(len, float_pieces))))
+        state = types.SimpleNamespace(kv_cache=abstract_like(kv_cache), prev_sampled=abstract_like(prev_sampled))
+        if self._background is None:
+            self._background = _BackgroundCompiler()
+        self._background.submit(functools.partial(self._compile_variant, key, state, sizes))
+
+    def _compile_variant(self, key: tuple, state, sizes: tuple[int, int]) -> None:
+        layout, options, flags = key
+        t0 = time.perf_counter()
+        ints, floats = (jax.ShapeDtypeStruct((n,), dt, sharding=self.host_inputs.sharding)
+                        for n, dt in zip(sizes, (jnp.int32, jnp.float32)))
+        specs = self._specs(state, layout, ints, floats, options, flags)
+        keys = self._program_keys(layout, options, flags)
+        executables: dict = {}
+        for k in dict.fromkeys(keys):
+            compiled = self.exec_cache.load(k) if self.exec_cache is not None else None
+            if compiled is None:
+                compiled = self._compile(k, specs[k].lower())
+                if self.exec_cache is not None:
+                    self.exec_cache.store(k, compiled)
+            executables[k] = compiled
+        self._compiled[key] = self._assemble([executables[k] for k in keys])
+        logger.info("Compiled the step of sampler variant %s (%d decode steps) in the background in %.1f s",
+                    flags, options.num_steps, time.perf_counter() - t0)
+
+    def wait_for_background_compiles(self) -> None:
+        """Block until every sampler variant queued for compiling is compiled (tests, benchmarks)."""
+        if self._background is not None:
+            self._background.join()
+
     def run_packed(self, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
                    flags: SamplerFlags):
-        """The step on already packed inputs (step_inputs.pack): the programs warm-up made for it, else
-        through jit."""
+        """The step on already packed inputs (step_inputs.pack) -> (kv_cache, sampled-token buffer, results,
+        last hidden states or None): the programs warm-up made for it, else through jit."""
         compiled = self._compiled.get((layout, options, flags))
         if compiled is not None:
             return compiled(kv_cache, prev_sampled, ints, floats)
@@ -276,6 +446,10 @@ class StepPrograms:
         runner; a lowering worker passes their shapes)."""
         host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
         ints, floats = self.host_inputs.write(host_ints, host_floats).arrays
+        return self._specs(state, layout, ints, floats, options, flags)
+
+    def _specs(self, state, layout: tuple, ints, floats, options: RuntimeOptions, flags: SamplerFlags) -> dict:
+        """program_specs for packed inputs of this layout (arrays, or their shapes)."""
         kw = dict(layout=layout, cfg=self.cfg, dtype=self.dtype, options=options, flags=flags)
         keys = self._program_keys(layout, options, flags)
         if self._grouped:
@@ -305,9 +479,10 @@ class StepPrograms:
                    donate_argnames=("kv_cache", "prev_sampled"))
 def packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype, options: RuntimeOptions,
                 flags: SamplerFlags):
-    """The one jitted step under the layer scan: model forward over the flat batch, then sampling; the pool
-    and the sampled-token buffer are donated (updated in place: their addresses stay those the step's CUDA
-    graphs hold).
+    """The one jitted step under the layer scan: model forward over the flat batch, then sampling -> (kv_cache,
+    sampled-token buffer, results, the last hidden states before the final norm, or None for several decode
+    steps). The pool and the sampled-token buffer are donated (updated in place: their addresses stay those
+    the step's CUDA graphs hold).
 
     A module-level function whose static arguments are plain hashable values (no runner instance), so
     JAX's caches never keep a runner, and with it a KV pool of many GiB, alive.
@@ -315,10 +490,10 @@ def packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dt
     model_input, sampling = unpack(ints, floats, layout)
     model = DecoderModel(cfg, dtype, options)
     if options.num_steps > 1:
-        return decode_steps(lambda tokens, kv, meta: model.apply({"params": params}, tokens, kv, meta,
-                                                                 model_input.logits_indices)[:2],
-                            kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags)
-    logits, kv_cache, prompt = model.apply({"params": params}, fill_input_tokens(model_input, prev_sampled),
-                                           kv_cache, model_input.meta, model_input.logits_indices,
-                                           model_input.prompt_target_ids, prompt_head(flags))
-    return (kv_cache, *sample_and_keep(logits, prompt, sampling, flags, prev_sampled))
+        return (*decode_steps(lambda tokens, kv, meta: model.apply({"params": params}, tokens, kv, meta,
+                                                                   model_input.logits_indices)[:2],
+                              kv_cache, prev_sampled, model_input, sampling, options.num_steps, flags), None)
+    logits, kv_cache, prompt, h = model.apply({"params": params}, fill_input_tokens(model_input, prev_sampled),
+                                              kv_cache, model_input.meta, model_input.logits_indices,
+                                              model_input.prompt_target_ids, prompt_head(flags))
+    return (kv_cache, *sample_and_keep(logits, prompt, sampling, flags, prev_sampled), h)

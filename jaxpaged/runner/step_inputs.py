@@ -36,6 +36,11 @@ class HostInputs:
         self._slots: dict[tuple[int, int], list[HostInputSlot]] = {}   # packed sizes -> their slots
         self._turn: dict[tuple[int, int], int] = {}
 
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """Where the slots' arrays live (the device's pinned host memory): the placement of a step's inputs."""
+        return self._sharding
+
     def write(self, ints, floats) -> HostInputSlot:
         """Copy the packed inputs into the next free slot of their size; the caller passes slot.arrays to
         the step and sets slot.fence to the step's results. ints / floats: packed arrays (pack), or their

@@ -314,3 +314,71 @@ def test_core_stats_carry_device_memory_in_use(model_dir, monkeypatch):
         monkeypatch.setattr(core.runner, "_device", SimpleNamespace(memory_stats=lambda b=in_use: {"bytes_in_use": b}))
         now[0] += elapsed * core_mod.DEVICE_MEMORY_PERIOD_S
         assert core.core_stats().device_memory_bytes == seen
+
+
+# One request's sampling parameters per sampler variant (runner/sampler.py SamplerFlags); seeded, so the
+# tokens are the same on any path.
+VARIANTS = {"top-k/p": dict(temperature=0.8, top_p=0.9, top_k=20, seed=5),
+            "penalties": dict(temperature=0.8, presence_penalty=0.5, repetition_penalty=1.2, seed=6),
+            "logit bias": dict(temperature=0.0, logit_bias={7: 8.0, 11: -3.0}),
+            "logprobs": dict(temperature=0.7, logprobs=3, seed=7),
+            "prompt logprobs": dict(temperature=0.0, prompt_logprobs=2)}
+STEP_PROGRAMS = ("packed_step", "whole_step", "_layers", "_pre", "_post")
+
+
+@pytest.mark.parametrize("layer_dispatch,steps", [("scan", 1), ("per_layer", 1), ("unrolled", 4)])
+def test_a_new_sampler_variant_never_compiles_the_model_in_the_loop(model_dir, layer_dispatch, steps, tmp_path,
+                                                                    monkeypatch):
+    """After warm-up (the default sampler variant), each variant's first batch runs the default step and
+    then only the head and that variant's sampler (layerwise.resample): the engine's thread compiles no
+    step program. The variant's own step compiles on the background thread meanwhile; once it is there the
+    same requests run on it with no compile at all, and give the same tokens and logprobs. Under unrolled
+    layers with 4 steps a program, top-k/p decodes are multi-step batches: first run one step at a time,
+    then on the variant's own multi-step program."""
+    from jaxpaged import envs
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    jax.clear_caches()
+    # no prefix caching: the second run of the same prompts must schedule the same batches
+    llm = LLM(model=model_dir, **COMPILED, layer_dispatch=layer_dispatch, num_scheduler_steps=steps,
+              enable_prefix_caching=False)
+    programs = llm.llm_engine.runner.programs
+    one_by_one = []
+    real_one_by_one = programs._steps_one_by_one
+    monkeypatch.setattr(programs, "_steps_one_by_one", lambda *a: one_by_one.append(a[-2].num_steps) or
+                        real_one_by_one(*a))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (5, 30, 70)]
+    compiled_on: collections.Counter = collections.Counter()
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled_on[threading.current_thread().name, kwargs.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+
+    def run(params):
+        """(each request's tokens, the ids of every logprobs entry), every logprob value in that order."""
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, **params), use_tqdm=False)
+        entries = [e for o in outs for e in [*(o.prompt_logprobs or []), *(o.outputs[0].logprobs or [])] if e]
+        return ([o.outputs[0].token_ids for o in outs], [list(e) for e in entries],
+                np.array([lp.logprob for e in entries for lp in e.values()]))
+
+    try:
+        for name, params in VARIANTS.items():
+            compiled_on.clear()
+            first = run(params)
+            main = [fn for (thread, fn), _ in compiled_on.items() if thread == threading.main_thread().name]
+            assert not [fn for fn in main if any(p in str(fn) for p in STEP_PROGRAMS)], (name, main)
+            assert any("resample" in str(fn) for fn in main), (name, main)
+            if name == "top-k/p":           # the only variant here that multi-step batches take
+                assert one_by_one and set(one_by_one) == {steps} if steps > 1 else not one_by_one
+            programs.wait_for_background_compiles()
+            assert any(thread == "jaxpaged-variant-compile" for thread, _ in compiled_on), name
+            one_by_one.clear()
+            compiled_on.clear()
+            again = run(params)
+            assert not compiled_on and not one_by_one, (name, compiled_on)
+            assert again[:2] == first[:2], name
+            np.testing.assert_allclose(again[2], first[2], atol=1e-5, err_msg=name)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)

@@ -46,7 +46,7 @@ class PagedRunner:
         n = len(token_ids)
         meta = self.meta(n, self.num_computed)
         # logits at every token, to compare the whole prefill
-        logits, self.kv, _ = self.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
+        logits, self.kv, _, _ = self.apply({"params": self.params}, jnp.asarray(token_ids, jnp.int32), self.kv,
                                         meta, jnp.arange(n, dtype=jnp.int32))
         self.num_computed += n
         return np.asarray(logits)
@@ -143,9 +143,9 @@ def test_prompt_head_runs_in_chunks(family, tmp_path, monkeypatch):
     targets = jnp.asarray(rng.integers(-1, 320, n), jnp.int32)
     meta = runner.meta(n)
     head = lambda logits, t: (jax.nn.log_softmax(logits)[jnp.arange(t.shape[0]), jnp.maximum(t, 0)], logits)
-    full, _, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, jnp.arange(n))
+    full, _, _, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, jnp.arange(n))
     monkeypatch.setattr(decoder, "PROMPT_HEAD_CHUNK", 8)
-    _, _, (lp, logits) = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta,
+    _, _, (lp, logits), _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta,
                                             jnp.arange(n), targets, head)
     assert logits.shape == full.shape
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=1e-5, atol=1e-5)
@@ -169,7 +169,7 @@ def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     token_ids = jnp.asarray(rng.integers(0, 320, n), jnp.int32)
     meta = runner.meta(n)
     idx = jnp.asarray([3, n - 1], jnp.int32)
-    want, want_kv, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, idx)
+    want, want_kv, _, _ = runner.model.apply({"params": runner.params}, token_ids, runner.kv, meta, idx)
 
     rest, layers = split_layer_params(runner.params)
     assert len(layers) == cfg.num_layers
