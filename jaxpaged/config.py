@@ -166,6 +166,9 @@ class RunConfig:
     # Worker processes that lower the programs a cold start-up compiles (runner/lowering_workers.py);
     # 0: the engine lowers them itself, one at a time.
     lowering_processes: int = 0
+    # The warm-up also compiles the head and sampler of the common sampler variants for every bucket
+    # (runner/step.py WARM_SAMPLER_VARIANTS), so their first request compiles nothing (GPUs).
+    warm_sampler_variants: bool = False
 
     @property
     def interpret(self) -> bool:
@@ -226,6 +229,7 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
         input_align=MOSAIC_INPUT_ALIGN if dispatch == "unrolled" else 1,
         num_sms=(platform.num_sms or None) if on_gpu else None,
         lowering_processes=_lowering_processes(platform, compile_buckets and executable_cache),
+        warm_sampler_variants=on_gpu and compile_buckets,
     )
 
 

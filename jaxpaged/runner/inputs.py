@@ -154,7 +154,7 @@ def prepare_sampling(batch: InputBatch, rows: np.ndarray, static: np.ndarray, nu
         top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
         penalties=penalties,
         num_logprobs=_logprobs_width(static[:, 7].max()),
-        num_prompt_logprobs=_logprobs_width(static[:, PROMPT_LOGPROBS_COLUMN].max()),
+        num_prompt_logprobs=_logprobs_width(static[:, PROMPT_LOGPROBS_COLUMN].max(), 1),
     )
     out_ids = prompt_ids = np.full((R, 0), -1, np.int32)
     if penalties:
@@ -191,9 +191,15 @@ def _bias_entries(batch: InputBatch, row: int, vocab_size: int) -> list[tuple[in
     return [(t, v) for t, v in entries if 0 <= t < vocab_size]
 
 
-def _logprobs_width(most: float) -> int:
-    """Static top-k width for the largest request: -1 none asked, 0 only the chosen token's, else a power of 2."""
-    return -1 if most < 0 else (_pow2(int(most), 1) if most > 0 else 0)
+# The top-logprobs width of a step is at least this: requests of 1 to 8 top logprobs (OpenAI's completions allow
+# 5) share one sampler variant, which the warm-up compiles ahead (runner/step.py WARM_SAMPLER_VARIANTS).
+MIN_LOGPROBS_WIDTH = 8
+
+
+def _logprobs_width(most: float, lo: int = MIN_LOGPROBS_WIDTH) -> int:
+    """Static top-k width for the largest request: -1 none asked, 0 only the chosen token's, else a power of 2
+    of at least lo."""
+    return -1 if most < 0 else (_pow2(int(most), lo) if most > 0 else 0)
 
 
 def _pow2(n: int, lo: int = 1) -> int:

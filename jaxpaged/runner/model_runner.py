@@ -118,6 +118,9 @@ class ModelRunner:
         """Block on a launched step's results (one device_get); append the sampled tokens to the requests'
         own token lists (a request removed meanwhile keeps its old list: nothing else sees it)."""
         ids, lp, rank, top_ids, top_lp, prompt = jax.device_get(inflight.result)
+        # a multi-step batch run one step at a time (step.StepPrograms) hands back each step's arrays: stacked
+        # here, as a multi-step program's leading steps axis
+        ids, lp, rank, top_ids, top_lp = map(np.asarray, (ids, lp, rank, top_ids, top_lp))
         prepared = inflight.prepared
         steps = prepared.sched.num_steps
         # [R][steps]: each row's tokens in order; one conversion, not one numpy scalar per token

@@ -25,7 +25,7 @@ from jaxpaged.models.decoder import head_options
 from jaxpaged.runner import layerwise
 from jaxpaged.runner.buckets import Bucket
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
-from jaxpaged.runner.inputs import ModelInput
+from jaxpaged.runner.inputs import MIN_LOGPROBS_WIDTH, ModelInput
 from jaxpaged.runner.multi_step import decode_steps
 from jaxpaged.runner.lowering_workers import LoweringJob, LoweringWorkers, Result
 from jaxpaged.runner.program_spec import ProgramSpec, abstract
@@ -39,6 +39,11 @@ logger = logging.getLogger("jaxpaged.runner")
 STARTUP_THREADS = 8
 
 DEFAULT_FLAGS = SamplerFlags()      # the sampler variant the warm-up compiles
+# Sampler variants whose head and sampler (layerwise.resample) the warm-up also compiles for every bucket, with
+# RunConfig.warm_sampler_variants: top-k/p/min-p, which OpenAI clients often send, and logprobs (the sampled
+# token's alone, and up to inputs.MIN_LOGPROBS_WIDTH top ones).
+WARM_SAMPLER_VARIANTS = (SamplerFlags(top_k_p=True), SamplerFlags(num_logprobs=0),
+                         SamplerFlags(num_logprobs=MIN_LOGPROBS_WIDTH))
 
 
 def _plain_inputs(model_input: ModelInput, sampling: SamplingInputs) -> tuple[ModelInput, SamplingInputs]:
@@ -123,6 +128,7 @@ class StepPrograms:
         self.kv_cache_shape, self.max_blocks_per_req, self.max_rows = kv_cache_shape, max_blocks_per_req, max_rows
         self._compiled: dict = {}       # (layout, options, flags) -> the step's compiled programs, at warm-up
         self.head_params = {k: v for k, v in self.params.items() if k != "layers"}   # what resample reads
+        self._resamplers: dict = {}     # _resampler's key -> compiled layerwise.resample
         self._later: set = set()        # sampler variants queued for the background thread (_compile_later)
         self._background: _BackgroundCompiler | None = None
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
@@ -179,11 +185,34 @@ class StepPrograms:
                                                  options, DEFAULT_FLAGS)
         int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
         slot = self.host_inputs.write(int_pieces, float_pieces)
-        prev_sampled, result = layerwise.resample(self.head_params, h, prev_sampled, *slot.arrays, layout=layout,
-                                                  cfg=self.cfg, dtype=self.dtype, flags=flags,
-                                                  head_opts=head_options(self.cfg, options))
+        resampler = self._resampler(layout, flags, head_options(self.cfg, options), h, prev_sampled, *slot.arrays)
+        prev_sampled, result = resampler(self.head_params, h, prev_sampled, *slot.arrays)
         slot.fence = result
         return kv_cache, prev_sampled, result
+
+    def _resampler(self, layout: tuple, flags: SamplerFlags, head_opts, h, prev_sampled, ints, floats):
+        """The compiled layerwise.resample for these inputs (arrays, or their shapes): the warm-up's, else
+        the executable cache's, else compiled now, in the engine loop, and said so in the log."""
+        key = ("resample", layout, flags, head_opts, h.shape, str(h.dtype))
+        compiled = self._resamplers.get(key)
+        if compiled is None:
+            t0 = time.perf_counter()
+            compiled = self._resamplers[key] = self._compile_resampler(key, h, prev_sampled, ints, floats)
+            logger.info("Compiled the head and sampler of variant %s for %d tokens in the engine loop in %.2f s",
+                        flags, h.shape[0], time.perf_counter() - t0)
+        return compiled
+
+    def _compile_resampler(self, key: tuple, h, prev_sampled, ints, floats):
+        compiled = self.exec_cache.load(key) if self.exec_cache is not None else None
+        if compiled is None:
+            _, layout, flags, head_opts, *_ = key
+            spec = ProgramSpec(layerwise.resample, (self.head_params, h, prev_sampled, ints, floats),
+                               dict(layout=layout, cfg=self.cfg, dtype=self.dtype, flags=flags, head_opts=head_opts),
+                               (2,))
+            compiled = self._compile(key, spec.lower())
+            if self.exec_cache is not None:
+                self.exec_cache.store(key, compiled)
+        return compiled
 
     def _steps_one_by_one(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
                           options: RuntimeOptions, flags: SamplerFlags):
@@ -212,7 +241,8 @@ class StepPrograms:
             kv_cache, prev_sampled, result = self._resampled(kv_cache, prev_sampled, step_input, step_sampling,
                                                              single, flags)
             results.append(result[:5])
-        return kv_cache, prev_sampled, (*(jnp.stack(xs) for xs in zip(*results)), None)
+        # each field as the steps' arrays, stacked on the host (ModelRunner.fetch): no program to compile here
+        return kv_cache, prev_sampled, (*zip(*results), None)
 
     def _compile_later(self, layout: tuple, options: RuntimeOptions, flags: SamplerFlags, kv_cache, prev_sampled,
                        int_pieces, float_pieces) -> None:
@@ -305,15 +335,39 @@ class StepPrograms:
                         specs = self.program_specs(state, bucket, self.options(bucket, steps), flags)
                         for key in new:
                             compiling[key] = pool.submit(self._compile, key, specs[key].lower())
+        heads = []                # (bucket, options, its last hidden states' shape) of each single-step bucket
         try:
             for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
-                self._warm_one(state, bucket, steps, flags, programs, compiling)
+                h = self._warm_one(state, bucket, steps, flags, programs, compiling)
+                if h is not None:
+                    heads.append((bucket, self.options(bucket, steps), h))
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+        if self.run.warm_sampler_variants:
+            self._warm_resamplers(state, heads, progress)
         if self.compile_seconds:
             logger.info("XLA compile seconds by program (count), summed over threads: %s", ", ".join(
                 f"{kind} {sum(t):.1f} ({len(t)})" for kind, t in sorted(self.compile_seconds.items())))
+
+    def _warm_resamplers(self, state, heads: list, progress: bool) -> None:
+        """The head and sampler of each of WARM_SAMPLER_VARIANTS for every single-step bucket, compiled (or
+        loaded from the executable cache) on the start-up threads."""
+        from tqdm.auto import tqdm
+        prev = abstract_like(state.prev_sampled)
+        jobs: dict = {}
+        for bucket, options, h in heads:
+            host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
+            ints, floats = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.host_inputs.sharding)
+                            for x in (host_ints, host_floats))
+            for flags in WARM_SAMPLER_VARIANTS:
+                key = ("resample", layout, flags, head_options(self.cfg, options), h.shape, str(h.dtype))
+                jobs.setdefault(key, (h, ints, floats))
+        with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
+            futures = {key: pool.submit(self._compile_resampler, key, h, prev, ints, floats)
+                       for key, (h, ints, floats) in jobs.items() if key not in self._resamplers}
+            for key, future in tqdm(futures.items(), desc="Compiling sampler variants", disable=not progress):
+                self._resamplers[key] = future.result()
 
     def _compile(self, key: tuple, lowered):
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
@@ -368,14 +422,16 @@ class StepPrograms:
         return spec.lower()
 
     def _warm_one(self, state, bucket: Bucket, steps: int, flags: SamplerFlags, programs: dict,
-                  compiling: dict) -> None:
+                  compiling: dict) -> jax.ShapeDtypeStruct | None:
+        """Compile (or load) and run one bucket's step -> its last hidden states' shape (None: several
+        decode steps)."""
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
         cache = self.exec_cache
         loaded = self._load_or_compile(cache, state, bucket, options, flags, programs, compiling) if cache else []
         try:
-            state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
-                                                           options=options, flags=flags)
+            state.kv_cache, state.prev_sampled, res, h = self._run(state.kv_cache, state.prev_sampled, mi, si,
+                                                                   options, flags)
             jax.block_until_ready(res)
         except jax.errors.JaxRuntimeError as e:
             if not loaded or cache is None:
@@ -389,9 +445,10 @@ class StepPrograms:
                 del programs[key]
             del self._compiled[self._layout(mi, si), options, flags]
             state.reset_buffers()
-            state.kv_cache, state.prev_sampled, res = self(state.kv_cache, state.prev_sampled, mi, si,
-                                                           options=options, flags=flags)
+            state.kv_cache, state.prev_sampled, res, h = self._run(state.kv_cache, state.prev_sampled, mi, si,
+                                                                   options, flags)
             jax.block_until_ready(res)
+        return None if h is None else abstract_like(h)
 
     def _layout(self, mi, si) -> tuple:
         """The step inputs' layout (step_inputs.flatten): with the options and flags, what picks its programs."""

@@ -382,3 +382,40 @@ def test_a_new_sampler_variant_never_compiles_the_model_in_the_loop(model_dir, l
             np.testing.assert_allclose(again[2], first[2], atol=1e-5, err_msg=name)
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
+
+
+def test_the_common_sampler_variants_compile_nothing_in_the_loop(model_dir, tmp_path, monkeypatch):
+    """With RunConfig.warm_sampler_variants (on for GPUs) the warm-up also compiles the head and sampler of
+    top-k/p and of logprobs (the sampled token's, and up to 8 top ones) for every bucket: the first requests
+    of those variants compile nothing at all on the engine's thread."""
+    import dataclasses
+
+    from jaxpaged import envs
+    from jaxpaged.engine import core
+    from jaxpaged.runner.step import WARM_SAMPLER_VARIANTS
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    real = core.resolve
+    monkeypatch.setattr(core, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k), warm_sampler_variants=True))
+    jax.clear_caches()
+    llm = LLM(model=model_dir, **COMPILED, layer_dispatch="scan")
+    programs = llm.llm_engine.runner.programs
+    # every bucket is a single-step one (one step a program on the CPU)
+    assert len(programs._resamplers) == len(llm.llm_engine.buckets.all_buckets()) * len(WARM_SAMPLER_VARIANTS)
+    compiled_on: collections.Counter = collections.Counter()
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled_on[threading.current_thread().name, kwargs.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 40000, int(n)).tolist() for n in (4, 33, 61)]
+    try:
+        for params in (dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0.0, top_k=5),
+                       dict(temperature=0.7, logprobs=3, seed=2), dict(temperature=0.0, logprobs=0)):
+            llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, **params), use_tqdm=False)
+            main = [fn for (thread, fn) in compiled_on if thread == threading.main_thread().name]
+            assert not main, (params, main)
+        programs.wait_for_background_compiles()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
