@@ -4,7 +4,7 @@
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). --offline first runs each model's
 # offline ShareGPT 1000 (bench/throughput.py), which also fills the executable cache the server then loads.
 # Each server: --load-format dummy, everything else default, its log in /tmp/server-MODEL.log. $OUT gets one
-# archive of the results and the logs.
+# archive per model: its results and its server's log.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OFFLINE=0
@@ -32,9 +32,10 @@ for MODEL in "$@"; do
   timeout 420 $PY "$REPO/bench/sampler_stall.py" --base-url "http://127.0.0.1:$PORT" --server-log /tmp/server-$MODEL.log \
     --name "sampler-stall-$MODEL" 2>&1 | tail -8 | sed 's/^/   /'
   kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
-  grep -E "sampler variant|Traceback|Error" /tmp/server-$MODEL.log | head -20 | sed 's/^/   log: /'
+  grep -E "sampler variant|Traceback|Error|XLA compile seconds" /tmp/server-$MODEL.log | head -30 | sed 's/^/   log: /'
+  # each model's files as soon as they are there: a call that runs past its limit keeps the earlier models'
+  if [ -n "${OUT:-}" ]; then
+    (cd "$REPO/bench/results" && tar -czf "$OUT/sampler_stall-$MODEL.tgz" sampler-stall-$MODEL.* \
+       $(ls throughput-$MODEL-sharegpt.* 2>/dev/null) -C /tmp server-$MODEL.log)
+  fi
 done
-if [ -n "${OUT:-}" ]; then
-  (cd "$REPO/bench/results" && tar -czf "$OUT/sampler_stall.tgz" sampler-stall-* throughput-*-sharegpt* -C /tmp \
-     $(cd /tmp && ls server-*.log) 2>/dev/null)
-fi
