@@ -32,7 +32,7 @@ for MODEL in "$@"; do
   timeout 420 $PY "$REPO/bench/sampler_stall.py" --base-url "http://127.0.0.1:$PORT" --server-log /tmp/server-$MODEL.log \
     --name "sampler-stall-$MODEL" 2>&1 | tail -8 | sed 's/^/   /'
   kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
-  grep -E "sampler variant|Traceback|Error|XLA compile seconds" /tmp/server-$MODEL.log | head -30 | sed 's/^/   log: /'
+  grep -E "sampler variant|head and sampler|Traceback|Error|XLA compile seconds" /tmp/server-$MODEL.log | head -30 | sed 's/^/   log: /'
   # each model's files as soon as they are there: a call that runs past its limit keeps the earlier models'
   if [ -n "${OUT:-}" ]; then
     (cd "$REPO/bench/results" && tar -czf "$OUT/sampler_stall-$MODEL.tgz" sampler-stall-$MODEL.* \
