@@ -13,7 +13,6 @@ import jax.numpy as jnp
 
 from jaxpaged.models import kv_cache_dtype
 from jaxpaged.runner.lowering_workers import LENGTH, LoweringJob, Result, export_platform
-from jaxpaged.runner.sampler import SamplerFlags
 from jaxpaged.runner.step import StepPrograms
 
 
@@ -42,11 +41,10 @@ def _target_device(job: LoweringJob):
 
 
 def _export_all(job: LoweringJob, programs: StepPrograms, state, platform: str, out) -> None:
-    for item, (bucket, steps, positions) in enumerate(job.work):
+    for item, (bucket, steps, positions, flags) in enumerate(job.work):
         specs, error = [], None
         try:
-            specs = list(programs.program_specs(state, bucket, programs.options(bucket, steps),
-                                                SamplerFlags()).values())
+            specs = list(programs.program_specs(state, bucket, programs.options(bucket, steps), flags).values())
         except Exception as e:  # noqa: BLE001 - the engine lowers what a worker cannot
             error = f"{type(e).__name__}: {e}"
         for pos in positions:

@@ -42,7 +42,8 @@ class LoweringJob(NamedTuple):
     max_rows: int                  # the sampled-token buffer's length
     params: Any                    # the weights' tree (layers as a list of per-layer trees), ShapeDtypeStructs
     device_kind: str               # the engine's device ("NVIDIA H100 80GB HBM3"): what the kernels lower for
-    work: list                     # [(bucket, decode steps, positions of its step's programs to export)]
+    work: list                     # [(bucket, decode steps, positions of its step's programs to export,
+                                   #   sampler flags)]
 
 
 class Result(NamedTuple):
@@ -72,7 +73,7 @@ class LoweringWorkers:
             threading.Thread(target=self._feed_and_read, args=(index, proc, job), daemon=True,
                              name=f"lowering-worker-{index}").start()
         self._expected = {(index, item, pos) for index, job in enumerate(jobs)
-                          for item, (_, _, positions) in enumerate(job.work) for pos in positions}
+                          for item, (_, _, positions, _) in enumerate(job.work) for pos in positions}
 
     def _feed_and_read(self, index: int, proc: subprocess.Popen, job: LoweringJob) -> None:
         """Send the job, then pass every frame back to the queue; None marks the end of the stream."""

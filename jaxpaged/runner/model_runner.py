@@ -110,7 +110,7 @@ class ModelRunner:
         options = self.programs.options(inputs.bucket, prepared.sched.num_steps)
         self.kv_cache, self.prev_sampled, result = self.programs(
             self.kv_cache, self.prev_sampled, inputs.model_input, inputs.sampling, options=options,
-            flags=inputs.flags)
+            flags=inputs.flags, bucket=inputs.bucket)
         self.prev_rows = prepared.sampled_rows
         return InFlight(prepared, result, time.perf_counter() - t0)
 

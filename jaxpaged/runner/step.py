@@ -148,7 +148,7 @@ class StepPrograms:
                               interpret=self.run.interpret, num_sms=self.run.num_sms)
 
     def __call__(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs, *,
-                 options: RuntimeOptions, flags: SamplerFlags):
+                 options: RuntimeOptions, flags: SamplerFlags, bucket: Bucket | None = None):
         """Run one step -> (kv_cache, sampled-token buffer, results): its inputs go into a pinned host slot
         (one copy), which the step reads itself.
 
@@ -157,11 +157,12 @@ class StepPrograms:
         variant's sampler on the step's last hidden states (layerwise.resample, a small program), so a new
         sampling parameter never stalls every request in flight while the whole model compiles again. Where
         the warm-up compiles (GPUs), the variant's own step then compiles on a background thread and takes
-        over once it is ready (it saves the second head)."""
+        over once it is ready (it saves the second head). bucket: the inputs' (a lowering worker can then lower
+        the variant's step, as it lowers a cold start-up's)."""
         if flags != DEFAULT_FLAGS:
             int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
             if (layout, options, flags) not in self._compiled:
-                self._compile_later(layout, options, flags, kv_cache, prev_sampled, int_pieces, float_pieces)
+                self._compile_later(layout, options, flags, kv_cache, prev_sampled, int_pieces, float_pieces, bucket)
                 if options.num_steps > 1:
                     return self._steps_one_by_one(kv_cache, prev_sampled, model_input, sampling, options, flags)
                 return self._resampled(kv_cache, prev_sampled, model_input, sampling, options, flags)
@@ -245,37 +246,55 @@ class StepPrograms:
         return kv_cache, prev_sampled, (*zip(*results), None)
 
     def _compile_later(self, layout: tuple, options: RuntimeOptions, flags: SamplerFlags, kv_cache, prev_sampled,
-                       int_pieces, float_pieces) -> None:
+                       int_pieces, float_pieces, bucket: Bucket | None) -> None:
         """Where the warm-up compiles (RunConfig.compile_buckets), compile this sampler variant's own step on
-        the background thread (once per variant), from the executable cache where it is there."""
+        the background thread (once per variant), from the executable cache where it is there. Where the
+        start-up has lowering workers and the variant's inputs have their bucket's plain layout (top-k/p,
+        logprobs), a worker process lowers it: tracing and lowering the model here would hold the GIL, and with
+        it the engine loop, for a second or more (qwen2-0.5b unrolled on the H200: the running streams' longest
+        gap 1.2 s while it did)."""
         key = (layout, options, flags)
         if not self.run.compile_buckets or key in self._later:
             return
         self._later.add(key)
         sizes = (padded_len(sum(map(len, int_pieces))), padded_len(sum(map(len, float_pieces))))
         state = types.SimpleNamespace(kv_cache=abstract_like(kv_cache), prev_sampled=abstract_like(prev_sampled))
+        if bucket is not None and (not self.run.lowering_processes
+                                   or layout != self._layout(*self.dummy_inputs(bucket))):
+            bucket = None         # lowered here
         if self._background is None:
             self._background = _BackgroundCompiler()
-        self._background.submit(functools.partial(self._compile_variant, key, state, sizes))
+        self._background.submit(functools.partial(self._compile_variant, key, state, sizes, bucket))
 
-    def _compile_variant(self, key: tuple, state, sizes: tuple[int, int]) -> None:
+    def _compile_variant(self, key: tuple, state, sizes: tuple[int, int], bucket: Bucket | None) -> None:
+        """The variant's programs from the executable cache, else lowered by a worker for `bucket` (None: here)
+        and compiled here; then the step made of them takes over (run_packed)."""
         layout, options, flags = key
         t0 = time.perf_counter()
         ints, floats = (jax.ShapeDtypeStruct((n,), dt, sharding=self.host_inputs.sharding)
                         for n, dt in zip(sizes, (jnp.int32, jnp.float32)))
         specs = self._specs(state, layout, ints, floats, options, flags)
         keys = self._program_keys(layout, options, flags)
-        executables: dict = {}
-        for k in dict.fromkeys(keys):
-            compiled = self.exec_cache.load(k) if self.exec_cache is not None else None
-            if compiled is None:
-                compiled = self._compile(k, specs[k].lower())
-                if self.exec_cache is not None:
-                    self.exec_cache.store(k, compiled)
-            executables[k] = compiled
+        order = list(dict.fromkeys(keys))
+        executables = {k: self.exec_cache.load(k) if self.exec_cache is not None else None for k in order}
+        missing = [i for i, k in enumerate(order) if executables[k] is None]
+        lowered = {}
+        if missing and bucket is not None:
+            workers = LoweringWorkers([self._lowering_job([(bucket, options.num_steps, tuple(missing), flags)])])
+            try:
+                for _, result in workers.results():
+                    lowered[order[result.position]] = self._lowered(specs[order[result.position]], result)
+            finally:
+                workers.close()
+        for i in missing:
+            k = order[i]
+            executables[k] = compiled = self._compile(k, lowered.pop(k, None) or specs[k].lower())
+            if self.exec_cache is not None:
+                self.exec_cache.store(k, compiled)
         self._compiled[key] = self._assemble([executables[k] for k in keys])
-        logger.info("Compiled the step of sampler variant %s (%d decode steps) in the background in %.1f s",
-                    flags, options.num_steps, time.perf_counter() - t0)
+        logger.info("Compiled the step of sampler variant %s (%d decode steps) in the background in %.1f s%s",
+                    flags, options.num_steps, time.perf_counter() - t0,
+                    " (lowered by a worker process)" if missing and bucket is not None else "")
 
     def wait_for_background_compiles(self) -> None:
         """Block until every sampler variant queued for compiling is compiled (tests, benchmarks)."""
@@ -387,11 +406,7 @@ class StepPrograms:
         n = min(self.run.lowering_processes, len(missing))
         positions = [tuple(order.index(k) for k in new) for _, order, new in missing]
         shares = [list(range(first, len(missing), n)) for first in range(n)]
-        layers = None if self.layer_groups is None else [lp for group, *_ in self.layer_groups for lp in group]
-        params = abstract(self.params if layers is None else dict(self.params, layers=layers))
-        jobs = [LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,
-                            self.max_blocks_per_req, self.max_rows, params, jax.devices()[0].device_kind,
-                            [(*missing[i][0], positions[i]) for i in share]) for share in shares]
+        jobs = [self._lowering_job([(*missing[i][0], positions[i], flags) for i in share]) for share in shares]
         specs: dict = {}          # index into missing -> this process's ProgramSpecs of that bucket's step
         left = [len(p) for p in positions]
         bar = tqdm(total=len(missing), desc=f"Lowering buckets ({n} processes)", disable=not progress)
@@ -409,6 +424,14 @@ class StepPrograms:
         finally:
             workers.close()
             bar.close()
+
+    def _lowering_job(self, work: list) -> LoweringJob:
+        """A lowering worker's job: this step's configuration and shapes, and its work, [(bucket, decode steps,
+        positions of the step's programs to export, sampler flags)]."""
+        layers = None if self.layer_groups is None else [lp for group, *_ in self.layer_groups for lp in group]
+        params = abstract(self.params if layers is None else dict(self.params, layers=layers))
+        return LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,
+                           self.max_blocks_per_req, self.max_rows, params, jax.devices()[0].device_kind, work)
 
     @staticmethod
     def _lowered(spec: ProgramSpec, result: Result):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_llama_dir
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.runner import lowering_workers
+from jaxpaged.runner import layerwise, lowering_workers
 from jaxpaged.runner.program_spec import ProgramSpec
 
 pytestmark = pytest.mark.cost(75)
@@ -68,9 +68,11 @@ def test_workers_lower_every_program_the_engine_runs(model_dir, with_workers, la
     assert set(seconds) == ({"pre", "layers", "post"} if layer_dispatch == "per_layer" else {"step"})
     assert sum(map(len, seconds.values())) == startup_misses
     # generate asks for logprobs: a sampler variant, whose own step then compiles on the background thread
-    # (runner/step.py), lowered here; what the warm start-up below loads is what this one compiled
+    # (runner/step.py), lowered by a worker too; here only the variant's head and sampler (resample) are
     assert generate(llm) == want
     llm.llm_engine.runner.programs.wait_for_background_compiles()
+    assert cache.misses > startup_misses
+    assert [s.jitted for s in with_workers if s.jitted is not layerwise.resample] == []
     del llm
     warm = LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, compile_buckets=True,
                num_scheduler_steps=4 if layer_dispatch == "unrolled" else None)
