@@ -166,8 +166,8 @@ class RunConfig:
     # Worker processes that lower the programs a cold start-up compiles (runner/lowering_workers.py);
     # 0: the engine lowers them itself, one at a time.
     lowering_processes: int = 0
-    # The warm-up also compiles the head and sampler of the common sampler variants for every bucket
-    # (runner/step.py WARM_SAMPLER_VARIANTS), so their first request compiles nothing (GPUs).
+    # After the warm-up, the head and sampler of the common sampler variants compile for every bucket in the
+    # background (runner/step.py WARM_SAMPLER_VARIANTS), so their first requests compile nothing (GPUs).
     warm_sampler_variants: bool = False
 
     @property
