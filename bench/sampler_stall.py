@@ -13,6 +13,10 @@ sampler are done (--warm-deadline-s at most). Then for each variant (--variants;
      (the variant's own step), then a plain stream of 300 tokens (the default step's TPOT).
 The log's "Compiled the step of sampler variant ... in X s" lines give each background compile: what the
 engine loop used to wait for, holding every stream. Results: bench/results/sampler-stall-<model>.{json,md}.
+
+  python bench/sampler_stall.py --compare OUT label=results.json [label=results.json ...]
+
+tables (OUT.md) and plots (OUT.png) several runs' results side by side.
 """
 from __future__ import annotations
 
@@ -115,7 +119,44 @@ async def main_async(args) -> list[dict]:
     return rows
 
 
+COLUMNS = [("first_request_ttft_ms", "first request's TTFT (ms)"),
+           ("stream_longest_gap_during_ms", "running stream's longest gap (ms)"),
+           ("stream_median_gap_before_ms", "its median gap before (ms)"),
+           ("tpot_while_compiling_ms", "TPOT while its step compiles (ms)"),
+           ("tpot_own_step_ms", "TPOT on its own step (ms)"), ("tpot_plain_ms", "plain TPOT (ms)")]
+
+
+def compare(runs: list[tuple[str, Path]], out: Path) -> None:
+    """A table (out.md) and a plot (out.png) of several runs' results, label=path.json each."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [(label, row) for label, path in runs for row in json.loads(path.read_text())["metrics"]["rows"]]
+    lines = ["| run | variant | " + " | ".join(t for _, t in COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    lines += [f"| {label} | {row['variant']} | " + " | ".join(f"{row[k]:,.1f}" if row[k] is not None else "-"
+                                                               for k, _ in COLUMNS) + " |" for label, row in rows]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"{label}\n{row['variant']}" for label, row in rows]
+    for ax, key, title in ((axes[0], "first_request_ttft_ms", "a new variant's first request: TTFT"),
+                           (axes[1], "stream_longest_gap_during_ms", "a running stream's longest gap meanwhile")):
+        ax.bar(range(len(rows)), [row[key] for _, row in rows])
+        ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms (log)")
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--compare":      # --compare OUT label=results.json ...
+        compare([(a.split("=", 1)[0], Path(a.split("=", 1)[1])) for a in argv[2:]], Path(argv[1]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", default=None, help="the served model's name (default: what /v1/models lists)")
@@ -135,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = {"rows": rows, "background_compile_s": compiles,
                "common_variants_background_s": float(warm.group(2)) if warm else None}
     path = write_result(args.name or f"sampler-stall-{Path(args.model).name}", metrics,
-                        meta=stamp(sys.argv if argv is None else ["bench/sampler_stall.py"] + argv, with_device=False),
+                        meta=stamp(["bench/sampler_stall.py"] + argv, with_device=False),
                         title="a sampler variant's first request against a running server")
     print(f"background compiles (s): {compiles}\nwrote {path}")
 
