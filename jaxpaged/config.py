@@ -77,6 +77,8 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     max_logprobs: int = 20                    # most logprobs / prompt_logprobs a request may ask for (vLLM's)
+    generation_config: str = "auto"           # sampling defaults: auto (the model's) | vllm | a folder
+    override_generation_config: dict | None = None   # fields over those (engine/generation_config.py)
     attention_backend: str | None = None      # reference | xla | pallas | mosaic; default by platform
     layer_dispatch: str | None = None         # scan | per_layer | unrolled; default by layer size and use
     compile_buckets: bool | None = None       # compile every shape bucket at start-up (default: on GPUs)
@@ -124,6 +126,8 @@ class EngineArgs:
                              "fp8 or fp8_e4m3")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
+        from jaxpaged.engine.generation_config import check_generation_config
+        check_generation_config(self.generation_config, self.override_generation_config)
 
 
 class Platform(NamedTuple):

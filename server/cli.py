@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from jaxpaged.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
@@ -30,6 +31,16 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
     return value
 
 
@@ -70,6 +81,12 @@ def _model_flags(m) -> None:
                    help="Run the chat template a request brings (`chat_template`). Off: such requests are "
                         "refused, since a template is code the server runs.")
     m.add_argument("--seed", type=int, default=0, help="Random seed for weights (dummy) and sampling.")
+    m.add_argument("--generation-config", default="auto",
+                   help="Sampling defaults for the fields a request leaves unset (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty; max_new_tokens caps max_tokens): 'auto' takes the model "
+                        "folder's generation_config.json, 'vllm' the neutral defaults, or a folder path its file.")
+    m.add_argument("--override-generation-config", type=_json_dict, default=None,
+                   help='JSON object of those fields over the generation config, e.g. \'{"temperature": 0.5}\'.')
 
 
 def _cache_and_scheduler_flags(c) -> None:
@@ -183,4 +200,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
         num_scheduler_steps=args.num_scheduler_steps, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         usage_context="openai_api_server")

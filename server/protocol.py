@@ -156,18 +156,21 @@ class SamplingFields(OpenAIModel):
         engine_id = random_id(prefix)
         return engine_id, engine_id if self.request_id is None else f"{prefix}-{self.request_id}"
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """Raises ValueError (-> 400) for values out of range, with SamplingParams' messages. (logprobs past
-        --max-logprobs: the engine's check, InputProcessor.validate_prompt.)"""
+        --max-logprobs: the engine's check, InputProcessor.validate_prompt.) defaults: the model's sampling
+        defaults (engine/generation_config.py), for the fields the request leaves unset."""
         try:
             bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
+
+        def field(name: str, neutral):
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n, temperature=field("temperature", 1.0), top_p=field("top_p", 1.0), top_k=field("top_k", 0),
+            min_p=field("min_p", 0.0), repetition_penalty=field("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
@@ -200,10 +203,10 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True        # vLLM's: the tokenizer's BOS (and the like) on text prompts
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}) when set, got {self.best_of}.")
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, defaults or {})
 
 
 class CompletionLogProbs(BaseModel):
@@ -302,10 +305,11 @@ class ChatCompletionRequest(SamplingFields):
                              "continue_final_message")
         return data
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                     defaults or {})
 
 
 class TopLogprob(BaseModel):

@@ -92,10 +92,17 @@ class ServerState:
     def default_max_tokens(self, requested: int | None, num_prompt_tokens: int) -> int | None:
         """As vLLM: no max_tokens means up to the context length, here also no more than the KV cache holds
         (a pool smaller than max_model_len, which vLLM refuses at start-up), so such a request runs rather
-        than being refused; at least 1, so an over-long prompt still gets the engine's check and message."""
-        if requested is not None:
-            return requested
-        return max(1, self.llm.input_processor.max_new_tokens(num_prompt_tokens))
+        than being refused; at least 1, so an over-long prompt still gets the engine's check and message.
+        The model's generation config's max_new_tokens (--generation-config) caps either."""
+        tokens = requested if requested is not None else max(1, self.llm.input_processor.max_new_tokens(
+            num_prompt_tokens))
+        cap = self.llm.default_sampling.get("max_tokens")
+        return tokens if cap is None else min(tokens, cap)
+
+    @property
+    def default_sampling(self) -> dict:
+        """The model's sampling defaults for the fields a request leaves unset (engine/generation_config.py)."""
+        return self.llm.default_sampling
 
     def log_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
         if self.log_requests:

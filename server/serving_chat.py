@@ -94,7 +94,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         size = sum(len(m.text()) for m in request.messages)
         prompt, token_ids = await state.llm.off_loop(size, lambda: _template_and_tokenize(state, request))
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = request.to_sampling_params(state.default_max_tokens(requested, len(token_ids)))
+        params = request.to_sampling_params(state.default_max_tokens(requested, len(token_ids)),
+                                            state.default_sampling)
         state.check_prompt(token_ids, params, request.priority)
     except ValueError as e:
         raise APIError(str(e)) from None

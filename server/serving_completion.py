@@ -36,7 +36,7 @@ class _Prepared:
         if len(self.token_ids) < len(token_ids):
             text = None                        # what runs (and what echo shows) is the kept tail
         self.params: SamplingParams = request.to_sampling_params(
-            state.default_max_tokens(request.max_tokens, len(self.token_ids)))
+            state.default_max_tokens(request.max_tokens, len(self.token_ids)), state.default_sampling)
         state.check_prompt(self.token_ids, self.params, request.priority)
         # token prompts' text is read only to echo it (as vLLM, the output's prompt is None otherwise), and
         # only once their ids are known to be in the vocabulary

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.core import resolve_model_path
+from jaxpaged.engine.generation_config import default_sampling_fields
 from jaxpaged.engine.core_client import CoreChannel, CoreProcClient, EngineDeadError, run_core_process
 from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer
 from jaxpaged.engine.input_processor import InputProcessor, PromptType
@@ -61,6 +62,9 @@ class AsyncLLM:
             self.client.shutdown()
             raise
         self.input_processor = InputProcessor(self.tokenizer, self.info, args.seed, self.client.client_index)
+        # the model's sampling defaults (--generation-config), for the fields a request leaves unset
+        self.default_sampling = default_sampling_fields(self.info.model_path, args.generation_config,
+                                                        args.override_generation_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = self.output_processor.stats
         self.core_stats = CoreStats(num_free_blocks=self.info.num_blocks - 1)   # until the first step's

@@ -10,6 +10,7 @@ import logging
 
 from jaxpaged.config import EngineArgs
 from jaxpaged.engine.core import EngineCore, resolve_model_path
+from jaxpaged.engine.generation_config import default_sampling_fields
 from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer
 from jaxpaged.engine.input_processor import InputProcessor, PromptType
 from jaxpaged.engine.output_processor import OutputProcessor
@@ -33,6 +34,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args.tokenizer or core.model_path)
         self.info = core.info()
         self.input_processor = InputProcessor(self.tokenizer, self.info, args.seed)
+        # the model's sampling defaults (--generation-config): what LLM.get_default_sampling_params gives
+        self.default_sampling = default_sampling_fields(self.info.model_path, args.generation_config,
+                                                        args.override_generation_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = self.output_processor.stats
         prepare_detokenizer(self.tokenizer)

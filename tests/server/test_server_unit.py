@@ -25,7 +25,8 @@ FLAGS = ["--model", "--tokenizer", "--served-model-name", "--host", "--port", "-
          "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
          "--enable-chunked-prefill", "--swap-space", "--preemption-mode", "--num-gpu-blocks-override", "--seed",
          "--chat-template", "--tensor-parallel-size", "--allowed-origins", "--uvicorn-log-level",
-         "--disable-log-requests", "--root-path", "--max-request-body-mib", "--trust-request-chat-template"]
+         "--disable-log-requests", "--root-path", "--max-request-body-mib", "--trust-request-chat-template",
+         "--generation-config", "--override-generation-config"]
 
 
 # ---- flags ---------------------------------------------------------------------------------------
@@ -114,6 +115,7 @@ class _StubLLM:
         self.tokenizer = _Tok()
         self.info = _Namespace(num_blocks=10)
         self.model_path, self.max_model_len, self.vocab_size = "/stub", 64, 100
+        self.default_sampling: dict = {}          # no generation config
         self.core_stats, self.request_stats = CoreStats(num_free_blocks=9), RequestStats()
         self.input_processor = _Namespace(
             tokenize_prompt=lambda p, add_special_tokens=True: ((p, _Tok().encode(p)) if isinstance(p, str)
@@ -383,3 +385,35 @@ def test_truncate_prompt_tokens_keeps_the_last_k():
         CompletionRequest(prompt=ids, truncate_prompt_tokens=9).truncate(ids, 8)
     with pytest.raises(ValidationError):
         CompletionRequest(prompt=ids, truncate_prompt_tokens=0)
+
+
+def test_the_generation_config_fills_what_a_request_leaves_unset():
+    """--generation-config (the engine's default_sampling): a field the request does not set samples with the
+    model's default, one it sets keeps its value, and the config's max_tokens caps max_tokens, given or not
+    (vLLM's rule). The flags map to EngineArgs; a bad value stops the server at start-up."""
+    llm = _StubLLM()
+    llm.default_sampling = {"temperature": 0.2, "top_k": 7, "repetition_penalty": 1.1, "max_tokens": 3}
+    seen = []
+    real = llm.generate
+
+    def generate(prompt, params, request_id, priority=0):
+        seen.append(params)
+        return real(prompt, params, request_id, priority)
+
+    llm.generate = generate
+    with TestClient(build_app(ServerState(llm, ["stub"], log_requests=False)), raise_server_exceptions=False) as c:
+        for path, body in PATHS:
+            for extra in ({}, {"temperature": 0.5, "top_k": 2, "max_tokens": 10}):
+                c.post(path, json={**body, **extra})
+    got = [(p.temperature, p.top_k, p.repetition_penalty, p.max_tokens) for p in seen]
+    assert got == [(0.2, 7, 1.1, 3), (0.5, 2, 1.1, 3)] * 2
+    args = make_parser().parse_args(["--generation-config", "vllm", "--override-generation-config",
+                                     '{"temperature": 0.3}'])
+    e = engine_args_from(args)
+    assert (e.generation_config, e.override_generation_config) == ("vllm", {"temperature": 0.3})
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--override-generation-config", "[1]"])
+    with pytest.raises(ValueError, match="generation_config must be"):
+        engine_args_from(make_parser().parse_args(["--generation-config", "/no/such/folder"]))
+    with pytest.raises(ValueError, match="unknown fields"):
+        engine_args_from(make_parser().parse_args(["--override-generation-config", '{"temprature": 0.3}']))
