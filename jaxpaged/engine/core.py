@@ -165,13 +165,11 @@ class EngineCore:
     @staticmethod
     def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
         """Peak of the step's temporaries: the sampled rows' logits, one chunk of every-token logits (prompt
-        logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest MLP activations, the last hidden states the
-        step hands out (runner/step.py: a sampler variant's head reads them), slack for XLA."""
+        logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest MLP activations, slack for XLA."""
         from jaxpaged.models.decoder import PROMPT_HEAD_CHUNK
         logits = (max_seqs + min(max_tokens, PROMPT_HEAD_CHUNK)) * cfg.vocab_size * 4 * 3
         mlp = max_tokens * cfg.intermediate_size * 4 * 3
-        hidden = max_tokens * cfg.hidden_size * 4
-        return logits + mlp + hidden + (256 << 20)
+        return logits + mlp + (256 << 20)
 
     def info(self) -> CoreInfo:
         cfg = self.model_config

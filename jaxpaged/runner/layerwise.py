@@ -11,7 +11,7 @@ launches per step instead of one. unrolled makes the whole step one program (one
 of a longer compile.
 
 Same inputs and outputs as step.packed_step; a test checks both give the same tokens. resample is the
-head and sampler alone, on a step's last hidden states (step.StepPrograms says when).
+head and sampler alone, on the hidden states of a step's sampled rows (step.StepPrograms says when).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxpaged.models.decoder import RuntimeOptions, embed_phase, head_options, head_phase, layer_phase
 from jaxpaged.runner.multi_step import decode_steps
@@ -66,23 +67,26 @@ def group_layers(layer_params: list, layer_ids: list, group: int,
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype", "flags", "head_opts"), donate_argnames=("prev_sampled",))
 def _post(params, h, prev_sampled, model_input, sampling, *, cfg, dtype, flags: SamplerFlags,
           head_opts: RuntimeOptions | None = None):
-    """head_opts: decoder.head_options' (None for a dense head)."""
+    """-> (sampled_buf, result, the sampled rows' hidden states [R, H], what resample takes). head_opts:
+    decoder.head_options' (None for a dense head)."""
     logits, prompt = head_phase(cfg, dtype, params, h, model_input.logits_indices,
                                 model_input.prompt_target_ids, prompt_head(flags), head_opts)
-    return sample_and_keep(logits, prompt, sampling, flags, prev_sampled)
+    return (*sample_and_keep(logits, prompt, sampling, flags, prev_sampled), h[model_input.logits_indices])
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "flags", "head_opts"),
                    donate_argnames=("prev_sampled",))
-def resample(head_params, h, prev_sampled, ints, floats, *, layout, cfg, dtype, flags: SamplerFlags,
+def resample(head_params, rows, prev_sampled, ints, floats, *, layout, cfg, dtype, flags: SamplerFlags,
              head_opts: RuntimeOptions | None = None):
-    """The head and a sampler variant on a step's last hidden states h [T, H] (before the final norm), for
-    inputs packed as the step packs them -> (sampled_buf, result), as the step's own head gives them. What
-    a batch whose sampler variant has no compiled step runs after the default variant's step
-    (step.StepPrograms): a small program, so a new sampling parameter never compiles the model again."""
-    model_input, sampling = unpack(ints, floats, layout)
-    return _post.__wrapped__(head_params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype, flags=flags,
-                             head_opts=head_opts)
+    """The head and a sampler variant on the hidden states of a step's sampled rows [R, H] (before the final
+    norm), for inputs packed as the step packs them -> (sampled_buf, result), as the step's own head gives them.
+    What a batch whose sampler variant has no compiled step runs after the default variant's step
+    (step.StepPrograms): a small program, so a new sampling parameter never compiles the model again. Not for
+    prompt logprobs, which need every token's hidden states."""
+    assert flags.num_prompt_logprobs < 0, "prompt logprobs read every token's hidden states"
+    _, sampling = unpack(ints, floats, layout)
+    logits, _ = head_phase(cfg, dtype, head_params, rows, jnp.arange(rows.shape[0]), options=head_opts)
+    return sample_and_keep(logits, (), sampling, flags, prev_sampled)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),
@@ -90,7 +94,7 @@ def resample(head_params, h, prev_sampled, ints, floats, *, layout, cfg, dtype, 
 def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
                options: RuntimeOptions, flags: SamplerFlags):
     """The whole step as one program, every layer unrolled on its own weights (all layers in one group) ->
-    (kv_cache, sampled_buf, results, the last hidden states or None for several decode steps)."""
+    (kv_cache, sampled_buf, results, the sampled rows' hidden states or None for several decode steps)."""
     if options.num_steps > 1:      # multi-step decoding (model_runner.decode_steps)
         model_input, sampling = unpack(ints, floats, layout)
 
@@ -106,10 +110,9 @@ def whole_step(params, layer_params, kv_cache, prev_sampled, ints, floats, *, la
                                                           cfg=cfg, dtype=dtype)
     h, kv_cache = _layers(layer_params, h, kv_cache, 0, model_input.meta, cos, sin, cfg=cfg, dtype=dtype,
                           options=options, kinds=cfg.layer_kinds() or None)
-    sampled_buf, result = _post.__wrapped__(params, h, prev_sampled, model_input, sampling, cfg=cfg, dtype=dtype,
-                                            head_opts=head_options(cfg, options),
-                                            flags=flags)
-    return kv_cache, sampled_buf, result, h
+    sampled_buf, result, rows = _post.__wrapped__(params, h, prev_sampled, model_input, sampling, cfg=cfg,
+                                                  dtype=dtype, head_opts=head_options(cfg, options), flags=flags)
+    return kv_cache, sampled_buf, result, rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +124,16 @@ class GroupedStep:
     (program_specs)."""
     pre: Any           # (params, prev_sampled, ints, floats) -> (h, cos, sin, model_input, sampling)
     layers: tuple      # per group: (group_params, h, kv_cache, first_idx, meta, cos, sin) -> (h, kv_cache)
-    post: Any          # (params, h, prev_sampled, model_input, sampling) -> (sampled_buf, result)
+    post: Any          # (params, h, prev_sampled, model_input, sampling) -> (sampled_buf, result, rows)
 
     def __call__(self, params, layer_groups, kv_cache, prev_sampled, ints, floats):
-        """The step -> (kv_cache, sampled_buf, results, last hidden states), as step.packed_step."""
+        """The step -> (kv_cache, sampled_buf, results, the sampled rows' hidden states), as step.packed_step."""
         h, cos, sin, model_input, sampling = self.pre(params, prev_sampled, ints, floats)
         meta = model_input.meta
         for (group_params, first_idx, _), layers in zip(layer_groups, self.layers):
             h, kv_cache = layers(group_params, h, kv_cache, first_idx, meta, cos, sin)
-        sampled_buf, result = self.post(params, h, prev_sampled, model_input, sampling)
-        return kv_cache, sampled_buf, result, h
+        sampled_buf, result, rows = self.post(params, h, prev_sampled, model_input, sampling)
+        return kv_cache, sampled_buf, result, rows
 
     def flat(self) -> list:
         """The programs in the order they run (a group's once per group)."""
@@ -178,7 +181,8 @@ def program_specs(params, layer_groups, kv_cache, prev_sampled, ints, floats, *,
 
 def step(params, layer_groups, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype,
          options: RuntimeOptions, flags: SamplerFlags):
-    """One engine step through jit -> (kv_cache, sampled_buf, results, last hidden states), as step.packed_step.
+    """One engine step through jit -> (kv_cache, sampled_buf, results, the sampled rows' hidden states), as
+    step.packed_step.
 
     layer_groups: from group_layers; each group's layers run unrolled in one program (a last, smaller
     group compiles its own), its first index a device scalar made once (a Python int is copied every call).

@@ -46,14 +46,13 @@ WARM_SAMPLER_VARIANTS = (SamplerFlags(top_k_p=True), SamplerFlags(num_logprobs=0
                          SamplerFlags(num_logprobs=MIN_LOGPROBS_WIDTH))
 
 
-def _plain_inputs(model_input: ModelInput, sampling: SamplingInputs) -> tuple[ModelInput, SamplingInputs]:
-    """A step's inputs without what only a sampler variant reads (penalty histories, logit bias, prompt-logprob
-    targets): the layout of the default variant's step for the same bucket."""
+def _plain_sampling(sampling: SamplingInputs) -> SamplingInputs:
+    """A step's sampling inputs without what only a sampler variant reads (penalty histories, logit bias): with
+    its model inputs, the layout of the default variant's step for the same bucket."""
     rows = sampling.temperature.shape[0]
     no_ints, no_floats = np.zeros((rows, 0), np.int32), np.zeros((rows, 0), np.float32)
-    return (dataclasses.replace(model_input, prompt_target_ids=np.zeros(0, np.int32)),
-            dataclasses.replace(sampling, output_ids=no_ints, prompt_ids=no_ints, bias_ids=no_ints,
-                                bias_values=no_floats))
+    return dataclasses.replace(sampling, output_ids=no_ints, prompt_ids=no_ints, bias_ids=no_ints,
+                               bias_values=no_floats)
 
 
 def abstract_like(x: jax.Array) -> jax.ShapeDtypeStruct:
@@ -154,12 +153,14 @@ class StepPrograms:
 
         A sampler variant (top-k/p, penalties, logit bias, logprobs: SamplerFlags) with no compiled step
         of its own runs the default variant's step, which the warm-up compiled, then the head and that
-        variant's sampler on the step's last hidden states (layerwise.resample, a small program), so a new
-        sampling parameter never stalls every request in flight while the whole model compiles again. Where
-        the warm-up compiles (GPUs), the variant's own step then compiles on a background thread and takes
-        over once it is ready (it saves the second head). bucket: the inputs' (a lowering worker can then lower
-        the variant's step, as it lowers a cold start-up's)."""
-        if flags != DEFAULT_FLAGS:
+        variant's sampler on the sampled rows' hidden states (layerwise.resample, a small program), so a new
+        sampling parameter never stalls every request in flight while the whole model compiles again; the
+        variant's own step compiles on a background thread meanwhile and takes over once it is ready (it
+        saves the second head). Not prompt logprobs (they read every token's hidden states, which the step
+        does not hand out): those compile their own step on first use. Nor where the warm-up compiles nothing
+        (compile_buckets off: the CPU's default), which compiles every program on first use anyway. bucket:
+        the inputs' (a lowering worker can then lower the variant's step, as it lowers a cold start-up's)."""
+        if flags != DEFAULT_FLAGS and self.run.compile_buckets and flags.num_prompt_logprobs < 0:
             int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
             if (layout, options, flags) not in self._compiled:
                 self._compile_later(layout, options, flags, kv_cache, prev_sampled, int_pieces, float_pieces, bucket)
@@ -170,7 +171,8 @@ class StepPrograms:
 
     def _run(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
              options: RuntimeOptions, flags: SamplerFlags):
-        """The step's own programs -> (kv_cache, sampled-token buffer, results, last hidden states or None)."""
+        """The step's own programs -> (kv_cache, sampled-token buffer, results, the sampled rows' hidden states
+        or None)."""
         int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
         slot = self.host_inputs.write(int_pieces, float_pieces)
         out = self.run_packed(kv_cache, prev_sampled, *slot.arrays, layout=layout, options=options, flags=flags)
@@ -182,7 +184,7 @@ class StepPrograms:
         """One step of a sampler variant without its own compiled step: the default variant's step on the
         inputs without the variant's extras (so they have the layout it was compiled for), then
         layerwise.resample on the full inputs, which overwrites the sampled-token buffer."""
-        kv_cache, prev_sampled, _, h = self._run(kv_cache, prev_sampled, *_plain_inputs(model_input, sampling),
+        kv_cache, prev_sampled, _, h = self._run(kv_cache, prev_sampled, model_input, _plain_sampling(sampling),
                                                  options, DEFAULT_FLAGS)
         int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
         slot = self.host_inputs.write(int_pieces, float_pieces)
@@ -203,16 +205,24 @@ class StepPrograms:
                         flags, h.shape[0], time.perf_counter() - t0)
         return compiled
 
+    @property
+    def _variant_cache(self) -> ExecutableCache | None:
+        """The executable cache for the programs compiled after the warm-up (sampler variants'), which run
+        without the warm-up's check that a loaded program runs: not on the CPU, where some deserialized
+        programs fail when they run ("Function ... not found"; its cache is on only in tests)."""
+        return self.exec_cache if self.run.platform != "cpu" else None
+
     def _compile_resampler(self, key: tuple, h, prev_sampled, ints, floats):
-        compiled = self.exec_cache.load(key) if self.exec_cache is not None else None
+        cache = self._variant_cache
+        compiled = cache.load(key) if cache is not None else None
         if compiled is None:
             _, layout, flags, head_opts, *_ = key
             spec = ProgramSpec(layerwise.resample, (self.head_params, h, prev_sampled, ints, floats),
                                dict(layout=layout, cfg=self.cfg, dtype=self.dtype, flags=flags, head_opts=head_opts),
                                (2,))
             compiled = self._compile(key, spec.lower())
-            if self.exec_cache is not None:
-                self.exec_cache.store(key, compiled)
+            if cache is not None:
+                cache.store(key, compiled)
         return compiled
 
     def _steps_one_by_one(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
@@ -247,14 +257,14 @@ class StepPrograms:
 
     def _compile_later(self, layout: tuple, options: RuntimeOptions, flags: SamplerFlags, kv_cache, prev_sampled,
                        int_pieces, float_pieces, bucket: Bucket | None) -> None:
-        """Where the warm-up compiles (RunConfig.compile_buckets), compile this sampler variant's own step on
-        the background thread (once per variant), from the executable cache where it is there. Where the
+        """Compile this sampler variant's own step on the background thread (once per variant), from the
+        executable cache where it is there. Where the
         start-up has lowering workers and the variant's inputs have their bucket's plain layout (top-k/p,
         logprobs), a worker process lowers it: tracing and lowering the model here would hold the GIL, and with
         it the engine loop, for a second or more (qwen2-0.5b unrolled on the H200: the running streams' longest
         gap 1.2 s while it did)."""
         key = (layout, options, flags)
-        if not self.run.compile_buckets or key in self._later:
+        if key in self._later:
             return
         self._later.add(key)
         sizes = (padded_len(sum(map(len, int_pieces))), padded_len(sum(map(len, float_pieces))))
@@ -274,7 +284,8 @@ class StepPrograms:
         specs = self._specs(state, layout, ints, floats, options, flags)
         keys = self._program_keys(layout, options, flags)
         order = list(dict.fromkeys(keys))
-        executables = {k: self.exec_cache.load(k) if self.exec_cache is not None else None for k in order}
+        cache = self._variant_cache
+        executables = {k: cache.load(k) if cache is not None else None for k in order}
         missing = [i for i, k in enumerate(order) if executables[k] is None]
         lowered = {}
         if missing and bucket is not None:
@@ -287,8 +298,8 @@ class StepPrograms:
         for i in missing:
             k = order[i]
             executables[k] = compiled = self._compile(k, lowered.pop(k, None) or specs[k].lower())
-            if self.exec_cache is not None:
-                self.exec_cache.store(k, compiled)
+            if cache is not None:
+                cache.store(k, compiled)
         self._compiled[key] = self._assemble([executables[k] for k in keys])
         logger.info("Compiled the step of sampler variant %s (%d decode steps) in the background in %.1f s%s",
                     flags, options.num_steps, time.perf_counter() - t0,
@@ -302,7 +313,7 @@ class StepPrograms:
     def run_packed(self, kv_cache, prev_sampled, ints, floats, *, layout, options: RuntimeOptions,
                    flags: SamplerFlags):
         """The step on already packed inputs (step_inputs.pack) -> (kv_cache, sampled-token buffer, results,
-        last hidden states or None): the programs warm-up made for it, else through jit."""
+        the sampled rows' hidden states or None): the programs warm-up made for it, else through jit."""
         compiled = self._compiled.get((layout, options, flags))
         if compiled is not None:
             return compiled(kv_cache, prev_sampled, ints, floats)
@@ -352,7 +363,7 @@ class StepPrograms:
                         specs = self.program_specs(state, bucket, self.options(bucket, steps), flags)
                         for key in new:
                             compiling[key] = pool.submit(self._compile, key, specs[key].lower())
-        heads = []                # (bucket, options, its last hidden states' shape) of each single-step bucket
+        heads = []                # (bucket, options, its sampled rows' hidden states' shape) of each single-step bucket
         try:
             for bucket, steps in tqdm(variants, desc="Compiling buckets", disable=not progress):
                 h = self._warm_one(state, bucket, steps, flags, programs, compiling)
@@ -457,7 +468,7 @@ class StepPrograms:
 
     def _warm_one(self, state, bucket: Bucket, steps: int, flags: SamplerFlags, programs: dict,
                   compiling: dict) -> jax.ShapeDtypeStruct | None:
-        """Compile (or load) and run one bucket's step -> its last hidden states' shape (None: several
+        """Compile (or load) and run one bucket's step -> its sampled rows' hidden states' shape (None: several
         decode steps)."""
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
@@ -571,8 +582,8 @@ class StepPrograms:
 def packed_step(params, kv_cache, prev_sampled, ints, floats, *, layout, cfg, dtype, options: RuntimeOptions,
                 flags: SamplerFlags):
     """The one jitted step under the layer scan: model forward over the flat batch, then sampling -> (kv_cache,
-    sampled-token buffer, results, the last hidden states before the final norm, or None for several decode
-    steps). The pool and the sampled-token buffer are donated (updated in place: their addresses stay those
+    sampled-token buffer, results, the sampled rows' hidden states before the final norm, or None for several
+    decode steps). The pool and the sampled-token buffer are donated (updated in place: their addresses stay those
     the step's CUDA graphs hold).
 
     A module-level function whose static arguments are plain hashable values (no runner instance), so

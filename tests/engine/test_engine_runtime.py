@@ -317,12 +317,12 @@ def test_core_stats_carry_device_memory_in_use(model_dir, monkeypatch):
 
 
 # One request's sampling parameters per sampler variant (runner/sampler.py SamplerFlags); seeded, so the
-# tokens are the same on any path.
+# tokens are the same on any path. Not prompt logprobs: they read every token's hidden states, which a step
+# does not hand out, and compile their own step on first use.
 VARIANTS = {"top-k/p": dict(temperature=0.8, top_p=0.9, top_k=20, seed=5),
             "penalties": dict(temperature=0.8, presence_penalty=0.5, repetition_penalty=1.2, seed=6),
             "logit bias": dict(temperature=0.0, logit_bias={7: 8.0, 11: -3.0}),
-            "logprobs": dict(temperature=0.7, logprobs=3, seed=7),
-            "prompt logprobs": dict(temperature=0.0, prompt_logprobs=2)}
+            "logprobs": dict(temperature=0.7, logprobs=3, seed=7)}
 STEP_PROGRAMS = ("packed_step", "whole_step", "_layers", "_pre", "_post")
 
 

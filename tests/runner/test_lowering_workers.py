@@ -71,7 +71,6 @@ def test_workers_lower_every_program_the_engine_runs(model_dir, with_workers, la
     # (runner/step.py), lowered by a worker too; here only the variant's head and sampler (resample) are
     assert generate(llm) == want
     llm.llm_engine.runner.programs.wait_for_background_compiles()
-    assert cache.misses > startup_misses
     assert [s.jitted for s in with_workers if s.jitted is not layerwise.resample] == []
     del llm
     warm = LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, compile_buckets=True,
@@ -92,3 +91,4 @@ def test_a_worker_that_fails_costs_only_time(model_dir, with_workers, monkeypatc
     assert len(with_workers) == n
     assert "the worker exited" in caplog.text
     assert generate(llm) == want
+    llm.llm_engine.runner.programs.wait_for_background_compiles()     # logprobs: a variant, compiled meanwhile
