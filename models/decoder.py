@@ -395,8 +395,8 @@ PROMPT_HEAD_CHUNK = 2048     # tokens whose full-vocabulary logits exist at once
 class DecoderModel(nn.Module):
     """token_ids i32[T] -> (logits f32[R, V] at logits_indices, updated kv_cache, prompt head output, the last
     hidden states at logits_indices [R, H] before the final norm: what a sampler variant's head takes again
-    without the layers, runner/step.py). Only those rows are handed out: handing out all T rows made XLA:CPU's
-    programs 2.4x slower.
+    without the layers, runner/step.py). Only those rows are handed out, so the step's extra output is R x H,
+    not T x H (a prefill step's 16k tokens).
 
     prompt_head (optional, static): a function (logits f32[C, V], targets i32[C]) -> tuple of arrays with
     leading dim C, applied to the logits of every token of the batch in chunks of at most
