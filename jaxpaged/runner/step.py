@@ -160,20 +160,21 @@ class StepPrograms:
         does not hand out): those compile their own step on first use. Nor where the warm-up compiles nothing
         (compile_buckets off: the CPU's default), which compiles every program on first use anyway. bucket:
         the inputs' (a lowering worker can then lower the variant's step, as it lowers a cold start-up's)."""
+        flat = flatten((model_input, sampling), self.run.input_align)
         if flags != DEFAULT_FLAGS and self.run.compile_buckets and flags.num_prompt_logprobs < 0:
-            int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
+            int_pieces, float_pieces, layout = flat
             if (layout, options, flags) not in self._compiled:
                 self._compile_later(layout, options, flags, kv_cache, prev_sampled, int_pieces, float_pieces, bucket)
                 if options.num_steps > 1:
                     return self._steps_one_by_one(kv_cache, prev_sampled, model_input, sampling, options, flags)
                 return self._resampled(kv_cache, prev_sampled, model_input, sampling, options, flags)
-        return self._run(kv_cache, prev_sampled, model_input, sampling, options, flags)[:3]
+        return self._run(kv_cache, prev_sampled, model_input, sampling, options, flags, flat)[:3]
 
     def _run(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
-             options: RuntimeOptions, flags: SamplerFlags):
+             options: RuntimeOptions, flags: SamplerFlags, flat: tuple | None = None):
         """The step's own programs -> (kv_cache, sampled-token buffer, results, the sampled rows' hidden states
-        or None)."""
-        int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
+        or None). flat: the inputs as step_inputs.flatten gives them, where the caller has them already."""
+        int_pieces, float_pieces, layout = flat or flatten((model_input, sampling), self.run.input_align)
         slot = self.host_inputs.write(int_pieces, float_pieces)
         out = self.run_packed(kv_cache, prev_sampled, *slot.arrays, layout=layout, options=options, flags=flags)
         slot.fence = out[2]       # the slot is free again once this step's results are
