@@ -368,6 +368,43 @@ def random_gguf_blocks(qtype: str, rows: int, blocks_per_row: int, seed: int, sc
 
 
 # ---- the server as a real process ------------------------------------------------------------------
+def hf_default_gguf_model():
+    """HF transformers' float32 model of the embedded SmolLM2 GGUF file, as `from_pretrained(folder,
+    gguf_file=...)` loads it: transformers' own dequantization of the file's Q4_1 blocks. That load takes ~20 s
+    of Python; its config and tensors are kept (save_pretrained refuses a model loaded from GGUF) in a folder
+    named by the file (name, size, mtime) and the versions of transformers, gguf and torch that made them, so
+    the modules that need the model (and later runs) read the same tensors back in a few seconds. Written to a
+    temporary folder, then renamed into place: a pytest worker never reads a half-written one."""
+    import hashlib
+    import shutil
+    import tempfile
+    from importlib import metadata
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged import envs
+    from jaxpaged.models.gguf_convert import find_default_gguf
+    gguf = find_default_gguf()
+    st = gguf.stat()
+    key = hashlib.sha256(repr((gguf.name, st.st_size, st.st_mtime_ns, *(metadata.version(p) for p in (
+        "transformers", "gguf", "torch")))).encode()).hexdigest()[:16]
+    folder = envs.JAXPAGED_CACHE_ROOT / "test-references" / f"hf-{gguf.stem}-{key}"
+    if not (folder / "config.json").exists():
+        from safetensors.torch import save_model
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=folder.parent)
+        config = {k: v for k, v in hf.config.to_dict().items() if k != "quantization_config"}
+        type(hf.config).from_dict(config).save_pretrained(tmp)
+        save_model(hf, os.path.join(tmp, "model.safetensors"))
+        try:
+            os.rename(tmp, folder)
+        except OSError:                  # another worker put its identical copy there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -19,9 +19,11 @@ def model_dir(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, "tiny_llama_rt")
 
 
-# Every bucket compiled at start-up, on a pool and batch limits small enough for a few seconds of warm-up.
-COMPILED = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=64,
-                max_num_seqs=8, compile_buckets=True)
+# Every bucket compiled at start-up, on a pool and batch limits small enough for a few seconds of warm-up: five
+# buckets (decodes of 1, 2 and 4 requests; mixed steps of 16 and 32 tokens), each of the tests below building
+# one to three such engines.
+COMPILED = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_batched_tokens=32,
+                max_num_seqs=4, compile_buckets=True)
 
 
 @pytest.fixture
@@ -326,9 +328,13 @@ VARIANTS = {"top-k/p": dict(temperature=0.8, top_p=0.9, top_k=20, seed=5),
 STEP_PROGRAMS = ("packed_step", "whole_step", "_layers", "_pre", "_post")
 
 
-@pytest.mark.parametrize("layer_dispatch,steps", [("scan", 1), ("per_layer", 1), ("unrolled", 4)])
-def test_a_new_sampler_variant_never_compiles_the_model_in_the_loop(model_dir, layer_dispatch, steps, tmp_path,
-                                                                    monkeypatch):
+# Under the scan every variant; under the other dispatches one whose inputs keep the plain layout (top-k/p) and
+# one of each other kind: inputs of their own layout (penalties' histories), one step a program (logprobs).
+@pytest.mark.parametrize("layer_dispatch,steps,variants", [
+    ("scan", 1, tuple(VARIANTS)), ("per_layer", 1, ("top-k/p", "penalties")), ("unrolled", 4, ("top-k/p", "logprobs"))],
+    ids=["scan-1", "per_layer-1", "unrolled-4"])
+def test_a_new_sampler_variant_never_compiles_the_model_in_the_loop(model_dir, layer_dispatch, steps, variants,
+                                                                    tmp_path, monkeypatch):
     """After warm-up (the default sampler variant), each variant's first batch runs the default step and
     then only the head and that variant's sampler (layerwise.resample): the engine's thread compiles no
     step program. The variant's own step compiles on the background thread meanwhile; once it is there the
@@ -364,7 +370,8 @@ def test_a_new_sampler_variant_never_compiles_the_model_in_the_loop(model_dir, l
                 np.array([lp.logprob for e in entries for lp in e.values()]))
 
     try:
-        for name, params in VARIANTS.items():
+        for name in variants:
+            params = VARIANTS[name]
             compiled_on.clear()
             first = run(params)
             main = [fn for (thread, fn), _ in compiled_on.items() if thread == threading.main_thread().name]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_MODELS, save_tiny_baichuan, save_tiny_chatglm, save_tiny_model
+from conftest import TINY_MODELS, hf_default_gguf_model, save_tiny_baichuan, save_tiny_chatglm, save_tiny_model
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.config import SUPPORTED_ARCHITECTURES
 
@@ -88,13 +88,12 @@ def chatglm_case(tmp_path_factory) -> Case:
 
 
 def smollm2_case(tmp_path_factory) -> Case:
-    """The default model; HF loads the very GGUF file that jaxpaged converts (dequantized to float32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The default model; HF loads the very GGUF file that jaxpaged converts (dequantized to float32;
+    conftest.hf_default_gguf_model keeps what that load gives)."""
+    from transformers import AutoTokenizer
 
     from jaxpaged.engine.llm_engine import resolve_model_path
-    from jaxpaged.models.gguf_convert import find_default_gguf
-    gguf = find_default_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = hf_default_gguf_model()
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))      # converted from the GGUF's
     shared = "Once upon a time, in a small village at the edge of a dark forest, there lived"
     texts = ["Translate to French: The weather is nice today and I would like to go for a walk.",

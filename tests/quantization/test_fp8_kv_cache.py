@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_llama
+from conftest import hf_default_gguf_model, save_tiny_llama
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineArgs
 from jaxpaged.pallas_kernels import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE
@@ -64,14 +64,10 @@ def test_calculated_kv_scales_are_the_calibration_prompts_largest_values():
     |v| / 100 (vLLM's constants), k after its rotation: as HF transformers' float32 SmolLM2, loading the same GGUF
     file, holds them in its KV cache after that prompt (float32 on both sides: the values equal). Per-layer
     dispatch: the layers' weights a list of trees (the engines above stack them)."""
-    from transformers import AutoModelForCausalLM
-
-    from jaxpaged.models.gguf_convert import find_default_gguf
     from jaxpaged.models.kv_calibration import CALIBRATION_TEXT
     calibrated = LLM(dtype="float32", max_model_len=256, kv_cache_dtype="fp8", calculate_kv_scales=True,
                      layer_dispatch="per_layer")
-    gguf = find_default_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = hf_default_gguf_model()
     ids = calibrated.get_tokenizer().encode(CALIBRATION_TEXT)
     with torch.no_grad():
         cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
