@@ -38,6 +38,14 @@ logger = logging.getLogger("jaxpaged.runner")
 # missing ones while the main thread traces and lowers the next.
 STARTUP_THREADS = 8
 
+# The head-and-sampler programs (layerwise.resample) compile while the engine serves (in the background after the
+# warm-up, or in the loop for a variant's first request) and run only until that variant's own step is there, on
+# GPUs without XLA's autotuning: it times candidate GEMMs on the device that runs the engine's steps, and a cold
+# server's first requests ran slow while the warm-up's 84 of them compiled (bench/results/NOTES.md).
+TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
+# Threads that compile those programs in the background: few, so that serving keeps the host's cores.
+BACKGROUND_THREADS = 2
+
 DEFAULT_FLAGS = SamplerFlags()      # the sampler variant the warm-up compiles
 # Sampler variants whose head and sampler (layerwise.resample) are compiled for every bucket after the warm-up,
 # in the background, with RunConfig.warm_sampler_variants: top-k/p/min-p, which OpenAI clients often send, and
@@ -221,7 +229,8 @@ class StepPrograms:
             spec = ProgramSpec(layerwise.resample, (self.head_params, h, prev_sampled, ints, floats),
                                dict(layout=layout, cfg=self.cfg, dtype=self.dtype, flags=flags, head_opts=head_opts),
                                (2,))
-            compiled = self._compile(key, spec.lower())
+            compiled = self._compile(key, spec.lower(),
+                                     TRANSIENT_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None)
             if cache is not None:
                 cache.store(key, compiled)
         return compiled
@@ -381,7 +390,7 @@ class StepPrograms:
 
     def _warm_resamplers(self, state, heads: list) -> None:
         """Queue the head and sampler of each of WARM_SAMPLER_VARIANTS for every single-step bucket on the
-        background thread, which compiles them (or loads them from the executable cache) on STARTUP_THREADS
+        background thread, which compiles them (or loads them from the executable cache) on BACKGROUND_THREADS
         threads while the engine serves: a cold start-up is ready without them (about 20 s sooner for
         qwen2-0.5b and llama3-8b on the H200, 84 programs each), and a variant's request that comes first
         compiles its own in the loop."""
@@ -398,7 +407,7 @@ class StepPrograms:
 
     def _compile_resamplers(self, jobs: dict) -> None:
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
+        with concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {key: pool.submit(self._compile_resampler, key, *args) for key, args in jobs.items()
                        if key not in self._resamplers}
             for key, future in futures.items():
@@ -411,11 +420,11 @@ class StepPrograms:
             self._background = _BackgroundCompiler()
         return self._background
 
-    def _compile(self, key: tuple, lowered):
+    def _compile(self, key: tuple, lowered, compiler_options: dict | None = None):
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
         the start-up log: what a cold start-up spends where."""
         t0 = time.perf_counter()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
         self.compile_seconds.setdefault(key[0], []).append(time.perf_counter() - t0)
         return compiled
 
