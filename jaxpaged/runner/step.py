@@ -43,8 +43,6 @@ STARTUP_THREADS = 8
 # GPUs without XLA's autotuning: it times candidate GEMMs on the device that runs the engine's steps, and a cold
 # server's first requests ran slow while the warm-up's 84 of them compiled (bench/results/NOTES.md).
 TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
-# Threads that compile those programs in the background: few, so that serving keeps the host's cores.
-BACKGROUND_THREADS = 2
 
 DEFAULT_FLAGS = SamplerFlags()      # the sampler variant the warm-up compiles
 # Sampler variants whose head and sampler (layerwise.resample) are compiled for every bucket after the warm-up,
@@ -390,7 +388,7 @@ class StepPrograms:
 
     def _warm_resamplers(self, state, heads: list) -> None:
         """Queue the head and sampler of each of WARM_SAMPLER_VARIANTS for every single-step bucket on the
-        background thread, which compiles them (or loads them from the executable cache) on BACKGROUND_THREADS
+        background thread, which compiles them (or loads them from the executable cache) on STARTUP_THREADS
         threads while the engine serves: a cold start-up is ready without them (about 20 s sooner for
         qwen2-0.5b and llama3-8b on the H200, 84 programs each), and a variant's request that comes first
         compiles its own in the loop."""
@@ -407,7 +405,7 @@ class StepPrograms:
 
     def _compile_resamplers(self, jobs: dict) -> None:
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
+        with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {key: pool.submit(self._compile_resampler, key, *args) for key, args in jobs.items()
                        if key not in self._resamplers}
             for key, future in futures.items():
