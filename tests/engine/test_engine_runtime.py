@@ -427,3 +427,29 @@ def test_the_common_sampler_variants_compile_nothing_in_the_loop(model_dir, tmp_
         programs.wait_for_background_compiles()
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
+
+
+def test_head_and_sampler_programs_compile_without_gpu_autotuning(model_dir, tmp_path, monkeypatch):
+    """The head-and-sampler programs compiled while serving (layerwise.resample) are compiled on GPUs with
+    TRANSIENT_GPU_COMPILER_OPTIONS (no XLA autotuning, which would time GEMMs on the device running the steps);
+    the steps keep XLA's defaults. No GPU here: the engine's run config is told it is on one, and the options each
+    compile got are recorded (XLA:CPU compiles them as it would without)."""
+    import dataclasses
+
+    from jaxpaged import envs
+    from jaxpaged.runner import step
+    monkeypatch.setattr(envs, "JAXPAGED_CACHE_ROOT", tmp_path)
+    jax.clear_caches()
+    llm = LLM(model=model_dir, **COMPILED, layer_dispatch="scan")
+    programs = llm.llm_engine.runner.programs
+    programs.run = dataclasses.replace(programs.run, platform="gpu")
+    options: list = []
+    real_compile = step.StepPrograms._compile
+    monkeypatch.setattr(step.StepPrograms, "_compile", lambda self, key, lowered, compiler_options=None: (
+        options.append((key[0], compiler_options)) or real_compile(self, key, lowered)))
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3), use_tqdm=False)
+    programs.wait_for_background_compiles()
+    assert ("resample", step.TRANSIENT_GPU_COMPILER_OPTIONS) in options
+    assert all(o == step.TRANSIENT_GPU_COMPILER_OPTIONS for kind, o in options if kind == "resample")
+    assert any(kind != "resample" for kind, _ in options)       # the variant's own step, in the background
+    assert all(o is None for kind, o in options if kind != "resample")
