@@ -41,6 +41,15 @@ def with_workers(tmp_path, monkeypatch, fresh_xla_cache):
     return lowered_here
 
 
+@pytest.fixture(scope="module")
+def jit_reference(model_dir):
+    """{layer_dispatch: generate()'s tokens and logprobs} of the engine that traces its steps through jit (no
+    lowering workers, no executable cache: the CPU's defaults), made before any test's fixtures change them."""
+    return {dispatch: generate(LLM(model=model_dir, **ENGINE, layer_dispatch=dispatch, compile_buckets=False,
+                                   num_scheduler_steps=4 if dispatch == "unrolled" else None))
+            for dispatch in ("per_layer", "unrolled")}
+
+
 def generate(llm):
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, int(n)).tolist()} for n in (3, 21, 9)]
@@ -50,14 +59,13 @@ def generate(llm):
 
 
 @pytest.mark.parametrize("layer_dispatch", ["per_layer", "unrolled"])
-def test_workers_lower_every_program_the_engine_runs(model_dir, with_workers, layer_dispatch, monkeypatch):
+def test_workers_lower_every_program_the_engine_runs(model_dir, jit_reference, with_workers, layer_dispatch,
+                                                     monkeypatch):
     """per_layer (5 layers: groups of 4 and 1, so an embedding, two layer groups and a head per bucket) and
     unrolled (one program per bucket, and per decode bucket its multi-step program): every missing
     program comes from a worker (none lowered here), lands in the executable cache, and the steps give
     exactly the tokens and logprobs of the same engine tracing its steps through jit."""
-    want = generate(LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, num_scheduler_steps=4
-                        if layer_dispatch == "unrolled" else None, compile_buckets=False))
-    with_workers.clear()
+    want = jit_reference[layer_dispatch]
     llm = LLM(model=model_dir, **ENGINE, layer_dispatch=layer_dispatch, compile_buckets=True,
               num_scheduler_steps=4 if layer_dispatch == "unrolled" else None)
     cache = llm.llm_engine.runner.exec_cache
@@ -86,11 +94,10 @@ def test_workers_lower_every_program_the_engine_runs(model_dir, with_workers, la
     assert [s.jitted for s in with_workers if s.jitted is not layerwise.resample] == []
 
 
-def test_a_worker_that_fails_costs_only_time(model_dir, with_workers, monkeypatch, caplog):
+def test_a_worker_that_fails_costs_only_time(model_dir, jit_reference, with_workers, monkeypatch, caplog):
     """Workers that cannot start (their module missing: each exits at once): the engine lowers every
     program itself, says so in a warning, and runs as without workers."""
-    want = generate(LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=False))
-    with_workers.clear()
+    want = jit_reference["per_layer"]
     monkeypatch.setattr(lowering_workers, "WORKER_MODULE", "jaxpaged.runner.no_such_worker")
     # the start-up's programs are what this is about: the logprobs variant runs as the default step and its head
     # and sampler, its own step not compiled in the background
