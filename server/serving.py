@@ -96,7 +96,7 @@ class ServerState:
         The model's generation config's max_new_tokens (--generation-config) caps either."""
         tokens = requested if requested is not None else max(1, self.llm.input_processor.max_new_tokens(
             num_prompt_tokens))
-        cap = self.llm.default_sampling.get("max_tokens")
+        cap = self.default_sampling.get("max_tokens")
         return tokens if cap is None else min(tokens, cap)
 
     @property

@@ -173,7 +173,7 @@ class StepPrograms:
                 self._compile_later(layout, options, flags, kv_cache, prev_sampled, int_pieces, float_pieces, bucket)
                 if options.num_steps > 1:
                     return self._steps_one_by_one(kv_cache, prev_sampled, model_input, sampling, options, flags)
-                return self._resampled(kv_cache, prev_sampled, model_input, sampling, options, flags)
+                return self._resampled(kv_cache, prev_sampled, model_input, sampling, options, flags, flat)
         return self._run(kv_cache, prev_sampled, model_input, sampling, options, flags, flat)[:3]
 
     def _run(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
@@ -187,13 +187,14 @@ class StepPrograms:
         return out
 
     def _resampled(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
-                   options: RuntimeOptions, flags: SamplerFlags):
+                   options: RuntimeOptions, flags: SamplerFlags, flat: tuple | None = None):
         """One step of a sampler variant without its own compiled step: the default variant's step on the
         inputs without the variant's extras (so they have the layout it was compiled for), then
-        layerwise.resample on the full inputs, which overwrites the sampled-token buffer."""
+        layerwise.resample on the full inputs, which overwrites the sampled-token buffer. flat: the full
+        inputs flattened, where the caller has them already (as _run's)."""
         kv_cache, prev_sampled, _, h = self._run(kv_cache, prev_sampled, model_input, _plain_sampling(sampling),
                                                  options, DEFAULT_FLAGS)
-        int_pieces, float_pieces, layout = flatten((model_input, sampling), self.run.input_align)
+        int_pieces, float_pieces, layout = flat or flatten((model_input, sampling), self.run.input_align)
         slot = self.host_inputs.write(int_pieces, float_pieces)
         resampler = self._resampler(layout, flags, head_options(self.cfg, options), h, prev_sampled, *slot.arrays)
         prev_sampled, result = resampler(self.head_params, h, prev_sampled, *slot.arrays)
@@ -422,7 +423,7 @@ class StepPrograms:
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
         the start-up log: what a cold start-up spends where."""
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+        compiled = lowered.compile(compiler_options)
         self.compile_seconds.setdefault(key[0], []).append(time.perf_counter() - t0)
         return compiled
 
