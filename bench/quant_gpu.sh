@@ -11,22 +11,24 @@
 # --fp8-kv-throughput: llama3-8b offline ShareGPT 1000 with an e4m3 KV cache beside the bf16 one (dummy weights).
 #   bash bench/quant_gpu.sh [--no-tests] [--no-table] [--no-fp8] [--no-c1] [--fp8-throughput] [--fp8-kv]
 #        [--fp8-kv-throughput] [--gguf]
-#        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b] [--fp8-rows 1,256,2048,8192]
+#        [--table-args "FLAGS"] [--c1-models llama3-8b-awq,llama3-8b] [--fp8-rows 1,256,2048,8192] [--c1-settled]
+# --c1-settled: each c1 server measured again once its background compiles are done (serve_vs_offline.sh).
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results under $OUT (or /tmp/int4).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 TESTS=1; TABLE=1; FP8=1; C1=1; FP8_TPUT=0; FP8_KV=0; FP8_KV_TPUT=0; GGUF=0; TABLE_ARGS="--sweep"; C1_MODELS=llama3-8b-awq,llama3-8b
-FP8_ROWS=1,256,2048,8192
+FP8_ROWS=1,256,2048,8192; C1_SETTLED=""
 while [ $# -gt 0 ]; do
   case $1 in --no-tests) TESTS=0 ;; --no-table) TABLE=0 ;; --no-c1) C1=0 ;; --no-fp8) FP8=0 ;; --fp8-throughput) FP8_TPUT=1 ;; --fp8-kv) FP8_KV=1 ;; --fp8-kv-throughput) FP8_KV_TPUT=1 ;; --gguf) GGUF=1 ;; --table-args) TABLE_ARGS=$2; shift ;;
-             --c1-models) C1_MODELS=$2; shift ;; --fp8-rows) FP8_ROWS=$2; shift ;; esac
+             --c1-models) C1_MODELS=$2; shift ;; --fp8-rows) FP8_ROWS=$2; shift ;; --c1-settled) C1_SETTLED=--c1-settled ;; esac
   shift
 done
 OUTDIR=${OUT:-/tmp/quant}
 mkdir -p "$OUTDIR"
 ROOT=$(pwd)
 if [ $C1 = 1 ]; then   # (before gpu_env.sh leaves the repository)
-  c1() { bash "$ROOT/bench/serve_vs_offline.sh" "$1" --server-only --c1-only 2>&1 | grep -E "TPOT|health|Error|error" | head -12; }
+  c1() { bash "$ROOT/bench/serve_vs_offline.sh" "$1" --server-only --c1-only $C1_SETTLED 2>&1 \
+    | grep -E "TPOT|health|Error|error|background|^== 4" | head -24; }
 fi
 source bench/gpu_env.sh
 echo "quant_gpu: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"

@@ -24,19 +24,21 @@
 # each (count, loop) gets a fresh server. --client-processes K: step 3 sends from K processes (bench/serve.py
 # --client-processes), its results named ...-cpK.
 # --server-args "FLAGS": more server flags (e.g. "--num-scheduler-steps 16 --max-num-seqs 4"); --c1-only skips
-# step 3 (the server's c1 figure under other flags without a ShareGPT run).
+# step 3 (the server's c1 figure under other flags without a ShareGPT run). --c1-settled: step 4 again once the
+# server's background compiles (the common sampler variants' heads, logged when done) have finished, results
+# named ...-settled: a cold server's first requests against its settled speed, on one machine.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=default; LOOPS=asyncio; CPROCS=1
-SERVER_ARGS=""; C1_ONLY=0
+SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
              --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;;
-             --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; esac
+             --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; --c1-settled) C1_SETTLED=1 ;; esac
   shift
 done
 source bench/gpu_env.sh
@@ -104,6 +106,13 @@ fi
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
   --result-name "serve-$MODEL-openqa-c1$SUFFIX$LSUFFIX"
+if [ $C1_SETTLED = 1 ]; then
+  echo "== 4b. openqa, concurrency 1, once the background compiles are done"
+  for _ in $(seq 1200); do grep -q "common sampler variants" /tmp/server.log && break; sleep 0.5; done
+  grep -E "in the background" /tmp/server.log | sed 's/^.*INFO[^:]*: */   /'
+  client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
+    --result-name "serve-$MODEL-openqa-c1-settled$SUFFIX$LSUFFIX"
+fi
 if [ $SWEEP = 1 ]; then
   echo "== 5. ShareGPT $SWEEP_PROMPTS, Poisson rates 4, 16, 64"
   client --dataset sharegpt --num-prompts "$SWEEP_PROMPTS" --request-rates 4,16,64 \

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.models import kv_cache_dtype
-from jaxpaged.runner.lowering_workers import LENGTH, LoweringJob, Result, export_platform
+from jaxpaged.runner.lowering_workers import LENGTH, HeadWork, LoweringJob, Result, export_platform
 from jaxpaged.runner.step import StepPrograms
 
 
@@ -41,13 +41,19 @@ def _target_device(job: LoweringJob):
 
 
 def _export_all(job: LoweringJob, programs: StepPrograms, state, platform: str, out) -> None:
-    for item, (bucket, steps, positions, flags) in enumerate(job.work):
+    for item, work in enumerate(job.work):
         specs, error = [], None
+        options = programs.options(work.bucket, work.steps)
         try:
-            specs = list(programs.program_specs(state, bucket, programs.options(bucket, steps), flags).values())
+            if isinstance(work, HeadWork):
+                shape, dtype = work.hidden
+                specs = [programs.resample_spec(work.bucket, options, work.flags,
+                                                jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))[1]]
+            else:
+                specs = list(programs.program_specs(state, work.bucket, options, work.flags).values())
         except Exception as e:  # noqa: BLE001 - the engine lowers what a worker cannot
             error = f"{type(e).__name__}: {e}"
-        for pos in positions:
+        for pos in work.positions:
             result = Result(item, pos, None, None, error)
             if specs:
                 try:

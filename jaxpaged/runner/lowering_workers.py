@@ -13,6 +13,10 @@ StepPrograms over those shapes, exports each program it was given for the engine
 num_sms, instead of asking the worker's JAX) and writes each back on stdout as it is done. The engine
 compiles each one on its start-up threads as it arrives (ProgramSpec.lower_exported), and lowers itself
 any program a worker could not export.
+
+The same workers lower the head-and-sampler programs (layerwise.resample) that a GPU's warm-up queues for its
+common sampler variants once the engine serves: traced in the engine's process, their Python would hold the
+GIL, and with it the engine loop and every running request's dispatch, while they compile.
 """
 from __future__ import annotations
 
@@ -42,8 +46,28 @@ class LoweringJob(NamedTuple):
     max_rows: int                  # the sampled-token buffer's length
     params: Any                    # the weights' tree (layers as a list of per-layer trees), ShapeDtypeStructs
     device_kind: str               # the engine's device ("NVIDIA H100 80GB HBM3"): what the kernels lower for
-    work: list                     # [(bucket, decode steps, positions of its step's programs to export,
-                                   #   sampler flags)]
+    work: list                     # [StepWork | HeadWork]
+
+
+class StepWork(NamedTuple):
+    """Programs of one bucket's step."""
+    bucket: Any                    # runner.buckets.Bucket
+    steps: int                     # decode steps a program
+    positions: tuple[int, ...]     # which of the step's programs to export (StepPrograms._program_keys order,
+                                   # duplicates dropped)
+    flags: Any                     # runner.sampler.SamplerFlags
+
+
+class HeadWork(NamedTuple):
+    """The head-and-sampler program (layerwise.resample) of a sampler variant for one single-step bucket."""
+    bucket: Any
+    steps: int
+    flags: Any
+    hidden: tuple[tuple[int, ...], str]   # the step's sampled rows' hidden states: shape, dtype name
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return (0,)                # one program
 
 
 class Result(NamedTuple):
@@ -73,7 +97,7 @@ class LoweringWorkers:
             threading.Thread(target=self._feed_and_read, args=(index, proc, job), daemon=True,
                              name=f"lowering-worker-{index}").start()
         self._expected = {(index, item, pos) for index, job in enumerate(jobs)
-                          for item, (_, _, positions, _) in enumerate(job.work) for pos in positions}
+                          for item, work in enumerate(job.work) for pos in work.positions}
 
     def _feed_and_read(self, index: int, proc: subprocess.Popen, job: LoweringJob) -> None:
         """Send the job, then pass every frame back to the queue; None marks the end of the stream."""

@@ -27,7 +27,7 @@ from jaxpaged.runner.buckets import Bucket
 from jaxpaged.runner.exec_cache import ExecutableCache, fingerprint
 from jaxpaged.runner.inputs import MIN_LOGPROBS_WIDTH, ModelInput
 from jaxpaged.runner.multi_step import decode_steps
-from jaxpaged.runner.lowering_workers import LoweringJob, LoweringWorkers, Result
+from jaxpaged.runner.lowering_workers import HeadWork, LoweringJob, LoweringWorkers, Result, StepWork
 from jaxpaged.runner.program_spec import ProgramSpec, abstract
 from jaxpaged.runner.sampler import SamplerFlags, SamplingInputs, prompt_head, sample_and_keep
 from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, pack, padded_len, unpack
@@ -224,15 +224,33 @@ class StepPrograms:
         cache = self._variant_cache
         compiled = cache.load(key) if cache is not None else None
         if compiled is None:
-            _, layout, flags, head_opts, *_ = key
-            spec = ProgramSpec(layerwise.resample, (self.head_params, h, prev_sampled, ints, floats),
-                               dict(layout=layout, cfg=self.cfg, dtype=self.dtype, flags=flags, head_opts=head_opts),
-                               (2,))
-            compiled = self._compile(key, spec.lower(),
-                                     TRANSIENT_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None)
-            if cache is not None:
-                cache.store(key, compiled)
+            compiled = self._compile_transient(key, self._resample_spec(key, h, prev_sampled, ints, floats).lower())
         return compiled
+
+    def _compile_transient(self, key: tuple, lowered):
+        """XLA-compile a head-and-sampler program (TRANSIENT_GPU_COMPILER_OPTIONS) into the variant cache."""
+        compiled = self._compile(key, lowered, TRANSIENT_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None)
+        if self._variant_cache is not None:
+            self._variant_cache.store(key, compiled)
+        return compiled
+
+    def _resample_spec(self, key: tuple, h, prev_sampled, ints, floats) -> ProgramSpec:
+        _, layout, flags, head_opts, *_ = key
+        return ProgramSpec(layerwise.resample, (self.head_params, h, prev_sampled, ints, floats),
+                           dict(layout=layout, cfg=self.cfg, dtype=self.dtype, flags=flags, head_opts=head_opts), (2,))
+
+    def resample_spec(self, bucket: Bucket, options: RuntimeOptions, flags: SamplerFlags, h,
+                      prev_sampled=None) -> tuple[tuple, ProgramSpec]:
+        """-> (its key, the ProgramSpec) of the head-and-sampler program of a sampler variant for a single-step
+        bucket's dummy inputs (packed as the step packs them) and its sampled rows' hidden states `h` (a
+        shape); prev_sampled: the sampled-token buffer's shape (default: this engine's, unplaced)."""
+        host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
+        ints, floats = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.host_inputs.sharding)
+                        for x in (host_ints, host_floats))
+        if prev_sampled is None:
+            prev_sampled = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32)
+        key = ("resample", layout, flags, head_options(self.cfg, options), h.shape, str(h.dtype))
+        return key, self._resample_spec(key, h, prev_sampled, ints, floats)
 
     def _steps_one_by_one(self, kv_cache, prev_sampled, model_input: ModelInput, sampling: SamplingInputs,
                           options: RuntimeOptions, flags: SamplerFlags):
@@ -298,7 +316,8 @@ class StepPrograms:
         missing = [i for i, k in enumerate(order) if executables[k] is None]
         lowered = {}
         if missing and bucket is not None:
-            workers = LoweringWorkers([self._lowering_job([(bucket, options.num_steps, tuple(missing), flags)])])
+            work = StepWork(bucket, options.num_steps, tuple(missing), flags)
+            workers = LoweringWorkers([self._lowering_job([work])])
             try:
                 for _, result in workers.results():
                     lowered[order[result.position]] = self._lowered(specs[order[result.position]], result)
@@ -394,25 +413,49 @@ class StepPrograms:
         qwen2-0.5b and llama3-8b on the H200, 84 programs each), and a variant's request that comes first
         compiles its own in the loop."""
         prev = abstract_like(state.prev_sampled)
-        jobs: dict = {}
+        jobs: dict = {}           # key -> (its ProgramSpec, what a lowering worker is sent to export it)
         for bucket, options, h in heads:
-            host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
-            ints, floats = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.host_inputs.sharding)
-                            for x in (host_ints, host_floats))
             for flags in WARM_SAMPLER_VARIANTS:
-                key = ("resample", layout, flags, head_options(self.cfg, options), h.shape, str(h.dtype))
-                jobs.setdefault(key, (h, prev, ints, floats))
+                key, spec = self.resample_spec(bucket, options, flags, h, prev)
+                jobs.setdefault(key, (spec, HeadWork(bucket, options.num_steps, flags, (h.shape, str(h.dtype)))))
         self._background_compiler().submit(functools.partial(self._compile_resamplers, jobs))
 
     def _compile_resamplers(self, jobs: dict) -> None:
+        """The warm-up's head-and-sampler programs: from the variant cache, else lowered by the start-up's
+        lowering workers where it has them (here their tracing would hold the GIL from the engine loop for
+        seconds: llama3-8b's per-layer step, whose dispatch is Python, ran ~40% slower at one request on the
+        H200 while they traced here) and compiled on STARTUP_THREADS threads."""
         t0 = time.perf_counter()
+        cache = self._variant_cache
+        missing = []
+        for key in jobs:
+            if key not in self._resamplers:
+                compiled = cache.load(key) if cache is not None else None
+                if compiled is None:
+                    missing.append(key)
+                else:
+                    self._resamplers.setdefault(key, compiled)
+        n = min(self.run.lowering_processes, len(missing))
         with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
-            futures = {key: pool.submit(self._compile_resampler, key, *args) for key, args in jobs.items()
-                       if key not in self._resamplers}
+            futures = {}
+            if n:
+                shares = [missing[first::n] for first in range(n)]
+                workers = LoweringWorkers([self._lowering_job([jobs[k][1] for k in share]) for share in shares])
+                try:
+                    for job, result in workers.results():
+                        key = shares[job][result.item]
+                        futures[key] = pool.submit(self._compile_transient, key,
+                                                   self._lowered(jobs[key][0], result))
+                finally:
+                    workers.close()
+            else:
+                futures = {key: pool.submit(lambda k: self._compile_transient(k, jobs[k][0].lower()), key)
+                           for key in missing}
             for key, future in futures.items():
                 self._resamplers.setdefault(key, future.result())
         logger.info("Compiled the head and sampler of the common sampler variants (%d programs) in the background "
-                    "in %.1f s", len(futures), time.perf_counter() - t0)
+                    "in %.1f s%s", len(futures), time.perf_counter() - t0,
+                    f" (lowered by {n} worker processes)" if n else "")
 
     def _background_compiler(self) -> _BackgroundCompiler:
         if self._background is None:
@@ -437,7 +480,8 @@ class StepPrograms:
         n = min(self.run.lowering_processes, len(missing))
         positions = [tuple(order.index(k) for k in new) for _, order, new in missing]
         shares = [list(range(first, len(missing), n)) for first in range(n)]
-        jobs = [self._lowering_job([(*missing[i][0], positions[i], flags) for i in share]) for share in shares]
+        work = [StepWork(bucket, steps, positions[i], flags) for i, ((bucket, steps), _, _) in enumerate(missing)]
+        jobs = [self._lowering_job([work[i] for i in share]) for share in shares]
         specs: dict = {}          # index into missing -> this process's ProgramSpecs of that bucket's step
         left = [len(p) for p in positions]
         bar = tqdm(total=len(missing), desc=f"Lowering buckets ({n} processes)", disable=not progress)
@@ -457,8 +501,7 @@ class StepPrograms:
             bar.close()
 
     def _lowering_job(self, work: list) -> LoweringJob:
-        """A lowering worker's job: this step's configuration and shapes, and its work, [(bucket, decode steps,
-        positions of the step's programs to export, sampler flags)]."""
+        """A lowering worker's job: this step's configuration and shapes, and its work (StepWork, HeadWork)."""
         layers = None if self.layer_groups is None else [lp for group, *_ in self.layer_groups for lp in group]
         params = abstract(self.params if layers is None else dict(self.params, layers=layers))
         return LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,

@@ -11,7 +11,7 @@ from conftest import tiny_llama_dir
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.runner import layerwise, lowering_workers
 from jaxpaged.runner.program_spec import ProgramSpec
-from jaxpaged.runner.step import StepPrograms
+from jaxpaged.runner.step import WARM_SAMPLER_VARIANTS, StepPrograms
 
 pytestmark = pytest.mark.cost(75)
 
@@ -107,3 +107,27 @@ def test_a_worker_that_fails_costs_only_time(model_dir, jit_reference, with_work
     assert len(with_workers) == n
     assert "the worker exited" in caplog.text
     assert generate(llm) == want
+
+
+def test_workers_lower_the_common_variants_heads(model_dir, jit_reference, with_workers, monkeypatch):
+    """warm_sampler_variants (a GPU's default): the head and sampler of every WARM_SAMPLER_VARIANTS variant for
+    every single-step bucket, queued after the warm-up, are lowered by the workers (none traced here, where the
+    tracing would hold the GIL from the engine loop), and a logprobs request (logprobs=1: the warmed width) runs
+    on them with nothing lowered here: the jit reference's tokens and logprobs."""
+    from jaxpaged.engine import core
+    real = core.resolve
+    monkeypatch.setattr(core, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k),
+                                                                            warm_sampler_variants=True))
+    # the variant's own step is the first test's; here its head and sampler alone serve it
+    monkeypatch.setattr(StepPrograms, "_compile_later", lambda *a, **k: None)
+    llm = LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=True)
+    programs = llm.llm_engine.runner.programs
+    programs.wait_for_background_compiles()
+    single_step_buckets = {k[1] for k in programs._resamplers}        # each bucket's layout
+    assert len(single_step_buckets) >= 3
+    assert len(programs._resamplers) == len(WARM_SAMPLER_VARIANTS) * len(single_step_buckets)
+    assert {k[2] for k in programs._resamplers} == set(WARM_SAMPLER_VARIANTS)
+    assert len(programs.compile_seconds["resample"]) == len(programs._resamplers)
+    assert with_workers == []
+    assert generate(llm) == jit_reference["per_layer"]
+    assert with_workers == []
