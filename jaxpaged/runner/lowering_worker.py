@@ -68,6 +68,8 @@ def _export_all(job: LoweringJob, programs: StepPrograms, state, platform: str, 
 
 def main() -> None:
     job = pickle.load(sys.stdin.buffer)
+    if job.nice:
+        os.nice(job.nice)
     # The frames go to the original stdout; anything else printed (by C++ too) goes to stderr.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

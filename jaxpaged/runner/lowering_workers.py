@@ -47,6 +47,7 @@ class LoweringJob(NamedTuple):
     params: Any                    # the weights' tree (layers as a list of per-layer trees), ShapeDtypeStructs
     device_kind: str               # the engine's device ("NVIDIA H100 80GB HBM3"): what the kernels lower for
     work: list                     # [StepWork | HeadWork]
+    nice: int = 0                  # the worker's nice value (os.nice before JAX starts its threads)
 
 
 class StepWork(NamedTuple):

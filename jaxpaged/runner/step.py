@@ -9,8 +9,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import pathlib
 import queue
+import sys
 import threading
 import time
 import types
@@ -43,6 +45,19 @@ STARTUP_THREADS = 8
 # GPUs without XLA's autotuning: it times candidate GEMMs on the device that runs the engine's steps, and a cold
 # server's first requests ran slow while the warm-up's 84 of them compiled (bench/results/NOTES.md).
 TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
+
+# The nice value of what compiles while the engine serves (the background thread, its compile threads and the
+# lowering workers it starts): their CPU time yields to the engine loop's, whose step dispatch is host-bound for
+# per-layer programs, and to the API processes'. Linux keeps a nice value per thread.
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Raise the calling thread's nice value by `nice` (on Linux, where it is per thread and the threads and
+    processes it starts inherit it; elsewhere it would be the whole engine's, so nothing)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.nice(nice)
 
 DEFAULT_FLAGS = SamplerFlags()      # the sampler variant the warm-up compiles
 # Sampler variants whose head and sampler (layerwise.resample) are compiled for every bucket after the warm-up,
@@ -96,6 +111,7 @@ class _BackgroundCompiler:
         self._thread.join()
 
     def _work(self) -> None:
+        lower_thread_priority()
         while (fn := self._queue.get()) is not None:
             try:
                 fn()
@@ -317,7 +333,7 @@ class StepPrograms:
         lowered = {}
         if missing and bucket is not None:
             work = StepWork(bucket, options.num_steps, tuple(missing), flags)
-            workers = LoweringWorkers([self._lowering_job([work])])
+            workers = LoweringWorkers([self._lowering_job([work], BACKGROUND_NICE)])
             try:
                 for _, result in workers.results():
                     lowered[order[result.position]] = self._lowered(specs[order[result.position]], result)
@@ -436,16 +452,20 @@ class StepPrograms:
                 else:
                     self._resamplers.setdefault(key, compiled)
         n = min(self.run.lowering_processes, len(missing))
+        here = 0.0                # seconds of this thread lowering the workers' exports (it holds the GIL)
         with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {}
             if n:
                 shares = [missing[first::n] for first in range(n)]
-                workers = LoweringWorkers([self._lowering_job([jobs[k][1] for k in share]) for share in shares])
+                workers = LoweringWorkers([self._lowering_job([jobs[k][1] for k in share], BACKGROUND_NICE)
+                                           for share in shares])
                 try:
                     for job, result in workers.results():
                         key = shares[job][result.item]
-                        futures[key] = pool.submit(self._compile_transient, key,
-                                                   self._lowered(jobs[key][0], result))
+                        t1 = time.perf_counter()
+                        lowered = self._lowered(jobs[key][0], result)
+                        here += time.perf_counter() - t1
+                        futures[key] = pool.submit(self._compile_transient, key, lowered)
                 finally:
                     workers.close()
             else:
@@ -455,7 +475,7 @@ class StepPrograms:
                 self._resamplers.setdefault(key, future.result())
         logger.info("Compiled the head and sampler of the common sampler variants (%d programs) in the background "
                     "in %.1f s%s", len(futures), time.perf_counter() - t0,
-                    f" (lowered by {n} worker processes)" if n else "")
+                    f" (lowered by {n} worker processes; their exports' lowering here {here:.1f} s)" if n else "")
 
     def _background_compiler(self) -> _BackgroundCompiler:
         if self._background is None:
@@ -500,12 +520,13 @@ class StepPrograms:
             workers.close()
             bar.close()
 
-    def _lowering_job(self, work: list) -> LoweringJob:
-        """A lowering worker's job: this step's configuration and shapes, and its work (StepWork, HeadWork)."""
+    def _lowering_job(self, work: list, nice: int = 0) -> LoweringJob:
+        """A lowering worker's job: this step's configuration and shapes, its work (StepWork, HeadWork), and the
+        nice value it runs at (BACKGROUND_NICE while the engine serves)."""
         layers = None if self.layer_groups is None else [lp for group, *_ in self.layer_groups for lp in group]
         params = abstract(self.params if layers is None else dict(self.params, layers=layers))
         return LoweringJob(self.cfg, jnp.dtype(self.dtype).name, self.run, self.kv_cache_shape,
-                           self.max_blocks_per_req, self.max_rows, params, jax.devices()[0].device_kind, work)
+                           self.max_blocks_per_req, self.max_rows, params, jax.devices()[0].device_kind, work, nice)
 
     @staticmethod
     def _lowered(spec: ProgramSpec, result: Result):

@@ -3,13 +3,15 @@ the step's programs (JAX on the CPU, jax.export), the engine compiles them, and 
 engine would have lowered itself: the same tokens and logprobs as steps traced through jit. A worker that
 fails costs only time: the engine lowers its programs itself."""
 import dataclasses
+import os
+import threading
 
 import numpy as np
 import pytest
 
 from conftest import tiny_llama_dir
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.runner import layerwise, lowering_workers
+from jaxpaged.runner import layerwise, lowering_workers, step
 from jaxpaged.runner.program_spec import ProgramSpec
 from jaxpaged.runner.step import WARM_SAMPLER_VARIANTS, StepPrograms
 
@@ -120,9 +122,23 @@ def test_workers_lower_the_common_variants_heads(model_dir, jit_reference, with_
                                                                             warm_sampler_variants=True))
     # the variant's own step is the first test's; here its head and sampler alone serve it
     monkeypatch.setattr(StepPrograms, "_compile_later", lambda *a, **k: None)
+    jobs = []
+    real_workers = lowering_workers.LoweringWorkers.__init__
+    monkeypatch.setattr(lowering_workers.LoweringWorkers, "__init__",
+                        lambda self, js: jobs.extend(js) or real_workers(self, js))
     llm = LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=True)
     programs = llm.llm_engine.runner.programs
     programs.wait_for_background_compiles()
+    # the start-up's workers at the engine's priority; the background's yield to the engine loop (nice), as does
+    # the background thread itself
+    heads = [j for j in jobs if any(isinstance(w, lowering_workers.HeadWork) for w in j.work)]
+    assert len(heads) == 2 and all(j.nice == step.BACKGROUND_NICE for j in heads)
+    assert all(j.nice == 0 for j in jobs if j not in heads)
+    nice_there = []
+    programs._background_compiler().submit(
+        lambda: nice_there.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    programs.wait_for_background_compiles()
+    assert nice_there == [min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + step.BACKGROUND_NICE)]
     single_step_buckets = {k[1] for k in programs._resamplers}        # each bucket's layout
     assert len(single_step_buckets) >= 3
     assert len(programs._resamplers) == len(WARM_SAMPLER_VARIANTS) * len(single_step_buckets)
