@@ -150,6 +150,7 @@ class StepPrograms:
         self._compiled: dict = {}       # (layout, options, flags) -> the step's compiled programs, at warm-up
         self.head_params = {k: v for k, v in self.params.items() if k != "layers"}   # what resample reads
         self._resamplers: dict = {}     # _resampler's key -> compiled layerwise.resample
+        self._head_lowered: dict = {}   # _resampler's key -> lowered by the start-up's workers, compiled later
         self._later: set = set()        # sampler variants queued for the background thread (_compile_later)
         self._background: _BackgroundCompiler | None = None
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
@@ -401,7 +402,11 @@ class StepPrograms:
             if missing:
                 pool = concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile")
                 if self.run.lowering_processes and len(missing) > 1:
-                    self._lower_in_workers(state, missing, flags, pool, compiling, progress)
+                    head_jobs = {}
+                    if self.run.warm_sampler_variants:     # the heads' exports too, lowered here before serving
+                        head_jobs = self._head_jobs(state, [(b, self.options(b, n), self._sampled_hidden(b, state))
+                                                            for b, n in variants if n == 1])
+                    self._lower_in_workers(state, missing, flags, pool, compiling, progress, head_jobs)
                 else:
                     for (bucket, steps), _, new in tqdm(missing, desc="Lowering buckets", disable=not progress):
                         specs = self.program_specs(state, bucket, self.options(bucket, steps), flags)
@@ -428,13 +433,25 @@ class StepPrograms:
         threads while the engine serves: a cold start-up is ready without them (about 20 s sooner for
         qwen2-0.5b and llama3-8b on the H200, 84 programs each), and a variant's request that comes first
         compiles its own in the loop."""
+        jobs = self._head_jobs(state, heads)
+        self._background_compiler().submit(functools.partial(self._compile_resamplers, jobs))
+
+    def _head_jobs(self, state, heads: list) -> dict:
+        """[(bucket, options, its sampled rows' hidden states' shape)] -> {the head-and-sampler program's key of
+        each WARM_SAMPLER_VARIANTS variant: (its ProgramSpec, what a lowering worker is sent to export it)}."""
         prev = abstract_like(state.prev_sampled)
-        jobs: dict = {}           # key -> (its ProgramSpec, what a lowering worker is sent to export it)
+        jobs: dict = {}
         for bucket, options, h in heads:
             for flags in WARM_SAMPLER_VARIANTS:
                 key, spec = self.resample_spec(bucket, options, flags, h, prev)
                 jobs.setdefault(key, (spec, HeadWork(bucket, options.num_steps, flags, (h.shape, str(h.dtype)))))
-        self._background_compiler().submit(functools.partial(self._compile_resamplers, jobs))
+        return jobs
+
+    def _sampled_hidden(self, bucket: Bucket, state) -> jax.ShapeDtypeStruct:
+        """What a single-step bucket's step hands out as its sampled rows' hidden states (before the final
+        norm), on the device the steps run on: the shape the warm-up's run then gives (_warm_one)."""
+        return jax.ShapeDtypeStruct((bucket.padded_num_reqs, self.cfg.hidden_size), self.dtype,
+                                    sharding=state.prev_sampled.sharding)
 
     def _compile_resamplers(self, jobs: dict) -> None:
         """The warm-up's head-and-sampler programs: from the variant cache, else lowered by the start-up's
@@ -443,18 +460,21 @@ class StepPrograms:
         H200 while they traced here) and compiled on STARTUP_THREADS threads."""
         t0 = time.perf_counter()
         cache = self._variant_cache
-        missing = []
+        missing, prelowered = [], {}
         for key in jobs:
             if key not in self._resamplers:
                 compiled = cache.load(key) if cache is not None else None
-                if compiled is None:
-                    missing.append(key)
-                else:
+                if compiled is not None:
                     self._resamplers.setdefault(key, compiled)
+                elif key in self._head_lowered:
+                    prelowered[key] = self._head_lowered[key]
+                else:
+                    missing.append(key)
+        self._head_lowered.clear()
         n = min(self.run.lowering_processes, len(missing))
         here = 0.0                # seconds of this thread lowering the workers' exports (it holds the GIL)
         with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
-            futures = {}
+            futures = {key: pool.submit(self._compile_transient, key, lowered) for key, lowered in prelowered.items()}
             if n:
                 shares = [missing[first::n] for first in range(n)]
                 workers = LoweringWorkers([self._lowering_job([jobs[k][1] for k in share], BACKGROUND_NICE)
@@ -469,13 +489,13 @@ class StepPrograms:
                 finally:
                     workers.close()
             else:
-                futures = {key: pool.submit(lambda k: self._compile_transient(k, jobs[k][0].lower()), key)
-                           for key in missing}
+                futures.update({key: pool.submit(lambda k: self._compile_transient(k, jobs[k][0].lower()), key)
+                                for key in missing})
             for key, future in futures.items():
                 self._resamplers.setdefault(key, future.result())
         logger.info("Compiled the head and sampler of the common sampler variants (%d programs) in the background "
-                    "in %.1f s%s", len(futures), time.perf_counter() - t0,
-                    f" (lowered by {n} worker processes; their exports' lowering here {here:.1f} s)" if n else "")
+                    "in %.1f s (%d lowered at start-up%s)", len(futures), time.perf_counter() - t0, len(prelowered),
+                    f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
     def _background_compiler(self) -> _BackgroundCompiler:
         if self._background is None:
@@ -491,23 +511,32 @@ class StepPrograms:
         return compiled
 
     def _lower_in_workers(self, state, missing: list, flags: SamplerFlags, pool, compiling: dict,
-                          progress: bool) -> None:
+                          progress: bool, heads: dict) -> None:
         """The missing programs lowered by worker processes (runner/lowering_workers.py), a share of the
         buckets each: every export that comes back is lowered here as a call of the exported program (no
         model tracing) and compiled on the start-up threads; a program a worker could not export is
-        lowered here as usual."""
+        lowered here as usual. heads (_head_jobs'): head-and-sampler programs the workers export after their
+        steps, lowered here as they come and compiled in the background once the engine serves
+        (_compile_resamplers): lowered while the engine serves, they would hold the GIL from its loop."""
         from tqdm.auto import tqdm
         n = min(self.run.lowering_processes, len(missing))
         positions = [tuple(order.index(k) for k in new) for _, order, new in missing]
         shares = [list(range(first, len(missing), n)) for first in range(n)]
         work = [StepWork(bucket, steps, positions[i], flags) for i, ((bucket, steps), _, _) in enumerate(missing)]
-        jobs = [self._lowering_job([work[i] for i in share]) for share in shares]
+        head_keys = list(heads)
+        head_shares = [head_keys[first::n] for first in range(n)]      # each after its worker's steps
+        jobs = [self._lowering_job([work[i] for i in share] + [heads[k][1] for k in hs])
+                for share, hs in zip(shares, head_shares)]
         specs: dict = {}          # index into missing -> this process's ProgramSpecs of that bucket's step
         left = [len(p) for p in positions]
         bar = tqdm(total=len(missing), desc=f"Lowering buckets ({n} processes)", disable=not progress)
         workers = LoweringWorkers(jobs)
         try:
             for job, result in workers.results():
+                if result.item >= len(shares[job]):
+                    key = head_shares[job][result.item - len(shares[job])]
+                    self._head_lowered[key] = self._lowered(heads[key][0], result)
+                    continue
                 i = shares[job][result.item]
                 (bucket, steps), order, _ = missing[i]
                 if i not in specs:

@@ -113,37 +113,50 @@ def test_a_worker_that_fails_costs_only_time(model_dir, jit_reference, with_work
 
 def test_workers_lower_the_common_variants_heads(model_dir, jit_reference, with_workers, monkeypatch):
     """warm_sampler_variants (a GPU's default): the head and sampler of every WARM_SAMPLER_VARIANTS variant for
-    every single-step bucket, queued after the warm-up, are lowered by the workers (none traced here, where the
-    tracing would hold the GIL from the engine loop), and a logprobs request (logprobs=1: the warmed width) runs
-    on them with nothing lowered here: the jit reference's tokens and logprobs."""
+    every single-step bucket are lowered by the workers, never traced here (where, while the engine serves, the
+    tracing would hold the GIL from its loop). A cold start-up's workers export them after its steps, and they
+    are lowered here before the engine serves, then compiled in the background; a start-up whose steps are all
+    cached has the background start workers for them, at BACKGROUND_NICE, as it is itself. A logprobs request
+    (logprobs=1: the warmed width) then runs on them with nothing lowered here: the jit reference's tokens and
+    logprobs."""
     from jaxpaged.engine import core
     real = core.resolve
     monkeypatch.setattr(core, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k),
                                                                             warm_sampler_variants=True))
     # the variant's own step is the first test's; here its head and sampler alone serve it
     monkeypatch.setattr(StepPrograms, "_compile_later", lambda *a, **k: None)
-    jobs = []
+    jobs: list = []
     real_workers = lowering_workers.LoweringWorkers.__init__
     monkeypatch.setattr(lowering_workers.LoweringWorkers, "__init__",
                         lambda self, js: jobs.extend(js) or real_workers(self, js))
-    llm = LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=True)
-    programs = llm.llm_engine.runner.programs
-    programs.wait_for_background_compiles()
-    # the start-up's workers at the engine's priority; the background's yield to the engine loop (nice), as does
-    # the background thread itself
-    heads = [j for j in jobs if any(isinstance(w, lowering_workers.HeadWork) for w in j.work)]
-    assert len(heads) == 2 and all(j.nice == step.BACKGROUND_NICE for j in heads)
-    assert all(j.nice == 0 for j in jobs if j not in heads)
+
+    def heads_of(js):
+        return [w for j in js for w in j.work if isinstance(w, lowering_workers.HeadWork)]
+
+    for cold in (True, False):
+        jobs.clear()
+        llm = LLM(model=model_dir, **ENGINE, layer_dispatch="per_layer", compile_buckets=True)
+        programs = llm.llm_engine.runner.programs
+        programs.wait_for_background_compiles()
+        single_step_buckets = {k[1] for k in programs._resamplers}        # each bucket's layout
+        assert len(single_step_buckets) >= 3
+        assert len(programs._resamplers) == len(WARM_SAMPLER_VARIANTS) * len(single_step_buckets)
+        assert {k[2] for k in programs._resamplers} == set(WARM_SAMPLER_VARIANTS)
+        assert len(programs.compile_seconds["resample"]) == len(programs._resamplers)
+        assert len(heads_of(jobs)) == len(programs._resamplers)
+        with_steps = [j for j in jobs if any(isinstance(w, lowering_workers.StepWork) for w in j.work)]
+        if cold:      # every head with the start-up's steps: the shapes foreseen were the warm-up's
+            assert len(heads_of(with_steps)) == len(programs._resamplers)
+            assert all(j.nice == 0 for j in jobs)
+        else:         # no start-up workers: the background's own
+            assert with_steps == [] and all(j.nice == step.BACKGROUND_NICE for j in jobs)
+        assert with_workers == []
+        assert generate(llm) == jit_reference["per_layer"]
+        assert with_workers == []
+        del llm, programs
     nice_there = []
-    programs._background_compiler().submit(
-        lambda: nice_there.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    programs.wait_for_background_compiles()
+    bg = step._BackgroundCompiler()
+    bg.submit(lambda: nice_there.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    bg.join()
+    bg.close()
     assert nice_there == [min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + step.BACKGROUND_NICE)]
-    single_step_buckets = {k[1] for k in programs._resamplers}        # each bucket's layout
-    assert len(single_step_buckets) >= 3
-    assert len(programs._resamplers) == len(WARM_SAMPLER_VARIANTS) * len(single_step_buckets)
-    assert {k[2] for k in programs._resamplers} == set(WARM_SAMPLER_VARIANTS)
-    assert len(programs.compile_seconds["resample"]) == len(programs._resamplers)
-    assert with_workers == []
-    assert generate(llm) == jit_reference["per_layer"]
-    assert with_workers == []
