@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import types
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
 BACKGROUND_NICE = 10
 
 
-def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+def _lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
     """Raise the calling thread's nice value by `nice` (on Linux, where it is per thread and the threads and
     processes it starts inherit it; elsewhere it would be the whole engine's, so nothing)."""
     if sys.platform.startswith("linux"):
@@ -111,7 +112,7 @@ class _BackgroundCompiler:
         self._thread.join()
 
     def _work(self) -> None:
-        lower_thread_priority()
+        _lower_thread_priority()
         while (fn := self._queue.get()) is not None:
             try:
                 fn()
@@ -334,12 +335,8 @@ class StepPrograms:
         lowered = {}
         if missing and bucket is not None:
             work = StepWork(bucket, options.num_steps, tuple(missing), flags)
-            workers = LoweringWorkers([self._lowering_job([work], BACKGROUND_NICE)])
-            try:
-                for _, result in workers.results():
-                    lowered[order[result.position]] = self._lowered(specs[order[result.position]], result)
-            finally:
-                workers.close()
+            for _, result in self._in_workers([work], 1, BACKGROUND_NICE):
+                lowered[order[result.position]] = self._lowered(specs[order[result.position]], result)
         for i in missing:
             k = order[i]
             executables[k] = compiled = self._compile(k, lowered.pop(k, None) or specs[k].lower())
@@ -454,10 +451,10 @@ class StepPrograms:
                                     sharding=state.prev_sampled.sharding)
 
     def _compile_resamplers(self, jobs: dict) -> None:
-        """The warm-up's head-and-sampler programs: from the variant cache, else lowered by the start-up's
-        lowering workers where it has them (here their tracing would hold the GIL from the engine loop for
-        seconds: llama3-8b's per-layer step, whose dispatch is Python, ran ~40% slower at one request on the
-        H200 while they traced here) and compiled on STARTUP_THREADS threads."""
+        """The warm-up's head-and-sampler programs: from the variant cache, else lowered at start-up
+        (_lower_in_workers), else lowered by lowering workers where the engine has them (traced here, they would
+        hold the GIL from the engine loop, whose per-layer dispatch is Python: bench/results/NOTES.md), and
+        compiled on STARTUP_THREADS threads."""
         t0 = time.perf_counter()
         cache = self._variant_cache
         missing, prelowered = [], {}
@@ -476,18 +473,12 @@ class StepPrograms:
         with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {key: pool.submit(self._compile_transient, key, lowered) for key, lowered in prelowered.items()}
             if n:
-                shares = [missing[first::n] for first in range(n)]
-                workers = LoweringWorkers([self._lowering_job([jobs[k][1] for k in share], BACKGROUND_NICE)
-                                           for share in shares])
-                try:
-                    for job, result in workers.results():
-                        key = shares[job][result.item]
-                        t1 = time.perf_counter()
-                        lowered = self._lowered(jobs[key][0], result)
-                        here += time.perf_counter() - t1
-                        futures[key] = pool.submit(self._compile_transient, key, lowered)
-                finally:
-                    workers.close()
+                for index, result in self._in_workers([jobs[k][1] for k in missing], n, BACKGROUND_NICE):
+                    key = missing[index]
+                    t1 = time.perf_counter()
+                    lowered = self._lowered(jobs[key][0], result)
+                    here += time.perf_counter() - t1
+                    futures[key] = pool.submit(self._compile_transient, key, lowered)
             else:
                 futures.update({key: pool.submit(lambda k: self._compile_transient(k, jobs[k][0].lower()), key)
                                 for key in missing})
@@ -521,23 +512,18 @@ class StepPrograms:
         from tqdm.auto import tqdm
         n = min(self.run.lowering_processes, len(missing))
         positions = [tuple(order.index(k) for k in new) for _, order, new in missing]
-        shares = [list(range(first, len(missing), n)) for first in range(n)]
-        work = [StepWork(bucket, steps, positions[i], flags) for i, ((bucket, steps), _, _) in enumerate(missing)]
-        head_keys = list(heads)
-        head_shares = [head_keys[first::n] for first in range(n)]      # each after its worker's steps
-        jobs = [self._lowering_job([work[i] for i in share] + [heads[k][1] for k in hs])
-                for share, hs in zip(shares, head_shares)]
+        head_keys = list(heads)   # after the steps: each worker exports its heads once its steps are sent
+        work = ([StepWork(bucket, steps, positions[i], flags) for i, ((bucket, steps), _, _) in enumerate(missing)]
+                + [heads[k][1] for k in head_keys])
         specs: dict = {}          # index into missing -> this process's ProgramSpecs of that bucket's step
         left = [len(p) for p in positions]
         bar = tqdm(total=len(missing), desc=f"Lowering buckets ({n} processes)", disable=not progress)
-        workers = LoweringWorkers(jobs)
         try:
-            for job, result in workers.results():
-                if result.item >= len(shares[job]):
-                    key = head_shares[job][result.item - len(shares[job])]
+            for i, result in self._in_workers(work, n):
+                if i >= len(missing):
+                    key = head_keys[i - len(missing)]
                     self._head_lowered[key] = self._lowered(heads[key][0], result)
                     continue
-                i = shares[job][result.item]
                 (bucket, steps), order, _ = missing[i]
                 if i not in specs:
                     specs[i] = self.program_specs(state, bucket, self.options(bucket, steps), flags)
@@ -546,10 +532,20 @@ class StepPrograms:
                 left[i] -= 1
                 bar.update(left[i] == 0)
         finally:
-            workers.close()
             bar.close()
 
-    def _lowering_job(self, work: list, nice: int = 0) -> LoweringJob:
+    def _in_workers(self, work: list, processes: int, nice: int = 0) -> Iterator[tuple[int, Result]]:
+        """Export `work` (StepWork, HeadWork) on `processes` lowering workers, dealt round-robin (each worker
+        keeps the list's order), at `nice` -> (index into work, Result) for each program as it comes."""
+        shares = [range(first, len(work), processes) for first in range(processes)]
+        workers = LoweringWorkers([self._lowering_job([work[i] for i in share], nice) for share in shares])
+        try:
+            for job, result in workers.results():
+                yield shares[job][result.item], result
+        finally:
+            workers.close()
+
+    def _lowering_job(self, work: list, nice: int) -> LoweringJob:
         """A lowering worker's job: this step's configuration and shapes, its work (StepWork, HeadWork), and the
         nice value it runs at (BACKGROUND_NICE while the engine serves)."""
         layers = None if self.layer_groups is None else [lp for group, *_ in self.layer_groups for lp in group]
