@@ -52,6 +52,17 @@ TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
 # per-layer programs, and to the API processes'. Linux keeps a nice value per thread.
 BACKGROUND_NICE = 10
 
+# XLA's GPU compile runs ptxas as a child process of the engine. On a busy host (the start-up's compile threads
+# and lowering workers, or the background's) a launch can fail ("INTERNAL: Failed to launch ptxas": seen once in
+# 84 background compiles on the H200's host, bench/results/NOTES.md) and then succeed: such a compile is tried
+# this many times in all, a second apart. Other compile errors are the program's and stand at once.
+COMPILE_ATTEMPTS = 3
+COMPILE_RETRY_S = 1.0
+
+
+def _child_launch_failed(error: Exception) -> bool:
+    return isinstance(error, jax.errors.JaxRuntimeError) and "Failed to launch" in str(error)
+
 
 def _lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
     """Raise the calling thread's nice value by `nice` (on Linux, where it is per thread and the threads and
@@ -482,10 +493,16 @@ class StepPrograms:
             else:
                 futures.update({key: pool.submit(lambda k: self._compile_transient(k, jobs[k][0].lower()), key)
                                 for key in missing})
+            failed = []
             for key, future in futures.items():
-                self._resamplers.setdefault(key, future.result())
-        logger.info("Compiled the head and sampler of the common sampler variants (%d programs) in the background "
-                    "in %.1f s (%d lowered at start-up%s)", len(futures), time.perf_counter() - t0, len(prelowered),
+                try:
+                    self._resamplers.setdefault(key, future.result())
+                except Exception:  # noqa: BLE001 - that variant's bucket compiles its head when first used
+                    logger.exception("Compiling the head and sampler of %s failed", key[2])
+                    failed.append(key)
+        logger.info("Compiled the head and sampler of the common sampler variants (%d programs%s) in the background "
+                    "in %.1f s (%d lowered at start-up%s)", len(futures) - len(failed),
+                    f", {len(failed)} failed" if failed else "", time.perf_counter() - t0, len(prelowered),
                     f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
     def _background_compiler(self) -> _BackgroundCompiler:
@@ -497,7 +514,16 @@ class StepPrograms:
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
         the start-up log: what a cold start-up spends where."""
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options)
+        for attempt in range(1, COMPILE_ATTEMPTS + 1):
+            try:
+                compiled = lowered.compile(compiler_options)
+                break
+            except Exception as e:
+                if attempt == COMPILE_ATTEMPTS or not _child_launch_failed(e):
+                    raise
+                logger.warning("Compiling a %s program: %s; trying again (%d of %d)", key[0],
+                               str(e).splitlines()[0], attempt + 1, COMPILE_ATTEMPTS)
+                time.sleep(COMPILE_RETRY_S)
         self.compile_seconds.setdefault(key[0], []).append(time.perf_counter() - t0)
         return compiled
 

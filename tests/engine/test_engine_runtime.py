@@ -453,3 +453,64 @@ def test_head_and_sampler_programs_compile_without_gpu_autotuning(model_dir, tmp
     assert all(o == step.TRANSIENT_GPU_COMPILER_OPTIONS for kind, o in options if kind == "resample")
     assert any(kind != "resample" for kind, _ in options)       # the variant's own step, in the background
     assert all(o is None for kind, o in options if kind != "resample")
+
+
+class _Lowered:
+    """A lowered program whose compile fails with `errors` in turn, then returns its name."""
+
+    def __init__(self, name, *errors):
+        self.name, self.errors, self.calls = name, list(errors), 0
+
+    def compile(self, compiler_options=None):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.name
+
+
+def test_a_compile_whose_child_process_failed_to_launch_is_tried_again(monkeypatch, caplog):
+    """XLA's GPU compile runs ptxas as a child process, whose launch can fail on a busy host ("Failed to launch
+    ptxas", once on the H200's host): that compile is tried again, up to COMPILE_ATTEMPTS in all, with a warning;
+    any other compile error is the program's and raises at once. (No GPU here: the lowered programs are fakes.)"""
+    import types
+
+    from jaxpaged.runner import step
+    monkeypatch.setattr(step, "COMPILE_RETRY_S", 0.0)
+    programs = types.SimpleNamespace(compile_seconds={})
+    launch = jax.errors.JaxRuntimeError("INTERNAL: Failed to launch ptxas")
+    flaky = _Lowered("compiled", launch, launch)
+    with caplog.at_level("WARNING", logger="jaxpaged.runner"):
+        assert step.StepPrograms._compile(programs, ("step",), flaky) == "compiled"
+    assert flaky.calls == 3 and len(programs.compile_seconds["step"]) == 1
+    assert sum("Failed to launch ptxas; trying again" in r.getMessage() for r in caplog.records) == 2
+    always = _Lowered("never", *[launch] * step.COMPILE_ATTEMPTS)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Failed to launch"):
+        step.StepPrograms._compile(programs, ("step",), always)
+    assert always.calls == step.COMPILE_ATTEMPTS
+    wrong = _Lowered("never", jax.errors.JaxRuntimeError("INVALID_ARGUMENT: a bad program"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="a bad program"):
+        step.StepPrograms._compile(programs, ("step",), wrong)
+    assert wrong.calls == 1
+
+
+def test_a_failed_background_head_keeps_the_others(caplog):
+    """The warm-up's head-and-sampler programs compile in the background together: one that fails is logged and
+    left out (its variant's first request compiles it, as without the warm-up), and every other one is kept."""
+    import types
+
+    from jaxpaged.runner import step
+    keys = [("resample", i, f"variant{i}") for i in range(4)]
+
+    def compile_transient(key, lowered):
+        if key == keys[1]:
+            raise RuntimeError("a compile that failed")
+        return lowered.compile()
+
+    programs = types.SimpleNamespace(_variant_cache=None, _resamplers={}, _compile_transient=compile_transient,
+                                     run=types.SimpleNamespace(lowering_processes=0),
+                                     _head_lowered={k: _Lowered(k[2]) for k in keys})
+    with caplog.at_level("INFO", logger="jaxpaged.runner"):
+        step.StepPrograms._compile_resamplers(programs, {k: None for k in keys})
+    assert programs._resamplers == {k: k[2] for k in keys if k != keys[1]} and not programs._head_lowered
+    assert any("of variant1 failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert any("(3 programs, 1 failed)" in r.getMessage() for r in caplog.records)
