@@ -9,7 +9,8 @@
 #   bash bench/dispatch_ab.sh MODEL [--deadline-s S] [--no-c1] ARGS_A ARGS_B ...
 #   e.g. bash bench/dispatch_ab.sh llama3-8b "" "--num-scheduler-steps 16"   (several steps a program: unrolled)
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Results (JSON with device, JAX
-# version, revision) in bench/results/ and $OUT, named by arm number: ...-armN[-rK].
+# version, revision) in bench/results/, named by arm number (...-armN[-rK]), and with the full logs in
+# $OUT/dispatch_ab-MODEL.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model}; shift
@@ -29,7 +30,7 @@ offline() {   # arm index, result suffix, flags
   echo "== offline ShareGPT 1000, arm $1 [${3:-defaults}]"
   # shellcheck disable=SC2086  # the arm's flags are a list
   $PY "$BENCH/throughput.py" --no-tqdm --dataset sharegpt --model "$MODEL" --result-name "throughput-$MODEL-sharegpt-arm$1$2" $3 2>&1 \
-    | grep -E "Throughput|Run config|Compiled|startup|Error|error" | tail -8 | sed 's/^/   /'
+    | tee "/tmp/offline-arm$1$2.log" | grep -E "Throughput|Run config|Compiled|startup|Error|error" | tail -8 | sed 's/^/   /'
   echo "   ($(secs "$t0") s)"
 }
 PORT=8013
@@ -50,7 +51,6 @@ c1() {        # arm index, flags
     --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1-arm$1" 2>&1 \
     | grep -E "Successful|Median TPOT|Mean TPOT|P99 TPOT|Median ITL" | sed 's/^/   /'
   kill -TERM $srv; wait $srv; echo "   server exit status $?"
-  [ -n "${OUT:-}" ] && cp "/tmp/server-arm$1.log" "$OUT/"
 }
 for i in "${!ARMS[@]}"; do
   offline "$i" "" "${ARMS[$i]}"
@@ -65,6 +65,7 @@ while true; do
   done
   round=$((round + 1))
 done
-[ -n "${OUT:-}" ] && cp "$REPO"/bench/results/throughput-"$MODEL"-sharegpt-arm*.json \
-  "$REPO"/bench/results/serve-"$MODEL"-openqa-c1-arm*.json "$OUT/" 2>/dev/null
+# one archive: the device returns a bounded number of files
+[ -n "${OUT:-}" ] && (cd "$REPO/bench/results" && tar czf "$OUT/dispatch_ab-$MODEL.tgz" \
+  throughput-"$MODEL"-sharegpt-arm*.json serve-"$MODEL"-openqa-c1-arm*.json /tmp/server-arm*.log /tmp/offline-arm*.log 2>/dev/null)
 echo "== done after $SECONDS s"

@@ -12,7 +12,8 @@
 #      p50/p99 TTFT/TPOT, goodput, plot); 1000 prompts take about 330 s
 # --server-only skips step 1. --py-spy samples the server's processes (API and engine core, idle time
 # included) with py-spy (its wheel in .whl/) through steps 3-5, into $OUT/pyspy-server.json.gz and its summary
-# (bench/pyspy_summary.py) $OUT/pyspy-summary.txt.
+# (bench/pyspy_summary.py) $OUT/pyspy-summary.txt. --py-spy-gil: the same with py-spy's --gil, only the samples of
+# the thread that holds the GIL (what keeps the others waiting).
 # --soak runs only step 2, then bench/soak.py against that server (its RSS through --server-pid, its log
 # checked) with FLAGS (default: --request-rate 64), and returns soak-MODEL.{json,md,png} in $OUT. Its 12000
 # ShareGPT prompts are in .cache/gpu_soak (prepare_gpu_suite.sh): carry [".whl", ".cache/gpu_soak",
@@ -32,10 +33,10 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=default; LOOPS=asyncio; CPROCS=1
-SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0
+SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; SPY_GIL=()
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
-             --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --soak) SOAK=1; OFFLINE=0 ;;
+             --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --py-spy-gil) PYSPY=1; SPY_GIL=(--gil) ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
              --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;;
              --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; --c1-settled) C1_SETTLED=1 ;; esac
@@ -75,7 +76,7 @@ t0=$(ms)
 SPY=()
 if [ $PYSPY = 1 ]; then
   [ -x /tmp/site/bin/py-spy ] || $PY -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.whl/py_spy-*.whl
-  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle --nonblocking -o /tmp/pyspy-server.json --)
+  SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle "${SPY_GIL[@]}" --nonblocking -o /tmp/pyspy-server.json --)
 fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning $APIFLAG $SERVER_ARGS > /tmp/server.log 2>&1 &
