@@ -64,6 +64,17 @@ def _child_launch_failed(error: Exception) -> bool:
     return isinstance(error, jax.errors.JaxRuntimeError) and "Failed to launch" in str(error)
 
 
+def _without_jax_cache_write():
+    """For this thread: JAX's persistent compilation cache writes nothing (its other programs still go there).
+    With the executable cache on, every program compiled here is stored there (runner/exec_cache.py), and JAX's
+    own write of it serialized and compressed the same executable again holding the GIL: in a cold llama3-8b
+    server on the H200, 0.7 s of the GIL over the background's 10 s while the engine loop served, beside the
+    executable cache's 0.9 s (bench/results/NOTES.md). JAX's setting is a thread-local context."""
+    from jax._src import config as jax_config
+    state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
+    return state(float("inf")) if state is not None else contextlib.nullcontext()
+
+
 def _lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
     """Raise the calling thread's nice value by `nice` (on Linux, where it is per thread and the threads and
     processes it starts inherit it; elsewhere it would be the whole engine's, so nothing)."""
@@ -516,7 +527,8 @@ class StepPrograms:
         t0 = time.perf_counter()
         for attempt in range(1, COMPILE_ATTEMPTS + 1):
             try:
-                compiled = lowered.compile(compiler_options)
+                with _without_jax_cache_write() if self.exec_cache is not None else contextlib.nullcontext():
+                    compiled = lowered.compile(compiler_options)
                 break
             except Exception as e:
                 if attempt == COMPILE_ATTEMPTS or not _child_launch_failed(e):
