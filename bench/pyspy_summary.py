@@ -4,6 +4,7 @@ was in windows of `--window-s` (idle = waiting in the event loop, a poll or a lo
 leading frames, and over the whole profile the functions with the most busy samples (self and inclusive).
 
   python bench/pyspy_summary.py pyspy-server.json [--window-s 0.25] [--top 25] [--from-s T] [--min-busy-s 0.5]
+  python bench/pyspy_summary.py pyspy-server.json --where put_executable_and_time,ExecutableCache.store,get_cache_key
 """
 from __future__ import annotations
 
@@ -83,6 +84,25 @@ def summarize(path: str, window_s: float, top: int, min_busy_s: float, from_s: f
     return "\n".join(lines)
 
 
+def where(path: str, keys: list[str], min_s: float = 0.05) -> str:
+    """Per thread: the seconds of its samples whose stack holds each of `keys` (a frame name containing it; a
+    sample counts for the first key it holds, else "other"). With a profile taken with py-spy's --gil, what
+    each thread held the GIL doing."""
+    with open(path) as f:
+        doc = json.load(f)
+    names = [fr["name"] for fr in doc["shared"]["frames"]]
+    rows = []
+    for prof in doc["profiles"]:
+        spent: collections.Counter = collections.Counter()
+        for s, w in zip(prof["samples"], prof["weights"]):
+            stack = [names[i] for i in s]
+            spent[next((k for k in keys if any(k in n for n in stack)), "other")] += w
+        if sum(spent.values()) >= min_s:
+            rows.append(f"{sum(spent.values()):7.2f} s  {prof['name'][:70]}: "
+                        + ", ".join(f"{k} {spent[k]:.2f}" for k in [*keys, "other"] if spent[k]))
+    return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("profile")
@@ -91,7 +111,12 @@ def main() -> None:
     p.add_argument("--from-s", type=float, default=0.0, help="totals count samples from here on (the timeline "
                    "shows when serving began)")
     p.add_argument("--min-busy-s", type=float, default=0.5, help="skip threads busy less than this")
+    p.add_argument("--where", default=None, metavar="KEY,KEY",
+                   help="instead: per thread, the seconds of samples whose stack holds each frame-name part")
     args = p.parse_args()
+    if args.where:
+        print(where(args.profile, args.where.split(",")))
+        return
     print(summarize(args.profile, args.window_s, args.top, args.min_busy_s, args.from_s))
 
 
