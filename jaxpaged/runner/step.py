@@ -53,9 +53,9 @@ TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
 BACKGROUND_NICE = 10
 
 # XLA's GPU compile runs ptxas as a child process of the engine. On a busy host (the start-up's compile threads
-# and lowering workers, or the background's) a launch can fail ("INTERNAL: Failed to launch ptxas": seen once in
-# 84 background compiles on the H200's host, bench/results/NOTES.md) and then succeed: such a compile is tried
-# this many times in all, a second apart. Other compile errors are the program's and stand at once.
+# and lowering workers, or the background's) its launch can fail once ("INTERNAL: Failed to launch ptxas";
+# bench/results/NOTES.md) and then succeed: such a compile is tried this many times in all, a second apart.
+# Other compile errors are the program's and stand at once.
 COMPILE_ATTEMPTS = 3
 COMPILE_RETRY_S = 1.0
 
@@ -66,10 +66,9 @@ def _child_launch_failed(error: Exception) -> bool:
 
 def _without_jax_cache_write():
     """For this thread: JAX's persistent compilation cache writes nothing (its other programs still go there).
-    With the executable cache on, every program compiled here is stored there (runner/exec_cache.py), and JAX's
-    own write of it serialized and compressed the same executable again holding the GIL: in a cold llama3-8b
-    server on the H200, 0.7 s of the GIL over the background's 10 s while the engine loop served, beside the
-    executable cache's 0.9 s (bench/results/NOTES.md). JAX's setting is a thread-local context."""
+    With the executable cache on, every program StepPrograms compiles is stored there (runner/exec_cache.py);
+    JAX's own write would serialize and compress the same executable again, holding the GIL from the engine loop
+    while it serves (bench/results/NOTES.md). JAX's setting is a thread-local context."""
     from jax._src import config as jax_config
     state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
     return state(float("inf")) if state is not None else contextlib.nullcontext()
@@ -523,7 +522,8 @@ class StepPrograms:
 
     def _compile(self, key: tuple, lowered, compiler_options: dict | None = None):
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
-        the start-up log: what a cold start-up spends where."""
+        the start-up log: what a cold start-up spends where. A failed child-process launch is tried again
+        (COMPILE_ATTEMPTS); with the executable cache on, JAX's persistent cache does not keep a second copy."""
         t0 = time.perf_counter()
         for attempt in range(1, COMPILE_ATTEMPTS + 1):
             try:
