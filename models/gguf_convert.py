@@ -411,9 +411,28 @@ def _cached_folder(gguf_path: pathlib.Path, base: pathlib.Path, weights: bool) -
 
 
 def default_model_dir(cache_root: os.PathLike, weights: bool = True) -> pathlib.Path:
-    """The cached HF folder of the default model, converting it on first use (weights: see _cached_folder)."""
-    return _cached_folder(find_default_gguf(), pathlib.Path(cache_root) / f"{DEFAULT_MODEL_NAME}-v{_CONVERTER_VERSION}",
-                          weights)
+    """The cached HF folder of the default model, converting it on first use (weights: see _cached_folder).
+
+    Every environment with the package holds its own copy of the same file, so the folder is shared between
+    them: named by the file's size (another release of the package converts afresh), its CONVERTED_FROM naming
+    this environment's copy, which quantization="gguf" reads. A folder converted in an environment deleted since
+    would name a file that is gone."""
+    gguf_path = find_default_gguf().resolve()
+    base = pathlib.Path(cache_root) / f"{DEFAULT_MODEL_NAME}-{gguf_path.stat().st_size}-v{_CONVERTER_VERSION}"
+    folder = _cached_folder(gguf_path, base, weights)
+    _name_source(folder, gguf_path)
+    return folder
+
+
+def _name_source(folder: pathlib.Path, gguf_path: pathlib.Path) -> None:
+    """CONVERTED_FROM's first line set to gguf_path, replaced in one step (a reader never sees half a file)."""
+    marker = folder / "CONVERTED_FROM"
+    lines = marker.read_text().splitlines()
+    if lines and lines[0] == str(gguf_path):
+        return
+    tmp = marker.with_name(f"{marker.name}.tmp{os.getpid()}")
+    tmp.write_text("\n".join([str(gguf_path), *lines[1:]]) + "\n")
+    tmp.replace(marker)
 
 
 def gguf_model_dir(gguf_path: os.PathLike, cache_root: os.PathLike, weights: bool = True) -> pathlib.Path:

