@@ -66,9 +66,9 @@ def _child_launch_failed(error: Exception) -> bool:
 
 def _without_jax_cache_write():
     """For this thread: JAX's persistent compilation cache writes nothing (its other programs still go there).
-    With the executable cache on, every program StepPrograms compiles is stored there (runner/exec_cache.py);
-    JAX's own write would serialize and compress the same executable again, holding the GIL from the engine loop
-    while it serves (bench/results/NOTES.md). JAX's setting is a thread-local context."""
+    With the executable cache on a GPU (_variant_cache), every program StepPrograms compiles is stored there
+    (runner/exec_cache.py); JAX's own write would serialize and compress the same executable again, holding the
+    GIL from the engine loop while it serves (bench/results/NOTES.md). JAX's setting is a thread-local context."""
     from jax._src import config as jax_config
     state = getattr(jax_config, "persistent_cache_min_compile_time_secs", None)
     return state(float("inf")) if state is not None else contextlib.nullcontext()
@@ -523,11 +523,11 @@ class StepPrograms:
     def _compile(self, key: tuple, lowered, compiler_options: dict | None = None):
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
         the start-up log: what a cold start-up spends where. A failed child-process launch is tried again
-        (COMPILE_ATTEMPTS); with the executable cache on, JAX's persistent cache does not keep a second copy."""
+        (COMPILE_ATTEMPTS); with the executable cache on a GPU, JAX's persistent cache does not keep a second copy."""
         t0 = time.perf_counter()
         for attempt in range(1, COMPILE_ATTEMPTS + 1):
             try:
-                with _without_jax_cache_write() if self.exec_cache is not None else contextlib.nullcontext():
+                with _without_jax_cache_write() if self._variant_cache is not None else contextlib.nullcontext():
                     compiled = lowered.compile(compiler_options)
                 break
             except Exception as e:

@@ -476,7 +476,7 @@ def test_a_compile_whose_child_process_failed_to_launch_is_tried_again(monkeypat
 
     from jaxpaged.runner import step
     monkeypatch.setattr(step, "COMPILE_RETRY_S", 0.0)
-    programs = types.SimpleNamespace(compile_seconds={}, exec_cache=None)
+    programs = types.SimpleNamespace(compile_seconds={}, _variant_cache=None)
     launch = jax.errors.JaxRuntimeError("INTERNAL: Failed to launch ptxas")
     flaky = _Lowered("compiled", launch, launch)
     with caplog.at_level("WARNING", logger="jaxpaged.runner"):
@@ -517,10 +517,10 @@ def test_a_failed_background_head_keeps_the_others(caplog):
 
 
 def test_programs_the_executable_cache_keeps_are_not_written_to_jaxs_cache_too():
-    """With the executable cache on, a program compiled by StepPrograms._compile is not written to JAX's
-    persistent compilation cache as well (its write serializes the executable again, holding the GIL from the
-    engine loop): JAX's minimum compile time for a write is infinite in that compile's thread only. Without
-    the executable cache, JAX's setting stands."""
+    """With the executable cache on a GPU (StepPrograms._variant_cache), a program compiled by StepPrograms._compile
+    is not written to JAX's persistent compilation cache as well (its write serializes the executable again,
+    holding the GIL from the engine loop): JAX's minimum compile time for a write is infinite in that compile's
+    thread only. Without that cache (the CPU, or the cache off), JAX's setting stands."""
     import types
 
     from jax._src import config as jax_config
@@ -537,8 +537,8 @@ def test_programs_the_executable_cache_keeps_are_not_written_to_jaxs_cache_too()
             other.join()
             return setting.value, seen["other"]
 
-    with_cache = types.SimpleNamespace(compile_seconds={}, exec_cache=object())
+    with_cache = types.SimpleNamespace(compile_seconds={}, _variant_cache=object())
     assert step.StepPrograms._compile(with_cache, ("step",), Recording()) == (float("inf"), before)
     assert setting.value == before
-    without = types.SimpleNamespace(compile_seconds={}, exec_cache=None)
+    without = types.SimpleNamespace(compile_seconds={}, _variant_cache=None)
     assert step.StepPrograms._compile(without, ("step",), Recording()) == (before, before)
