@@ -2,8 +2,8 @@
 # Engine configurations against each other on one machine, one device call: for each arm (a quoted list of
 # engine flags; "" = the resolved defaults), in order:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py with the arm's flags; its first run compiles)
-#   2. the server with the same flags (--load-format dummy; warm from step 1's executable cache): openqa at
-#      concurrency 1 (28 in / 300 out, 20 requests), median TPOT
+#   2. the server with the same flags (bench/serve_vs_offline.sh --server-only --c1-only --server-args; warm from
+#      step 1's executable cache): openqa at concurrency 1 (28 in / 300 out, 20 requests), median TPOT
 # then, while --deadline-s allows, the offline runs again in the same order (warm: engine start-up from the
 # cache), so each arm has a second figure on the same machine.
 #   bash bench/dispatch_ab.sh MODEL [--deadline-s S] [--no-c1] ARGS_A ARGS_B ...
@@ -21,7 +21,6 @@ while [ $# -gt 0 ]; do
 done
 source bench/gpu_env.sh
 echo "dispatch_ab $MODEL: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
-path=$(PYTHONPATH=$REPO:$PYTHONPATH $PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])")
 BENCH=$REPO/bench
 ms() { echo $(( $(date +%s%N) / 1000000 )); }
 secs() { local d=$(( $(ms) - $1 )); printf "%d.%03d" $((d / 1000)) $((d % 1000)); }
@@ -33,24 +32,14 @@ offline() {   # arm index, result suffix, flags
     | tee "/tmp/offline-arm$1$2.log" | grep -E "Throughput|Run config|Compiled|startup|Error|error" | tail -8 | sed 's/^/   /'
   echo "   ($(secs "$t0") s)"
 }
-PORT=8013
-c1() {        # arm index, flags
-  local t0 srv; t0=$(ms)
+c1() {        # arm index, flags: a fresh server with them, as xla_flags_c1.sh runs one (serve_vs_offline.sh)
   echo "== server c1, arm $1 [${2:-defaults}]"
-  # shellcheck disable=SC2086
-  $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
-    --uvicorn-log-level warning $2 > "/tmp/server-arm$1.log" 2>&1 &
-  srv=$!
-  until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-    if ! kill -0 $srv 2>/dev/null; then echo "   server exited:"; tail -20 "/tmp/server-arm$1.log"; return; fi
-    sleep 0.2
+  bash "$REPO/bench/serve_vs_offline.sh" "$MODEL" --server-only --c1-only --server-args "$2" 2>&1 \
+    | tee "/tmp/server-arm$1.log" | grep -E "/health|Run config|Median TPOT|Mean TPOT|P99 TPOT|exit status" | sed 's/^ */   /'
+  cp "$REPO/bench/results/serve-$MODEL-openqa-c1.json" "$REPO/bench/results/serve-$MODEL-openqa-c1-arm$1.json"
+  [ -n "${OUT:-}" ] && for f in "$OUT/serve_vs_offline-$MODEL.tgz" "$OUT/server-$MODEL.log"; do
+    [ -e "$f" ] && mv "$f" "${f%.*}-arm$1.${f##*.}"
   done
-  echo "   /health 200 after $(secs "$t0") s"
-  grep -E "Run config" "/tmp/server-arm$1.log" | sed 's/^.*INFO[^:]*: */   /'
-  $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm --dataset openqa \
-    --max-concurrency 1 --num-prompts 20 --result-name "serve-$MODEL-openqa-c1-arm$1" 2>&1 \
-    | grep -E "Successful|Median TPOT|Mean TPOT|P99 TPOT|Median ITL" | sed 's/^/   /'
-  kill -TERM $srv; wait $srv; echo "   server exit status $?"
 }
 for i in "${!ARMS[@]}"; do
   offline "$i" "" "${ARMS[$i]}"
