@@ -1,0 +1,208 @@
+"""Which of the model's operations each kernel of a decode step runs: the step's programs compiled as the
+engine compiles them, their optimized HLO kept, a few calls traced, and every traced kernel named by the
+fusion it launches and the JAX operations (op_name metadata) fused into it.
+
+    python3 bench/step_kernels.py --model qwen2-0.5b --rows 1 --out DIR          # the GPU: compile, trace, table
+    python3 bench/step_kernels.py --table DIR                                     # the table again, from DIR
+
+DIR gets hlo-<i>.txt.gz (each program's optimized HLO), kernels.json (kernel name -> calls, microseconds per
+step) and kernels.txt (the table: per decode step, each kernel's count, mean and total time and what it runs).
+A kernel of a multi-step program is counted per decode step (its calls / steps).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][\w\-]*)\(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_KERNEL_NAME = re.compile(r'"name":"([^"]+)"|kernel_name[=:]"?([\w\-]+)')
+
+
+def _short(op_name: str) -> str:
+    """An op_name without its jit(...) wrappers and transforms: the module path and primitive."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "pjit(", "while", "body",
+                                                                       "cond", "closed_call", "checkpoint"))]
+    parts = [re.sub(r"^layers_\d+$", "layers_N", p) for p in parts]
+    return "/".join(parts[-3:])
+
+
+def parse_hlo(text: str) -> dict[str, dict]:
+    """Instruction name (as a kernel is named: '.' -> '_') -> {"op": opcode, "what": Counter of the short
+    op_names of the instructions it runs (a fusion: its fused computation's)}."""
+    comps: dict[str, list[tuple[str, str, str]]] = defaultdict(list)   # computation -> (name, opcode, op_name)
+    calls: dict[str, str] = {}
+    targets: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            current = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if m is None or current is None:
+            continue
+        name, op = m.group(1), m.group(2)
+        o = _OP_NAME.search(line)
+        comps[current].append((name, op, o.group(1) if o else ""))
+        c = _CALLS.search(line)
+        if c and op == "fusion":
+            calls[name] = c.group(1)
+        t = _CUSTOM_TARGET.search(line)
+        if t:
+            targets[name] = t.group(1)
+    out: dict[str, dict] = {}
+    for instrs in comps.values():
+        for name, op, op_name in instrs:
+            what: Counter = Counter()
+            if op == "fusion" and name in calls:
+                for _, fop, fname in comps.get(calls[name], []):
+                    if fop not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
+                        what[_short(fname) or fop] += 1
+            else:
+                what[_short(op_name) or op] += 1
+            out[name.replace(".", "_")] = {"op": targets.get(name, op), "what": what}
+    return out
+
+
+def _what(info: dict | None, n: int = 4) -> str:
+    if info is None:
+        return "?"
+    parts = [f"{k}" + (f" x{v}" if v > 1 else "") for k, v in info["what"].most_common(n)]
+    more = len(info["what"]) - n
+    return "; ".join(parts) + (f"; +{more} more" if more > 0 else "")
+
+
+def table(out_dir: Path) -> str:
+    data = json.loads((out_dir / "kernels.json").read_text())
+    hlo: dict[str, dict] = {}
+    for f in sorted(out_dir.glob("hlo-*.txt.gz")):
+        hlo.update(parse_hlo(gzip.open(f, "rt").read()))
+    rows = data["kernels"]
+    per_step = data["calls"] * data["steps_per_call"]
+    total = sum(r["total_us"] for r in rows) / per_step
+    lines = [f"{data['model']}, {data['rows']} rows x ctx {data['ctx']}, {data['steps_per_call']} decode steps a "
+             f"call, {data['calls']} calls traced; dispatch {data['layer_dispatch']}; {data['device']}",
+             f"kernels a decode step: {sum(r['count'] for r in rows) / per_step:.1f}; device time a step: "
+             f"{total:.1f} us (the sum of kernel durations); untraced, back to back: {data['us_per_step']:.1f} us",
+             "", f"{'kernel':48s} {'a step':>7s} {'mean us':>8s} {'us/step':>8s}  runs"]
+    for r in sorted(rows, key=lambda r: -r["total_us"]):
+        name = r["name"]
+        op = str(r.get("args", {}).get("hlo_op", ""))
+        info = hlo.get(name) or hlo.get(op.replace(".", "_")) or hlo.get(name.replace(".", "_"))
+        lines.append(f"{name[:48]:48s} {r['count'] / per_step:7.2f} {r['total_us'] / r['count']:8.2f} "
+                     f"{r['total_us'] / per_step:8.1f}  {_what(info)}")
+    return "\n".join(lines) + "\n"
+
+
+def _decode_inputs(runner, rows: int, ctx: int):
+    import numpy as np
+
+    from jaxpaged.models import AttentionMetadata
+    from jaxpaged.runner.inputs import ModelInput
+    rng = np.random.default_rng(0)
+    nb = -(-(ctx + 64) // runner.block_size)      # room for the program's further steps
+    tables = np.zeros((rows, runner.max_blocks_per_req), np.int32)
+    tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:rows * nb].reshape(rows, nb)
+    pos = np.full(rows, ctx - 1, np.int32)
+    slots = tables[np.arange(rows), pos // runner.block_size] * runner.block_size + pos % runner.block_size
+    meta = AttentionMetadata(pos, slots, tables, np.full(rows, ctx, np.int32), np.arange(rows + 1, dtype=np.int32))
+    return ModelInput(rng.integers(100, 1000, rows).astype(np.int32), meta, np.arange(rows, dtype=np.int32),
+                      np.full(rows, rows, np.int32), np.zeros(rows, np.int32), np.zeros(0, np.int32))
+
+
+def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: str | None, out_dir: Path,
+          num_blocks: int | None = None, calls: int = 5) -> None:
+    import jax
+    import numpy as np
+
+    from bench import trace_analysis
+    from bench.models import ensure_model_dir
+    from jaxpaged import LLM
+    from jaxpaged.runner.buckets import Bucket
+    from jaxpaged.runner.sampler import SamplerFlags
+
+    llm = LLM(model=ensure_model_dir(model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              compile_buckets=False, layer_dispatch=layer_dispatch, num_scheduler_steps=steps,
+              num_gpu_blocks_override=num_blocks)
+    runner = llm.llm_engine.runner
+    programs = runner.programs
+    steps = llm.llm_engine.run.num_scheduler_steps
+    bucket = Bucket(rows, rows, True)
+    options = programs.options(bucket, steps)
+    flags = SamplerFlags()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, spec in enumerate(programs.program_specs(runner, bucket, options, flags).values()):
+        with gzip.open(out_dir / f"hlo-{i:02d}.txt.gz", "wt") as f:
+            f.write(spec.lower().compile().as_text())
+    mi = _decode_inputs(runner, rows, ctx)
+    _, si = programs.dummy_inputs(bucket)
+
+    def call():
+        runner.kv_cache, runner.prev_sampled, r = programs(runner.kv_cache, runner.prev_sampled, mi, si,
+                                                           options=options, flags=flags)
+        return r
+
+    for _ in range(3):
+        jax.block_until_ready(call())
+    n = 30
+    t0 = time.perf_counter()
+    for _ in range(n):
+        r = call()
+    jax.block_until_ready(r)
+    us_per_step = (time.perf_counter() - t0) / n / steps * 1e6
+    trace_dir = out_dir / "trace"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(calls):
+            r = call()
+        jax.block_until_ready(r)
+    events = trace_analysis.load_events(str(trace_dir)) or []
+    kernels: dict[str, list[float]] = {}
+    for e in trace_analysis._device_kernels(events):
+        k = kernels.setdefault(str(e.get("name", "?")), [0.0, 0, e.get("args", {})])
+        k[0] += float(e.get("dur", 0.0))
+        k[1] += 1
+    (out_dir / "kernels.json").write_text(json.dumps({
+        "model": model, "rows": rows, "ctx": ctx, "steps_per_call": steps, "calls": calls,
+        "layer_dispatch": llm.llm_engine.run.layer_dispatch, "device": str(jax.devices()[0].device_kind),
+        "us_per_step": us_per_step, "jax": jax.__version__,
+        "kernels": [{"name": k, "total_us": v[0], "count": v[1], "args": v[2]} for k, v in kernels.items()]}, indent=1))
+    del np
+    import shutil
+    shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2-0.5b")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=None, help="decode steps a program (default: the resolved)")
+    ap.add_argument("--layer-dispatch", choices=["scan", "per_layer", "unrolled"], default=None)
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
+    ap.add_argument("--out", default=None, help="folder for the HLO, the kernels and the table")
+    ap.add_argument("--table", default=None, help="print the table of a folder written before")
+    args = ap.parse_args()
+    if args.table:
+        print(table(Path(args.table)), end="")
+        return
+    out = Path(args.out or f"bench/results/step_kernels-{args.model}-R{args.rows}")
+    probe(args.model, args.rows, args.ctx, args.steps, args.layer_dispatch, out, args.num_blocks)
+    text = table(out)
+    (out / "kernels.txt").write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
