@@ -92,8 +92,9 @@ def table(out_dir: Path) -> str:
     rows = data["kernels"]
     per_step = data["calls"] * data["steps_per_call"]
     total = sum(r["total_us"] for r in rows) / per_step
-    lines = [f"{data['model']}, {data['rows']} rows x ctx {data['ctx']}, {data['steps_per_call']} decode steps a "
-             f"call, {data['calls']} calls traced; dispatch {data['layer_dispatch']}; {data['device']}",
+    lines = [f"{data['model']}, {data['rows']} rows x ctx {data['ctx']} (max_model_len {data.get('max_model_len')}), "
+             f"{data['steps_per_call']} decode steps a call, {data['calls']} calls traced; "
+             f"dispatch {data['layer_dispatch']}; {data['device']}",
              f"kernels a decode step: {sum(r['count'] for r in rows) / per_step:.1f}; device time a step: "
              f"{total:.1f} us (the sum of kernel durations); untraced, back to back: {data['us_per_step']:.1f} us",
              "", f"{'kernel':48s} {'a step':>7s} {'mean us':>8s} {'us/step':>8s}  runs"]
@@ -123,7 +124,7 @@ def _decode_inputs(runner, rows: int, ctx: int):
 
 
 def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: str | None, out_dir: Path,
-          num_blocks: int | None = None, calls: int = 5) -> None:
+          num_blocks: int | None = None, max_model_len: int | None = None, calls: int = 5) -> None:
     import jax
     import numpy as np
 
@@ -133,7 +134,7 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
     from jaxpaged.runner.buckets import Bucket
     from jaxpaged.runner.sampler import SamplerFlags
 
-    llm = LLM(model=ensure_model_dir(model), load_format="dummy", dtype="bfloat16", max_model_len=2048,
+    llm = LLM(model=ensure_model_dir(model), load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,
               compile_buckets=False, layer_dispatch=layer_dispatch, num_scheduler_steps=steps,
               num_gpu_blocks_override=num_blocks)
     runner = llm.llm_engine.runner
@@ -174,7 +175,8 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
         k[0] += float(e.get("dur", 0.0))
         k[1] += 1
     (out_dir / "kernels.json").write_text(json.dumps({
-        "model": model, "rows": rows, "ctx": ctx, "steps_per_call": steps, "calls": calls,
+        "model": model, "rows": rows, "ctx": ctx, "max_model_len": llm.llm_engine.run.max_model_len,
+        "steps_per_call": steps, "calls": calls,
         "layer_dispatch": llm.llm_engine.run.layer_dispatch, "device": str(jax.devices()[0].device_kind),
         "us_per_step": us_per_step, "jax": jax.__version__,
         "kernels": [{"name": k, "total_us": v[0], "count": v[1], "args": v[2]} for k, v in kernels.items()]}, indent=1))
@@ -191,6 +193,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="decode steps a program (default: the resolved)")
     ap.add_argument("--layer-dispatch", choices=["scan", "per_layer", "unrolled"], default=None)
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's, as the benchmarks run")
     ap.add_argument("--out", default=None, help="folder for the HLO, the kernels and the table")
     ap.add_argument("--table", default=None, help="print the table of a folder written before")
     args = ap.parse_args()
@@ -198,7 +201,7 @@ def main() -> None:
         print(table(Path(args.table)), end="")
         return
     out = Path(args.out or f"bench/results/step_kernels-{args.model}-R{args.rows}")
-    probe(args.model, args.rows, args.ctx, args.steps, args.layer_dispatch, out, args.num_blocks)
+    probe(args.model, args.rows, args.ctx, args.steps, args.layer_dispatch, out, args.num_blocks, args.max_model_len)
     text = table(out)
     (out / "kernels.txt").write_text(text)
     print(text, end="")
