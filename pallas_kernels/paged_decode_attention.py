@@ -11,11 +11,13 @@ all NS programs instead of sitting in the first. (At 64 x 512 on llama3-8b's lay
 programs already fill the H100, both ways read 2.0 TB/s; the split count matters at few requests.)
 All G query heads of the kv head are one [Gp, D] tile, so each K/V block is read from memory
 exactly once per step (GQA without re-reads). Each program writes its normalised partial output and its
-log-sum-exp; a small jnp epilogue merges the NS splits. Splits left empty (a context shorter than NS tiles)
-exit at once. The epilogue is XLA's two or three small fusions, and it stays outside the kernel: merging
-inside it (the last split to finish, found by an atomic count, merges) costs every program a barrier and
-a fenced atomic and puts a serial merge on the critical path, which made the kernel slower on the H100;
-a separate Pallas merge kernel costs a launch, as the fusions do, and was no faster.
+log-sum-exp; splits left empty (a context shorter than NS tiles) write nothing. A second kernel, grid
+(R, K), merges each request's non-empty splits and writes the output. At few requests the split count is
+large (one wave of programs: 256 splits at one request of qwen2-0.5b with a 32k table) and short
+contexts fill few of them, so the merge reads only those; jnp's merge over all NS splits was four or five
+XLA fusions a layer there, 7-9 us of a 45 us decode layer on the H200. Merging inside the decode kernel
+(the last split to finish, found by an atomic count, merges) costs every program a barrier and a fenced
+atomic and puts a serial merge on the critical path, which made it slower on the H100.
 
 The cache is passed whole ([L, 2, B, K, S, D]) and the layer is picked inside the kernel, so the model's
 lax.scan over layers never copies a layer out of the pool.
@@ -42,12 +44,24 @@ PROGRAMS_PER_SM = 8
 # partial output and log-sum-exp stores, its share of the merge) for 64 keys: at qwen2-0.5b 16 x 1k on the
 # H100, 8 splits of two tiles ran faster than 16 splits of one.
 MIN_TILES_PER_SPLIT = 2
+MERGE_WARPS = 2          # the merge's warps: a program folds [G, D] partials, one split at a time
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _split_blocks(seq_len, num_splits, block_size: int, blocks_per_iter: int, sliding_window: int | None):
+    """How a request's context is cut into its splits: (its blocks, the first block its window sees, blocks per
+    split, a multiple of blocks_per_iter). Split s reads blocks [first + s * per_split, first + (s + 1) * per_split)
+    below the blocks' end; the splits past the end are empty. The decode kernel and the merge both cut so."""
+    num_blocks = pl.cdiv(seq_len, block_size)
+    # keys before seq_len - sliding_window are never seen: the splits share out the blocks from there
+    window_first = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0) // block_size
+    per_split = pl.cdiv(pl.cdiv(num_blocks - window_first, num_splits), blocks_per_iter) * blocks_per_iter
+    return num_blocks, window_first, per_split
 
 
 def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *lse_refs,
@@ -71,10 +85,8 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, slopes_ref, q_ref,
     tile = blocks_per_iter * block_size
     layer = layer_ref[0]
     seq_len = seq_lens_ref[r]
-    num_blocks = pl.cdiv(seq_len, block_size)
-    # keys before seq_len - sliding_window are never seen: the splits share out the blocks from there
-    window_first = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0) // block_size
-    per_split = pl.cdiv(pl.cdiv(num_blocks - window_first, pl.num_programs(2)), blocks_per_iter) * blocks_per_iter
+    num_blocks, window_first, per_split = _split_blocks(seq_len, pl.num_programs(2), block_size, blocks_per_iter,
+                                                        sliding_window)
     first_block = window_first + split * per_split
     end_block = jnp.minimum(first_block + per_split, num_blocks)
     num_iters = pl.cdiv(jnp.maximum(end_block - first_block, 0), blocks_per_iter)
@@ -116,10 +128,42 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, slopes_ref, q_ref,
         plgpu.store(o_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(o_ref.dtype),
                     mask=row < group)
     else:
-        plgpu.store(o_ref.at[r, h, split, pl.ds(0, group_pad), :], out, mask=row < group)
-        lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
-        real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
-        plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
+        @pl.when(first_block < num_blocks)          # an empty split's partials are never read (_merge_kernel)
+        def _():
+            plgpu.store(o_ref.at[r, h, split, pl.ds(0, group_pad), :], out, mask=row < group)
+            lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, NEG)
+            real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+            plgpu.store(lse_refs[0].at[r, h, split, pl.ds(0, group_pad)], lse, mask=real)
+
+
+def _merge_kernel(seq_lens_ref, o_ref, lse_ref, out_ref, *, block_size, blocks_per_iter, sliding_window,
+                  group_pad):
+    # seq_lens_ref: i32[R]
+    # o_ref:        f32[R, K, NS, G, D]   the splits' outputs, each divided by its own softmax sum
+    # lse_ref:      f32[R, K, NS, G]      their log-sum-exps
+    # out_ref:      dtype[R, N, D]        rows h*G .. h*G+G-1 written by program (r, h)
+    # Only the request's non-empty splits are read: at few requests the splits are many (one wave of
+    # programs), and a short context fills few of them.
+    r, h = pl.program_id(0), pl.program_id(1)
+    num_splits, group, head_dim = o_ref.shape[2], o_ref.shape[3], o_ref.shape[4]
+    num_blocks, window_first, per_split = _split_blocks(seq_lens_ref[r], num_splits, block_size, blocks_per_iter,
+                                                        sliding_window)
+    span = num_blocks - window_first
+    used = jnp.where(span > 0, pl.cdiv(span, jnp.maximum(per_split, 1)), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
+    real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+
+    def body(s, carry):
+        m, l, acc = carry
+        lse = plgpu.load(lse_ref.at[r, h, s, pl.ds(0, group_pad)], mask=real, other=NEG)
+        o = plgpu.load(o_ref.at[r, h, s, pl.ds(0, group_pad), :], mask=row < group, other=0.0)
+        m_new = jnp.maximum(m, lse)
+        alpha, w = jnp.exp(m - m_new), jnp.exp(lse - m_new)
+        return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+    _, l, acc = jax.lax.fori_loop(0, used, body, init_carry(group_pad, head_dim))
+    out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]
+    plgpu.store(out_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(out_ref.dtype), mask=row < group)
 
 
 def device_num_sms() -> int:
@@ -220,10 +264,16 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
     if num_splits == 1:
         return res                                                     # written by the kernel
     o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]
-    # merge splits: weights exp(lse_s - max_s lse); empty splits carry NEG and weigh 0
-    w = jnp.exp(lse - jnp.max(lse, axis=2, keepdims=True))
-    out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
-    return out.reshape(num_reqs, num_heads, head_dim).astype(q.dtype)
+    merge = functools.partial(_merge_kernel, block_size=block_size, blocks_per_iter=blocks_per_iter,
+                              sliding_window=sliding_window, group_pad=group_pad)
+    return pl.pallas_call(
+        merge,
+        grid=(num_reqs, num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct((num_reqs, num_heads, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=MERGE_WARPS, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_merge",
+    )(seq_lens, o, lse)
 
 
 def paged_decode_attention_reference(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,

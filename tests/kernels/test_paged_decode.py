@@ -36,6 +36,11 @@ CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("
 CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("3reqs", 12, (150, 7, 64)),
                      num_splits=(1, 4), alibi=True),
           DecodeCase(layout=Layout(8, 64, 4, 4, "bfloat16"), batch=short_and_long(8), sliding_window=30, alibi=True)]
+# More splits than the contexts fill (as at few requests, where the splits fill one wave): the merge reads only
+# each request's non-empty splits, with and without a window, a padding request among them.
+CASES += [DecodeCase(layout=Layout(16, 64, 8, 2, "float32"), batch=DecodeBatch("3reqs", 12, (150, 7, 64)),
+                     num_splits=(12,), sliding_window=window) for window in (None, 20)]
+CASES += [DecodeCase(layout=Layout(8, 64, 4, 4, "bfloat16"), batch=short_and_long(8), num_splits=(10,))]
 # Head size 256 with Gemma 2's soft cap, at the op's own configuration.
 CASES += [DecodeCase(layout=Layout(16, 256, 4, 2, "bfloat16"), batch=short_and_long(16), num_splits=(None, 3),
                      blocks_per_iter=None, soft_cap=50.0)]
@@ -68,16 +73,19 @@ class TestPagedDecode:
             paged_decode_attention(q, pool, 0, tables, lens, scale=0.1, interpret=INTERPRET)
 
     @pytest.mark.parametrize("alibi", [False, True])
-    def test_lowers_to_triton(self, alibi):
-        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed): one Triton call, ALiBi's slope
-        load included."""
+    @pytest.mark.parametrize("num_splits", [None, 1])
+    def test_lowers_to_triton(self, alibi, num_splits):
+        """Lowered for the CUDA platform (Pallas -> Triton IR; no GPU needed), ALiBi's slope load included:
+        one Triton call for one split, two (the decode kernel and its merge) where the op splits the
+        context (its own choice here: 4 splits)."""
         s = jax.ShapeDtypeStruct
         fn = functools.partial(paged_decode_attention, scale=0.1, interpret=False, sliding_window=64,
-                               soft_cap=None if alibi else 30.0)
+                               soft_cap=None if alibi else 30.0, num_splits=num_splits)
         op = (lambda *a: fn(*a[:-1], alibi_slopes=a[-1])) if alibi else fn
         slopes = (s((14,), jnp.float32),) if alibi else ()
         assert lowered_calls(op, s((8, 14, 64), jnp.bfloat16), s((4, 2, 100, 2, 16, 64), jnp.bfloat16),
-                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32), *slopes) == (1,)
+                             s((), jnp.int32), s((8, 32), jnp.int32), s((8,), jnp.int32),
+                             *slopes) == (1 if num_splits == 1 else 2,)
 
     def test_split_count_fills_one_wave(self):
         """choose_splits: the most splits whose programs fit one wave (8 per SM on 132 SMs), each split at
