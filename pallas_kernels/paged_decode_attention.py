@@ -44,7 +44,8 @@ PROGRAMS_PER_SM = 8
 # partial output and log-sum-exp stores, its share of the merge) for 64 keys: at qwen2-0.5b 16 x 1k on the
 # H100, 8 splits of two tiles ran faster than 16 splits of one.
 MIN_TILES_PER_SPLIT = 2
-MERGE_WARPS = 2          # the merge's warps: a program folds [G, D] partials, one split at a time
+MERGE_SPLITS = 16        # splits the merge loads at once: one chunk holds a 1k-token context at one request
+MERGE_WARPS = 4          # the merge's warps: a chunk is [MERGE_SPLITS, G (padded), D] float32 partials
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -142,27 +143,33 @@ def _merge_kernel(seq_lens_ref, o_ref, lse_ref, out_ref, *, block_size, blocks_p
     # o_ref:        f32[R, K, NS, G, D]   the splits' outputs, each divided by its own softmax sum
     # lse_ref:      f32[R, K, NS, G]      their log-sum-exps
     # out_ref:      dtype[R, N, D]        rows h*G .. h*G+G-1 written by program (r, h)
-    # Only the request's non-empty splits are read: at few requests the splits are many (one wave of
-    # programs), and a short context fills few of them.
+    # Only the request's non-empty splits are read, MERGE_SPLITS at a time (one load of each chunk in flight:
+    # a split at a time, the loads' latency set the merge's time): at few requests the splits are many (one
+    # wave of programs), and a short context fills few of them.
     r, h = pl.program_id(0), pl.program_id(1)
     num_splits, group, head_dim = o_ref.shape[2], o_ref.shape[3], o_ref.shape[4]
     num_blocks, window_first, per_split = _split_blocks(seq_lens_ref[r], num_splits, block_size, blocks_per_iter,
                                                         sliding_window)
     span = num_blocks - window_first
     used = jnp.where(span > 0, pl.cdiv(span, jnp.maximum(per_split, 1)), 0)
-    row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
-    real = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+    chunk = MERGE_SPLITS
+    real = jax.lax.broadcasted_iota(jnp.int32, (chunk, group_pad), 1) < group
 
-    def body(s, carry):
+    def body(c, carry):
         m, l, acc = carry
-        lse = plgpu.load(lse_ref.at[r, h, s, pl.ds(0, group_pad)], mask=real, other=NEG)
-        o = plgpu.load(o_ref.at[r, h, s, pl.ds(0, group_pad), :], mask=row < group, other=0.0)
-        m_new = jnp.maximum(m, lse)
-        alpha, w = jnp.exp(m - m_new), jnp.exp(lse - m_new)
-        return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
+        live = (c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, group_pad), 0) < used) & real
+        lse = plgpu.load(lse_ref.at[r, h, pl.ds(c * chunk, chunk), pl.ds(0, group_pad)], mask=live,
+                         other=NEG)                                                      # [C, Gp]
+        o = plgpu.load(o_ref.at[r, h, pl.ds(c * chunk, chunk), pl.ds(0, group_pad), :],
+                       mask=jnp.broadcast_to(live[:, :, None], (chunk, group_pad, head_dim)), other=0.0)
+        m_new = jnp.maximum(m, jnp.max(lse, axis=0))
+        w = jnp.where(live, jnp.exp(lse - m_new[None, :]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        return m_new, l * alpha + jnp.sum(w, axis=0), acc * alpha[:, None] + jnp.sum(o * w[:, :, None], axis=0)
 
-    _, l, acc = jax.lax.fori_loop(0, used, body, init_carry(group_pad, head_dim))
+    _, l, acc = jax.lax.fori_loop(0, pl.cdiv(used, chunk), body, init_carry(group_pad, head_dim))
     out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]
+    row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
     plgpu.store(out_ref.at[r, pl.ds(h * group, group_pad), :], out.astype(out_ref.dtype), mask=row < group)
 
 
@@ -265,7 +272,7 @@ def paged_decode_attention(q, kv_cache, layer_idx, block_tables, seq_lens, *, sc
         return res                                                     # written by the kernel
     o, lse = res                                                       # [R, K, NS, G, D], [R, K, NS, G]
     merge = functools.partial(_merge_kernel, block_size=block_size, blocks_per_iter=blocks_per_iter,
-                              sliding_window=sliding_window, group_pad=group_pad)
+                              sliding_window=sliding_window, group_pad=_next_pow2(group))
     return pl.pallas_call(
         merge,
         grid=(num_reqs, num_kv_heads),
