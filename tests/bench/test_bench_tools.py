@@ -255,3 +255,34 @@ def test_api_capacity_streams_every_token_through_the_real_server(tmp_path):
     (result,) = tmp_path.glob("api-capacity-16x40-k16.json")
     m = json.loads(result.read_text())["metrics"]
     assert (m["completed"], m["failed"], m["total_output_tokens"]) == (16, 0, 16 * 40)
+
+
+def test_step_kernels_names_each_kernel_by_what_is_fused_into_it(tmp_path):
+    """bench/step_kernels.py's table: a kernel of the trace is found in the optimized HLO by its name ('.' ->
+    '_'), and listed with the JAX operations of its fused computation, per decode step."""
+    import gzip
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench.step_kernels import parse_hlo, table
+
+    def layer(x, w):
+        with jax.named_scope("mlp"):
+            return jax.nn.silu(x @ w) * 2.0
+    text = jax.jit(layer).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile().as_text()
+    hlo = parse_hlo(text)
+    fusions = [name for name, info in hlo.items() if info["op"] == "fusion"]
+    assert fusions and all("." not in name for name in hlo)
+    name = max(fusions, key=lambda n: sum(hlo[n]["what"].values()))
+    assert any("mlp" in what for what in hlo[name]["what"])
+    with gzip.open(tmp_path / "hlo-00.txt.gz", "wt") as f:
+        f.write(text)
+    (tmp_path / "kernels.json").write_text(json.dumps({
+        "model": "m", "rows": 1, "ctx": 8, "max_model_len": 64, "steps_per_call": 4, "calls": 2,
+        "layer_dispatch": "unrolled", "device": "d", "us_per_step": 10.0,
+        "kernels": [{"name": name, "total_us": 80.0, "count": 16, "args": {}}]}))
+    out = table(tmp_path)
+    assert "kernels a decode step: 2.0; device time a step: 10.0 us" in out
+    row = next(line for line in out.splitlines() if line.startswith(name))
+    assert row.split()[1:4] == ["2.00", "5.00", "10.0"] and "mlp" in row
