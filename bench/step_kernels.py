@@ -15,6 +15,7 @@ import argparse
 import gzip
 import json
 import re
+import shutil
 import sys
 import time
 from collections import Counter, defaultdict
@@ -27,7 +28,6 @@ _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_KERNEL_NAME = re.compile(r'"name":"([^"]+)"|kernel_name[=:]"?([\w\-]+)')
 
 
 def _short(op_name: str) -> str:
@@ -100,27 +100,10 @@ def table(out_dir: Path) -> str:
              "", f"{'kernel':48s} {'a step':>7s} {'mean us':>8s} {'us/step':>8s}  runs"]
     for r in sorted(rows, key=lambda r: -r["total_us"]):
         name = r["name"]
-        op = str(r.get("args", {}).get("hlo_op", ""))
-        info = hlo.get(name) or hlo.get(op.replace(".", "_")) or hlo.get(name.replace(".", "_"))
+        info = hlo.get(name.replace(".", "_"))
         lines.append(f"{name[:48]:48s} {r['count'] / per_step:7.2f} {r['total_us'] / r['count']:8.2f} "
                      f"{r['total_us'] / per_step:8.1f}  {_what(info)}")
     return "\n".join(lines) + "\n"
-
-
-def _decode_inputs(runner, rows: int, ctx: int):
-    import numpy as np
-
-    from jaxpaged.models import AttentionMetadata
-    from jaxpaged.runner.inputs import ModelInput
-    rng = np.random.default_rng(0)
-    nb = -(-(ctx + 64) // runner.block_size)      # room for the program's further steps
-    tables = np.zeros((rows, runner.max_blocks_per_req), np.int32)
-    tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:rows * nb].reshape(rows, nb)
-    pos = np.full(rows, ctx - 1, np.int32)
-    slots = tables[np.arange(rows), pos // runner.block_size] * runner.block_size + pos % runner.block_size
-    meta = AttentionMetadata(pos, slots, tables, np.full(rows, ctx, np.int32), np.arange(rows + 1, dtype=np.int32))
-    return ModelInput(rng.integers(100, 1000, rows).astype(np.int32), meta, np.arange(rows, dtype=np.int32),
-                      np.full(rows, rows, np.int32), np.zeros(rows, np.int32), np.zeros(0, np.int32))
 
 
 def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: str | None, out_dir: Path,
@@ -130,6 +113,7 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
 
     from bench import trace_analysis
     from bench.models import ensure_model_dir
+    from bench.step_probe import decode_inputs
     from jaxpaged import LLM
     from jaxpaged.runner.buckets import Bucket
     from jaxpaged.runner.sampler import SamplerFlags
@@ -147,7 +131,8 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
     for i, spec in enumerate(programs.program_specs(runner, bucket, options, flags).values()):
         with gzip.open(out_dir / f"hlo-{i:02d}.txt.gz", "wt") as f:
             f.write(spec.lower().compile().as_text())
-    mi = _decode_inputs(runner, rows, ctx)
+    # room in the tables for the program's further steps
+    mi = decode_inputs(runner, rows, ctx, -(-(ctx + 64) // runner.block_size), np.random.default_rng(0))
     _, si = programs.dummy_inputs(bucket)
 
     def call():
@@ -169,19 +154,14 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
             r = call()
         jax.block_until_ready(r)
     events = trace_analysis.load_events(str(trace_dir)) or []
-    kernels: dict[str, list[float]] = {}
-    for e in trace_analysis._device_kernels(events):
-        k = kernels.setdefault(str(e.get("name", "?")), [0.0, 0, e.get("args", {})])
-        k[0] += float(e.get("dur", 0.0))
-        k[1] += 1
+    kernels = trace_analysis.top_kernels(events, len(events))
     (out_dir / "kernels.json").write_text(json.dumps({
         "model": model, "rows": rows, "ctx": ctx, "max_model_len": llm.llm_engine.run.max_model_len,
         "steps_per_call": steps, "calls": calls,
         "layer_dispatch": llm.llm_engine.run.layer_dispatch, "device": str(jax.devices()[0].device_kind),
         "us_per_step": us_per_step, "jax": jax.__version__,
-        "kernels": [{"name": k, "total_us": v[0], "count": v[1], "args": v[2]} for k, v in kernels.items()]}, indent=1))
-    del np
-    import shutil
+        "kernels": [{"name": k["name"], "total_us": 1000 * k["total_ms"], "count": k["count"]} for k in kernels]},
+        indent=1))
     shutil.rmtree(trace_dir, ignore_errors=True)
 
 

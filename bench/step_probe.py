@@ -15,15 +15,30 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
+def decode_inputs(runner, rows: int, ctx: int, table_blocks: int, rng):
+    """One decode token for each of `rows` requests at context `ctx`, their first `table_blocks` table entries
+    random distinct blocks of the runner's pool (the rest the null block)."""
+    import numpy as np
+
+    from jaxpaged.models import AttentionMetadata
+    from jaxpaged.runner.inputs import ModelInput
+    tables = np.zeros((rows, runner.max_blocks_per_req), np.int32)
+    tables[:, :table_blocks] = rng.permutation(np.arange(1, runner.num_blocks))[:rows * table_blocks].reshape(
+        rows, table_blocks)
+    pos = np.full(rows, ctx - 1, np.int32)
+    slots = tables[np.arange(rows), pos // runner.block_size] * runner.block_size + pos % runner.block_size
+    meta = AttentionMetadata(pos, slots, tables, np.full(rows, ctx, np.int32), np.arange(rows + 1, dtype=np.int32))
+    return ModelInput(rng.integers(100, 1000, rows).astype(np.int32), meta, np.arange(rows, dtype=np.int32),
+                      np.full(rows, rows, np.int32), np.zeros(rows, np.int32), np.zeros(0, np.int32))
+
+
 def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, trace_dir: str | None = None) -> dict:
     """Per decode step (model + sampler, context `ctx` each): blocking latency, back-to-back time, and how
     long the launch holds the host."""
     import jax
     import numpy as np
 
-    from jaxpaged.models import AttentionMetadata
     from jaxpaged.runner.buckets import Bucket
-    from jaxpaged.runner.inputs import ModelInput
     from jaxpaged.runner.sampler import SamplerFlags
 
     runner = llm.llm_engine.runner
@@ -31,14 +46,7 @@ def time_decode_steps(llm, batches=(1, 16, 64, 256), ctx: int = 512, trace_dir: 
     rng = np.random.default_rng(0)
     res = {}
     for R in batches:
-        nb = ctx // runner.block_size
-        tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
-        tables[:, :nb] = rng.permutation(np.arange(1, runner.num_blocks))[:R * nb].reshape(R, nb)
-        pos = np.full(R, ctx - 1, np.int32)
-        slots = tables[np.arange(R), pos // runner.block_size] * runner.block_size + pos % runner.block_size
-        meta = AttentionMetadata(pos, slots, tables, np.full(R, ctx, np.int32), np.arange(R + 1, dtype=np.int32))
-        mi = ModelInput(rng.integers(100, 1000, R).astype(np.int32), meta, np.arange(R, dtype=np.int32),
-                        np.full(R, R, np.int32), np.zeros(R, np.int32), np.zeros(0, np.int32))
+        mi = decode_inputs(runner, R, ctx, ctx // runner.block_size, rng)
         bucket = Bucket(R, R, True)
         _, si = programs.dummy_inputs(bucket)
         options = programs.options(bucket, 1)
