@@ -35,14 +35,19 @@ GPU_SCHEDULER_STEPS = 16
 # weights out of the stacked arrays, and XLA copies every slice that feeds a matmul; from this size those
 # copies cost more than the extra launches of a few programs per step.
 PER_LAYER_MIN_BYTES = 64 << 20
-# On a GPU, per-layer dispatch (one step a program) from this many bytes a layer; smaller layers are unrolled
-# into one program of GPU_SCHEDULER_STEPS steps. Per-layer dispatch launches L / LAYERS_PER_DISPATCH + 2
-# programs a step, about 0.4 ms of host time each on the H100's host (4.1 ms for a 32-layer model): a group's
-# weights must take at least that long to read or the step waits on the host. Four layers of 256 MiB take
-# ~0.35 ms at the HBM's rate. llama3-8b in bf16 (416 MiB a layer) keeps the device busy either way (offline
-# the same speed both ways); in 4 bits (117 MiB) one request's token took 4.6-5.6 ms per layer group against
-# 3.4 ms unrolled. What unrolling costs is start-up: its programs take longer to compile.
-GPU_PER_LAYER_MIN_BYTES = 256 << 20
+# On a GPU every layer runs unrolled in the step's one program (no weight slices, one launch a step). From this
+# many bytes a layer, one decode step a program; smaller layers take GPU_SCHEDULER_STEPS steps a program, which
+# keeps a small model's device busy (a one-request qwen2-0.5b step is ~1 ms, shorter than a step's host work).
+# Large layers keep to one step: a device step of several ms hides the host's work, and a multi-step program's
+# while loop keeps decode attention on the Triton kernel (pallas_kernels.attention's in_loop), which loses to the
+# Mosaic one at large batches (llama3-8b ShareGPT 1000 on the H200: 16 steps unrolled 0.95x one step per_layer).
+# Unrolled with one step against per-layer programs of LAYERS_PER_DISPATCH layers (llama3-8b in bf16, 416 MiB a
+# layer, H200): offline ShareGPT 1000 1.016x over nine interleaved runs on one machine, the 17-512-request
+# decode steps 3-20% shorter (the per-layer programs each recompute the attention kernels' work lists and copy
+# their inputs), one request's step as long back to back. In 4 bits (117 MiB a layer) one request's token took
+# 4.6-5.6 ms in per-layer programs against 3.4 ms unrolled with 16 steps. What unrolling costs is start-up: its
+# programs take longer to compile.
+GPU_SINGLE_STEP_MIN_BYTES = 256 << 20
 # Layers in one program under per-layer dispatch: one layer per program left the device idle at small
 # batches (a launch costs about as much host time as a layer's device time); four keep it busy.
 LAYERS_PER_DISPATCH = 4
@@ -212,7 +217,8 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
     if args.num_scheduler_steps is not None:
         steps = args.num_scheduler_steps
     else:
-        steps = GPU_SCHEDULER_STEPS if on_gpu and dispatch != "per_layer" else 1
+        steps = (GPU_SCHEDULER_STEPS if on_gpu and dispatch != "per_layer" and layer_bytes < GPU_SINGLE_STEP_MIN_BYTES
+                 else 1)
     if steps > 1 and dispatch == "per_layer":
         raise ValueError("num_scheduler_steps > 1 (multi-step decoding) needs the whole step in one program, "
                          "but layer_dispatch='per_layer' runs the layers in groups: use layer_dispatch "
@@ -248,13 +254,13 @@ def _lowering_processes(platform: Platform, compile_buckets: bool) -> int:
 
 
 def _layer_dispatch(layer_bytes: int, on_gpu: bool, steps: int | None) -> str:
-    """Several decode steps per program asked for: unrolled (they need the step in one program). Otherwise on a
-    GPU: per_layer from GPU_PER_LAYER_MIN_BYTES a layer, else unrolled (one CUDA graph a program, several steps
-    a program); on the CPU: per_layer from PER_LAYER_MIN_BYTES, else the scan (quick to compile)."""
-    if steps is not None and steps > 1:
-        return "unrolled" if on_gpu or layer_bytes >= PER_LAYER_MIN_BYTES else "scan"
+    """On a GPU: unrolled (the step one program; GPU_SINGLE_STEP_MIN_BYTES picks its decode steps). On the CPU:
+    per_layer from PER_LAYER_MIN_BYTES, else the scan (quick to compile); unrolled where several decode steps a
+    program are asked for with large layers (they need the step in one program)."""
     if on_gpu:
-        return "per_layer" if layer_bytes >= GPU_PER_LAYER_MIN_BYTES else "unrolled"
+        return "unrolled"
+    if steps is not None and steps > 1:
+        return "unrolled" if layer_bytes >= PER_LAYER_MIN_BYTES else "scan"
     return "per_layer" if layer_bytes >= PER_LAYER_MIN_BYTES else "scan"
 
 

@@ -4,15 +4,15 @@ import dataclasses
 
 import pytest
 
-from jaxpaged.config import (GPU_PER_LAYER_MIN_BYTES, LAYERS_PER_DISPATCH, MAX_LOWERING_PROCESSES, MOSAIC_INPUT_ALIGN,
+from jaxpaged.config import (GPU_SINGLE_STEP_MIN_BYTES, LAYERS_PER_DISPATCH, MAX_LOWERING_PROCESSES, MOSAIC_INPUT_ALIGN,
                              GPU_SCHEDULER_STEPS, PER_LAYER_MIN_BYTES, EngineArgs, Platform, resolve)
 
 H100 = Platform("gpu", "NVIDIA H100 80GB HBM3", 76 * 2**30, True)
 A100 = Platform("gpu", "NVIDIA A100-SXM4-80GB", 76 * 2**30, False)
 L4 = Platform("gpu", "NVIDIA L4", 22 * 2**30, False)
 CPU = Platform("cpu", "cpu", 0, False)
-SMALL, LARGE = 8 << 20, GPU_PER_LAYER_MIN_BYTES    # qwen2-0.5b-sized and llama3-8b-sized layers
-MEDIUM = PER_LAYER_MIN_BYTES                         # under GPU_PER_LAYER_MIN_BYTES: llama3-8b in 4 bits (117 MiB)
+SMALL, LARGE = 8 << 20, GPU_SINGLE_STEP_MIN_BYTES  # qwen2-0.5b-sized and llama3-8b-sized layers
+MEDIUM = PER_LAYER_MIN_BYTES                         # under GPU_SINGLE_STEP_MIN_BYTES: llama3-8b in 4 bits (117 MiB)
 SERVER = "openai_api_server"
 
 
@@ -23,9 +23,9 @@ def run(platform=H100, layer_bytes=SMALL, **args):
 @pytest.mark.parametrize("platform, usage, layer_bytes, dispatch, steps", [
     (H100, "llm_class", SMALL, "unrolled", GPU_SCHEDULER_STEPS),   # small layers: one graph, 16 steps
     (H100, SERVER, SMALL, "unrolled", GPU_SCHEDULER_STEPS),        # the server runs what LLM runs
-    (H100, "llm_class", LARGE, "per_layer", 1),     # large layers: a few layers per program
-    (H100, SERVER, LARGE, "per_layer", 1),
-    (H100, "llm_class", MEDIUM, "unrolled", GPU_SCHEDULER_STEPS),  # a 4-bit 8B model: per-layer launches outlast it
+    (H100, "llm_class", LARGE, "unrolled", 1),      # large layers: one program, one decode step
+    (H100, SERVER, LARGE, "unrolled", 1),
+    (H100, "llm_class", MEDIUM, "unrolled", GPU_SCHEDULER_STEPS),  # a 4-bit 8B model: several steps a program
     (H100, SERVER, MEDIUM, "unrolled", GPU_SCHEDULER_STEPS),
     (CPU, "llm_class", SMALL, "scan", 1),
     (CPU, "llm_class", MEDIUM, "per_layer", 1),
@@ -44,7 +44,8 @@ def test_several_steps_on_large_layers_unroll_them():
     program: the layers are unrolled instead of refusing to start."""
     r = run(H100, LARGE, usage_context=SERVER, num_scheduler_steps=8)
     assert (r.layer_dispatch, r.num_scheduler_steps, r.input_align) == ("unrolled", 8, MOSAIC_INPUT_ALIGN)
-    assert run(H100, LARGE, num_scheduler_steps=1).layer_dispatch == "per_layer"
+    assert run(CPU, LARGE, num_scheduler_steps=4).layer_dispatch == "unrolled"
+    assert run(CPU, LARGE, num_scheduler_steps=1).layer_dispatch == "per_layer"
 
 
 def test_explicit_choices_are_kept_and_impossible_ones_refused():
@@ -88,14 +89,14 @@ def test_compile_buckets_and_executable_cache():
     assert run(H100).compile_buckets and not run(CPU).compile_buckets
     assert run(CPU, compile_buckets=True).compile_buckets
     assert run(H100).executable_cache and not run(CPU).executable_cache
-    assert run(H100, LARGE).executable_cache                        # per_layer: each of a step's programs
+    assert run(H100, LARGE, layer_dispatch="per_layer").executable_cache    # each of a step's programs
     for layer_bytes in (SMALL, LARGE):
         assert not resolve(EngineArgs(), H100, layer_bytes=layer_bytes, max_position_embeddings=4096,
                            compile_cache=False).executable_cache
 
 
 def test_the_summary_is_one_line_naming_every_choice():
-    line = run(H100, LARGE).summary()
+    line = run(H100, LARGE, layer_dispatch="per_layer").summary()
     assert "\n" not in line
     for part in ("platform=gpu", "attention=mosaic", "layers=per_layer/4", "steps_per_program=1",
                  "max_num_batched_tokens=16384", "max_num_seqs=1024", "executable_cache=True", "input_align=1"):
