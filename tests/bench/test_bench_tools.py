@@ -286,3 +286,30 @@ def test_step_kernels_names_each_kernel_by_what_is_fused_into_it(tmp_path):
     assert "kernels a decode step: 2.0; device time a step: 10.0 us" in out
     row = next(line for line in out.splitlines() if line.startswith(name))
     assert row.split()[1:4] == ["2.00", "5.00", "10.0"] and "mlp" in row
+
+
+def test_step_log_table_groups_steps_and_sets_each_against_its_floor(tmp_path):
+    """bench/step_log_table.py: mixed steps (any prompt token) apart, decode steps by request count; a step's
+    floor is the larger of its bytes (weights once, every request's KV) at the HBM's peak and its FLOPs (2 x the
+    layer parameters a token, the LM head a request) at the FLOP peak."""
+    from bench import step_log_table as slt
+    # seconds, tokens, requests, context tokens, gc, gc gen 2 (bench/throughput.py's columns)
+    rows = [(0.40, 1000, 10, 5000, 0, 0),   # mixed
+            (0.01, 4, 4, 400, 0, 0), (0.03, 8, 8, 800, 0, 0),   # decode 1-16
+            (0.05, 100, 100, 10_000, 0, 0)]                     # decode 65-128
+    path = tmp_path / "steps.csv"
+    np.savetxt(path, np.array(rows), delimiter=",", header="seconds,tokens,requests,context_tokens,gc_seconds,"
+               "gc_gen2_seconds")
+    steps = slt.load(str(path))
+    assert steps.shape == (4, 4)
+    # weights 1000 B, 10 B of KV a token of context, 100 FLOPs a token, 1000 a request; peaks 1e6 FLOP/s, 1e3 B/s
+    floor = slt.floors(steps, 1000, 100, 1000, 10, (1e6, 1e3))
+    # mixed: bytes 1000 + 50,000 -> 51 s; FLOPs 100,000 + 10,000 -> 0.11 s. decode: 5 s, 9 s; 101 s
+    np.testing.assert_allclose(floor, [51.0, 5.0, 9.0, 101.0])
+    table = {r["group"]: r for r in slt.groups(steps, floor)}
+    assert list(table) == ["mixed", "decode 1-16", "decode 65-128", "all"]
+    assert (table["decode 1-16"]["steps"], table["decode 1-16"]["seconds"]) == (2, pytest.approx(0.04))
+    assert table["decode 1-16"]["median_ms"] == pytest.approx(20.0)
+    assert table["decode 1-16"]["ratio"] == pytest.approx(0.04 / 14.0)
+    assert table["all"]["floor_s"] == pytest.approx(166.0)
+    assert "| decode 65-128 | 1 | 0.05 | 50.00 ms | 101.00 s | 0.00 |" in slt.markdown(list(table.values()), "t")
