@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from jaxpaged.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
+from jaxpaged.config import KV_CACHE_DTYPES, LAYER_DISPATCHES, QUANTIZATION_METHODS, EngineArgs
 
 
 # Request bodies larger than this are refused (413). 64 MiB holds a 1M-token prompt at 64 bytes a token (a
@@ -116,11 +116,15 @@ def _cache_and_scheduler_flags(c) -> None:
                         "when chunked prefill is off.")
     c.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
                    help="Decode steps per device program (multi-step scheduling, as vLLM V0); default (as "
-                        "LLM): 16 on GPUs where a step is one program, else 1. When every "
-                        "running request decodes and none waits, the GPU runs this many steps before the "
+                        "LLM): 16 on GPUs for models whose layers hold under 256 MiB of weights, else 1. When "
+                        "every running request decodes and none waits, the GPU runs this many steps before the "
                         "host sees their tokens, which then stream in groups of up to this many. Requests "
-                        "with logprobs, penalties, logit bias or min_tokens run one step at a time. Models "
-                        "with large layers then run them unrolled, the whole step in one program.")
+                        "with logprobs, penalties, logit bias or min_tokens run one step at a time.")
+    c.add_argument("--layer-dispatch", default=None, choices=list(LAYER_DISPATCHES),
+                   help="How a step runs the decoder layers (as LLM's layer_dispatch); default: unrolled on GPUs "
+                        "(the whole step one program), per_layer or scan on the CPU. per_layer runs programs of "
+                        "four layers, one decode step each: they compile faster (a shorter cold start-up for "
+                        "large models) at a small cost in speed.")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -198,7 +202,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, max_logprobs=args.max_logprobs,
-        num_scheduler_steps=args.num_scheduler_steps, quantization=args.quantization,
+        num_scheduler_steps=args.num_scheduler_steps, layer_dispatch=args.layer_dispatch,
+        quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         usage_context="openai_api_server")

@@ -65,7 +65,8 @@ def test_flags_map_to_engine_args():
                          "--block-size", "32", "--preemption-mode", "swap", "--swap-space", "1",
                          "--served-model-name", "a", "b", "--num-gpu-blocks-override", "100", "--seed", "3",
                          "--load-format", "dummy", "--dtype", "float32", "--no-enable-chunked-prefill",
-                         "--max-num-batched-tokens", "1024", "--allowed-origins", '["http://x"]'])
+                         "--max-num-batched-tokens", "1024", "--allowed-origins", '["http://x"]',
+                         "--layer-dispatch", "per_layer"])
     validate_args(p, args)
     e = engine_args_from(args)
     assert (e.enable_prefix_caching, e.max_model_len, e.max_num_seqs, e.block_size) == (False, 512, 8, 32)
@@ -73,14 +74,16 @@ def test_flags_map_to_engine_args():
     assert ((e.load_format, e.dtype, e.enable_chunked_prefill, e.max_num_batched_tokens)
             == ("dummy", "float32", False, 1024))
     assert e.served_model_name == "a" and args.served_model_name == ["a", "b"]
+    assert e.layer_dispatch == "per_layer"
     assert args.allowed_origins == ["http://x"]
     defaults = p.parse_args([])
     assert defaults.enable_prefix_caching and defaults.port == 8000 and defaults.model is None
     # batch limits and steps per program left to config.resolve, which gives the server LLM's program
     d = engine_args_from(defaults)
-    assert ((d.max_num_seqs, d.max_num_batched_tokens, d.num_scheduler_steps, d.usage_context)
-            == (None, None, None, "openai_api_server"))
-    for bad in (["--max-num-seqs", "0"], ["--block-size", "7"], ["--dtype", "int4"], ["--allowed-origins", "x"]):
+    assert ((d.max_num_seqs, d.max_num_batched_tokens, d.num_scheduler_steps, d.layer_dispatch, d.usage_context)
+            == (None, None, None, None, "openai_api_server"))
+    for bad in (["--max-num-seqs", "0"], ["--block-size", "7"], ["--dtype", "int4"], ["--allowed-origins", "x"],
+                ["--layer-dispatch", "cuda_graph"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
 
