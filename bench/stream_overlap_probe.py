@@ -49,7 +49,7 @@ def make_inputs(rows: int, ctx: int, layers: int, dtype, seed: int = 0) -> dict:
 def variants(layers: int, num_ctas: int | None, interpret: bool) -> dict:
     import jax
     import jax.numpy as jnp
-    from jax.experimental.compute_on import compute_on2
+    from jax.experimental import compute_on as co
 
     from jaxpaged.pallas_kernels import paged_decode_attention_reference
     from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
@@ -70,9 +70,15 @@ def variants(layers: int, num_ctas: int | None, interpret: bool) -> dict:
             for i in range(layers):
                 if use_attn:
                     a = (lambda q, p, t, n, i=i: attn(q, p, i, t, n))
-                    if stream:
-                        a = compute_on2(a, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
-                    outs.append(a(inp["q"][i], inp["pool"], inp["tables"], inp["lens"]))
+                    args = (inp["q"][i], inp["pool"], inp["tables"], inp["lens"])
+                    if stream and hasattr(co, "compute_on2"):
+                        outs.append(co.compute_on2(a, compute_type="gpu_stream:1",
+                                                   out_memory_spaces=jax.memory.Space.Device)(*args))
+                    elif stream:        # jax 0.11.2: the context manager form, over the attention's own jit
+                        with co.compute_on("gpu_stream:1"):
+                            outs.append(jax.jit(a)(*args))
+                    else:
+                        outs.append(a(*args))
                 if use_mlp:
                     outs.append(mlp(inp["x"][i], inp["w_gu"][i], inp["w_d"][i]))
             return outs
