@@ -71,12 +71,12 @@ def variants(layers: int, num_ctas: int | None, interpret: bool) -> dict:
                 if use_attn:
                     a = (lambda q, p, t, n, i=i: attn(q, p, i, t, n))
                     args = (inp["q"][i], inp["pool"], inp["tables"], inp["lens"])
-                    if stream and hasattr(co, "compute_on2"):
-                        outs.append(co.compute_on2(a, compute_type="gpu_stream:1",
-                                                   out_memory_spaces=jax.memory.Space.Device)(*args))
-                    elif stream:        # jax 0.11.2: the context manager form, over the attention's own jit
-                        with co.compute_on("gpu_stream:1"):
-                            outs.append(jax.jit(a)(*args))
+                    if stream:
+                        # compute_on2(f, compute_type=, out_memory_spaces=) in jax 0.10; the same function is
+                        # compute_on in jax 0.11.2
+                        wrap = getattr(co, "compute_on2", co.compute_on)
+                        outs.append(wrap(a, compute_type="gpu_stream:1",
+                                         out_memory_spaces=jax.memory.Space.Device)(*args))
                     else:
                         outs.append(a(*args))
                 if use_mlp:
