@@ -24,25 +24,27 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-H, INTER, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 14336, 32, 8, 128, 16      # llama3-8b
+H, INTER = 4096, 14336                          # llama3-8b's hidden and MLP sizes
 
 
 def make_inputs(rows: int, ctx: int, layers: int, dtype, seed: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    k = iter(jax.random.split(jax.random.PRNGKey(seed), 4 * layers + 2))
+
+    from bench.bench_kernels import BLOCK, LAYOUTS, make_pool, random_tables
+    heads, kv_heads, head_dim = LAYOUTS["llama3-8b"]
+    k = iter(jax.random.split(jax.random.PRNGKey(seed), 4 * layers))
     per_req = -(-ctx // BLOCK)
     blocks = rows * per_req + 1
     rng = np.random.default_rng(seed)
-    tables = rng.permutation(np.arange(1, blocks))[:rows * per_req].reshape(rows, per_req).astype(np.int32)
     return {
         "x": [jax.random.normal(next(k), (rows, H), dtype) for _ in range(layers)],
         "w_gu": [(jax.random.normal(next(k), (H, 2 * INTER), dtype) * H ** -0.5).astype(dtype) for _ in range(layers)],
         "w_d": [(jax.random.normal(next(k), (INTER, H), dtype) * INTER ** -0.5).astype(dtype) for _ in range(layers)],
-        "q": [jax.random.normal(next(k), (rows, HEADS, HEAD_DIM), dtype) for _ in range(layers)],
-        "pool": jax.random.normal(next(k), (layers, 2, blocks, KV_HEADS, BLOCK, HEAD_DIM), dtype),
-        "tables": jnp.asarray(tables), "lens": jnp.full((rows,), ctx, jnp.int32),
+        "q": [jax.random.normal(next(k), (rows, heads, head_dim), dtype) for _ in range(layers)],
+        "pool": make_pool(rng, blocks, kv_heads, head_dim, dtype, layers),
+        "tables": random_tables(rng, 1, rows, per_req, blocks)[0], "lens": jnp.full((rows,), ctx, jnp.int32),
     }
 
 
@@ -60,8 +62,8 @@ def variants(layers: int, num_ctas: int | None, interpret: bool) -> dict:
 
     def attn(q, pool, layer, tables, lens):
         if interpret:       # the CPU (a smoke run of this script): the plain-jnp decode attention
-            return paged_decode_attention_reference(q, pool, jnp.int32(layer), tables, lens, scale=HEAD_DIM ** -0.5)
-        return paged_decode_attention_mgpu(q, pool, jnp.int32(layer), tables, lens, scale=HEAD_DIM ** -0.5,
+            return paged_decode_attention_reference(q, pool, jnp.int32(layer), tables, lens, scale=q.shape[-1] ** -0.5)
+        return paged_decode_attention_mgpu(q, pool, jnp.int32(layer), tables, lens, scale=q.shape[-1] ** -0.5,
                                            num_ctas=num_ctas, interpret=False)
 
     def build(use_mlp: bool, use_attn: bool, stream: bool):

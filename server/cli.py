@@ -5,7 +5,8 @@ import argparse
 import json
 import os
 
-from jaxpaged.config import KV_CACHE_DTYPES, LAYER_DISPATCHES, QUANTIZATION_METHODS, EngineArgs
+from jaxpaged.config import (GPU_SCHEDULER_STEPS, GPU_SINGLE_STEP_MIN_BYTES, KV_CACHE_DTYPES, LAYER_DISPATCHES,
+                             LAYERS_PER_DISPATCH, QUANTIZATION_METHODS, EngineArgs)
 
 
 # Request bodies larger than this are refused (413). 64 MiB holds a 1M-token prompt at 64 bytes a token (a
@@ -116,15 +117,16 @@ def _cache_and_scheduler_flags(c) -> None:
                         "when chunked prefill is off.")
     c.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
                    help="Decode steps per device program (multi-step scheduling, as vLLM V0); default (as "
-                        "LLM): 16 on GPUs for models whose layers hold under 256 MiB of weights, else 1. When "
+                        f"LLM): {GPU_SCHEDULER_STEPS} on GPUs for models whose layers hold under "
+                        f"{GPU_SINGLE_STEP_MIN_BYTES >> 20} MiB of weights, else 1. When "
                         "every running request decodes and none waits, the GPU runs this many steps before the "
                         "host sees their tokens, which then stream in groups of up to this many. Requests "
                         "with logprobs, penalties, logit bias or min_tokens run one step at a time.")
     c.add_argument("--layer-dispatch", default=None, choices=list(LAYER_DISPATCHES),
                    help="How a step runs the decoder layers (as LLM's layer_dispatch); default: unrolled on GPUs "
                         "(the whole step one program), per_layer or scan on the CPU. per_layer runs programs of "
-                        "four layers, one decode step each: they compile faster (a shorter cold start-up for "
-                        "large models) at a small cost in speed.")
+                        f"{LAYERS_PER_DISPATCH} layers, one decode step each: they compile faster (a shorter cold "
+                        "start-up for large models) at a small cost in speed.")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV blocks of shared prompt prefixes (automatic prefix caching).")
     c.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
