@@ -1,16 +1,19 @@
 """The one helper that picks padded shapes. Every jitted step is compiled once per bucket, at start-up on
 GPUs, so the bucket count is start-up time: the ladders are coarse where a step is cheap to pad.
 
-Decode-only steps (T == R): R padded to a power of two up to 256, then to a multiple of 128; the last
-rung is max_num_seqs rounded up so (600 -> 640). Padded rows cost no attention (the kernel exits at once
-on a zero-length row), but every matmul computes them, and past a few hundred rows a decode step is
+Decode-only steps (T == R): one row, else R padded to a power of two from 8 up to 256, then to a multiple
+of 128; the last rung is max_num_seqs rounded up so (600 -> 640). Padded rows cost no attention (the
+kernel exits at once on a zero-length row), and up to 8 rows the matmuls read the weights once as they do
+for one row, so 2 and 4 rows get no programs of their own. Past a few hundred rows a decode step is
 compute-bound: on llama3-8b (H100, ShareGPT) 116 steps of 512-1023 requests took 4.05 s padded to 1024
 rows and 3.18 s padded to the next multiple of 128 (two runs, two machines).
 
 Mixed steps (prefill chunks beside decodes): T padded to a power of two from 16 up to
-max_num_batched_tokens; R (which only sizes the block tables and the rows sampled) to one of two rungs,
-T // 8 (at least 8) or T, capped at max_num_seqs. With vLLM's H100 defaults (16384 tokens, 1024
-sequences) that is 15 decode + 20 mixed buckets.
+max_num_batched_tokens; R (which only sizes the block tables and the rows the LM head and sampler see)
+to one of two rungs, T // 8 (at least 128) or T, capped at max_num_seqs. Up to 128 rows the LM head
+costs what its weights' read costs (llama3-8b: 0.13 TFLOP at 128 rows beside a 1 GB read), so token
+buckets of 128 and fewer have the one rung R = T. With vLLM's H100 defaults (16384 tokens, 1024
+sequences) that is 13 decode + 16 mixed buckets.
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ class Bucket(NamedTuple):
 
 
 class BucketPolicy:
-    MIXED_REQS_FRACTION = 8      # a mixed step's request rows: T // 8 (at least 8) or T, capped
-    DECODE_POW2_UP_TO = 256      # decode rows: powers of two up to this, then multiples of DECODE_STEP
+    MIXED_REQS_FRACTION = 8      # a mixed step's request rows: T // 8 (at least MIXED_MIN_REQS) or T, capped
+    MIXED_MIN_REQS = 128
+    DECODE_MIN_ROWS = 8          # decode rows past one: powers of two from this up to DECODE_POW2_UP_TO,
+    DECODE_POW2_UP_TO = 256      # then multiples of DECODE_STEP
     DECODE_STEP = 128
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 16):
@@ -41,13 +46,15 @@ class BucketPolicy:
         # Mixed steps: two rungs per token bucket. Request rows only size the block tables and the
         # rows the LM head and sampler see, which cost little beside T tokens through the model.
         t = padded_tokens
-        small = min(max(8, _round_up_pow2(t) // self.MIXED_REQS_FRACTION), t, self.max_rows)
+        small = min(max(self.MIXED_MIN_REQS, _round_up_pow2(t) // self.MIXED_REQS_FRACTION), t, self.max_rows)
         r = small if num_reqs <= small else min(t, self.max_rows)
         return max(num_reqs, r)
 
     def _decode_rung(self, n: int) -> int:
+        if n == 1:
+            return 1
         if n <= self.DECODE_POW2_UP_TO:
-            return _round_up_pow2(n)
+            return max(self.DECODE_MIN_ROWS, _round_up_pow2(n))
         return -(-n // self.DECODE_STEP) * self.DECODE_STEP
 
     def padded_tokens(self, num_tokens: int) -> int:

@@ -27,11 +27,15 @@ def test_every_step_lands_in_a_precompiled_bucket(max_tokens, max_seqs):
 
 def test_h100_defaults_keep_start_up_small():
     # vLLM's H100 defaults for the LLM class (tests/test_config.py): 16384 tokens, 1024 sequences -> 15
-    # decode + 20 mixed shapes
+    # 13 decode + 16 mixed shapes
     policy = BucketPolicy(16384, 1024)
-    assert len(policy.all_buckets()) == 35
+    assert len(policy.all_buckets()) == 29
     decode = [b.padded_num_reqs for b in policy.all_buckets() if b.decode_only]
-    assert decode == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    assert decode == [1, 8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    mixed = [(b.padded_num_tokens, b.padded_num_reqs) for b in policy.all_buckets() if not b.decode_only]
+    assert mixed == [(16, 16), (32, 32), (64, 64), (128, 128), (256, 128), (256, 256), (512, 128), (512, 512),
+                     (1024, 128), (1024, 1024), (2048, 256), (2048, 1024), (4096, 512), (4096, 1024),
+                     (8192, 1024), (16384, 1024)]
 
 
 @pytest.mark.parametrize("max_seqs", [100, 257, 300, 600, 1000])
