@@ -48,6 +48,13 @@ PER_LAYER_MIN_BYTES = 64 << 20
 # 4.6-5.6 ms in per-layer programs against 3.4 ms unrolled with 16 steps. What unrolling costs is start-up: its
 # programs take longer to compile.
 GPU_SINGLE_STEP_MIN_BYTES = 256 << 20
+# XLA's GEMM autotuning, which times candidate kernels on the GPU as each program compiles, is off for the step
+# programs of layers from GPU_SINGLE_STEP_MIN_BYTES: llama3-8b on the H200 (one machine each, the same revision)
+# started cold in 56.9 s without it against 62.2 s with it, at 9,416 against 9,390 offline output tok/s and
+# 4.42 against 4.54 ms a token at one request, its large GEMMs as fast on cuBLAS's own choice. Smaller layers keep
+# it: qwen2-0.5b's one-request token took 1.22 ms without it against 1.06 ms. A user's XLA_FLAGS that name
+# --xla_gpu_autotune_level decide instead.
+GPU_NO_AUTOTUNE_MIN_BYTES = GPU_SINGLE_STEP_MIN_BYTES
 # Layers in one program under per-layer dispatch: one layer per program left the device idle at small
 # batches (a launch costs about as much host time as a layer's device time); four keep it busy.
 LAYERS_PER_DISPATCH = 4
@@ -178,6 +185,8 @@ class RunConfig:
     # After the warm-up, the head and sampler of the common sampler variants compile for every bucket in the
     # background (runner/step.py WARM_SAMPLER_VARIANTS), so their first requests compile nothing (GPUs).
     warm_sampler_variants: bool = False
+    # XLA's GEMM autotuning for the step programs (GPU_NO_AUTOTUNE_MIN_BYTES); the CPU has none.
+    step_autotune: bool = True
 
     @property
     def interpret(self) -> bool:
@@ -197,7 +206,8 @@ class RunConfig:
                 + f" steps_per_program={self.num_scheduler_steps} max_num_batched_tokens={self.max_num_batched_tokens}"
                 f" max_num_seqs={self.max_num_seqs} max_model_len={self.max_model_len}"
                 f" compile_buckets={self.compile_buckets} executable_cache={self.executable_cache}"
-                f" input_align={self.input_align} lowering_processes={self.lowering_processes}")
+                f" input_align={self.input_align} lowering_processes={self.lowering_processes}"
+                + ("" if self.step_autotune else " step_autotune=False"))
 
 
 def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_position_embeddings: int,
@@ -240,6 +250,8 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
         num_sms=(platform.num_sms or None) if on_gpu else None,
         lowering_processes=_lowering_processes(platform, compile_buckets and executable_cache),
         warm_sampler_variants=on_gpu and compile_buckets,
+        step_autotune=(not on_gpu or layer_bytes < GPU_NO_AUTOTUNE_MIN_BYTES
+                       or "xla_gpu_autotune_level" in os.environ.get("XLA_FLAGS", "")),
     )
 
 

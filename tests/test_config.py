@@ -152,3 +152,19 @@ def test_xla_flags_in_force_include_the_engine_defaults():
     import jaxpaged  # noqa: F401
     assert "xla_gpu_enable_triton_gemm" in os.environ["XLA_FLAGS"]
     assert "xla_disable_hlo_passes" in os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.parametrize("platform, layer_bytes, xla_flags, want", [
+    (H100, LARGE, "", False),         # llama3-8b's layers: the steps compile without XLA's GEMM autotuning
+    (H100, LARGE - 1, "", True),      # smaller layers (qwen2-0.5b, a 4-bit 8B model) keep it
+    (H100, SMALL, "", True),
+    (H100, LARGE, "--xla_gpu_autotune_level=4", True),   # the user's XLA_FLAGS decide
+    (CPU, LARGE, "", True),           # the CPU has nothing to autotune: no options passed
+])
+def test_step_autotuning_by_layer_size(platform, layer_bytes, xla_flags, want, monkeypatch):
+    from jaxpaged.config import GPU_NO_AUTOTUNE_MIN_BYTES
+    assert GPU_NO_AUTOTUNE_MIN_BYTES == LARGE
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    r = run(platform, layer_bytes)
+    assert r.step_autotune == want
+    assert ("step_autotune=False" in r.summary()) == (not want)

@@ -41,11 +41,12 @@ logger = logging.getLogger("jaxpaged.runner")
 # missing ones while the main thread traces and lowers the next.
 STARTUP_THREADS = 8
 
-# The head-and-sampler programs (layerwise.resample) compile while the engine serves (in the background after the
-# warm-up, or in the loop for a variant's first request) and run only until that variant's own step is there, on
-# GPUs without XLA's autotuning: it times candidate GEMMs on the device that runs the engine's steps, and a cold
-# server's first requests ran slow while the warm-up's 84 of them compiled (bench/results/NOTES.md).
-TRANSIENT_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
+# XLA's GPU compile without its GEMM autotuning, which times candidate kernels on the device. The head-and-sampler
+# programs (layerwise.resample) compile so: they compile while the engine serves (in the background after the
+# warm-up, or in the loop for a variant's first request) and run only until that variant's own step is there, and
+# a cold server's first requests ran slow while the warm-up's 84 of them were timed on the GPU that runs the steps
+# (bench/results/NOTES.md). The step programs compile so where RunConfig.step_autotune is off (large layers).
+NO_AUTOTUNE_GPU_COMPILER_OPTIONS = {"xla_gpu_autotune_level": "0"}
 
 # The nice value of what compiles while the engine serves (the background thread, its compile threads and the
 # lowering workers it starts): their CPU time yields to the engine loop's, whose step dispatch is host-bound for
@@ -182,6 +183,7 @@ class StepPrograms:
             shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.params, groups))
             self.exec_cache = ExecutableCache(pathlib.Path(exec_cache_root), fingerprint(
                 cfg, str(jnp.dtype(dtype)), run.attention_backend, (run.layer_dispatch, "pinned inputs"),
+                self.step_compiler_options,
                 kv_cache_shape, max_blocks_per_req, max_rows, shapes))
 
     def options(self, bucket: Bucket, num_steps: int) -> RuntimeOptions:
@@ -267,8 +269,8 @@ class StepPrograms:
         return compiled
 
     def _compile_transient(self, key: tuple, lowered):
-        """XLA-compile a head-and-sampler program (TRANSIENT_GPU_COMPILER_OPTIONS) into the variant cache."""
-        compiled = self._compile(key, lowered, TRANSIENT_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None)
+        """XLA-compile a head-and-sampler program (NO_AUTOTUNE_GPU_COMPILER_OPTIONS) into the variant cache."""
+        compiled = self._compile(key, lowered, NO_AUTOTUNE_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None)
         if self._variant_cache is not None:
             self._variant_cache.store(key, compiled)
         return compiled
@@ -515,6 +517,13 @@ class StepPrograms:
                     f", {len(failed)} failed" if failed else "", time.perf_counter() - t0, len(prelowered),
                     f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
+    @property
+    def step_compiler_options(self) -> dict | None:
+        """XLA's compiler options for the step programs: without autotuning on GPUs where the run says so."""
+        if self.run.platform == "gpu" and not self.run.step_autotune:
+            return NO_AUTOTUNE_GPU_COMPILER_OPTIONS
+        return None
+
     def _background_compiler(self) -> _BackgroundCompiler:
         if self._background is None:
             self._background = _BackgroundCompiler()
@@ -522,8 +531,11 @@ class StepPrograms:
 
     def _compile(self, key: tuple, lowered, compiler_options: dict | None = None):
         """XLA-compile one program, its seconds kept by program kind (key[0]: step, pre, layers, post) for
-        the start-up log: what a cold start-up spends where. A failed child-process launch is tried again
-        (COMPILE_ATTEMPTS); with the executable cache on a GPU, JAX's persistent cache does not keep a second copy."""
+        the start-up log: what a cold start-up spends where. compiler_options: XLA's (default: the step
+        programs', step_compiler_options). A failed child-process launch is tried again (COMPILE_ATTEMPTS);
+        with the executable cache on a GPU, JAX's persistent cache does not keep a second copy."""
+        if compiler_options is None:
+            compiler_options = self.step_compiler_options
         t0 = time.perf_counter()
         for attempt in range(1, COMPILE_ATTEMPTS + 1):
             try:

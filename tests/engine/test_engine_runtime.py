@@ -429,11 +429,13 @@ def test_the_common_sampler_variants_compile_nothing_in_the_loop(model_dir, tmp_
         jax.monitoring.unregister_event_duration_listener(on_event)
 
 
-def test_head_and_sampler_programs_compile_without_gpu_autotuning(model_dir, tmp_path, monkeypatch):
-    """The head-and-sampler programs compiled while serving (layerwise.resample) are compiled on GPUs with
-    TRANSIENT_GPU_COMPILER_OPTIONS (no XLA autotuning, which would time GEMMs on the device running the steps);
-    the steps keep XLA's defaults. No GPU here: the engine's run config is told it is on one, and the options each
-    compile got are recorded (XLA:CPU compiles them as it would without)."""
+@pytest.mark.parametrize("step_autotune", [True, False])
+def test_gpu_compiles_autotune_only_the_steps_that_run_says(model_dir, tmp_path, monkeypatch, step_autotune):
+    """On GPUs the head-and-sampler programs compiled while serving (layerwise.resample) get
+    NO_AUTOTUNE_GPU_COMPILER_OPTIONS (no XLA autotuning, which would time GEMMs on the device running the
+    steps); the step programs get XLA's defaults, or the same options where RunConfig.step_autotune is off
+    (large layers). No GPU here: the engine's run config is told it is on one, and the options each XLA compile
+    is handed are recorded (XLA:CPU then compiles it without them)."""
     import dataclasses
 
     from jaxpaged import envs
@@ -442,17 +444,27 @@ def test_head_and_sampler_programs_compile_without_gpu_autotuning(model_dir, tmp
     jax.clear_caches()
     llm = LLM(model=model_dir, **COMPILED, layer_dispatch="scan")
     programs = llm.llm_engine.runner.programs
-    programs.run = dataclasses.replace(programs.run, platform="gpu")
+    programs.run = dataclasses.replace(programs.run, platform="gpu", step_autotune=step_autotune)
     options: list = []
+
+    class Recording:
+        def __init__(self, kind, lowered):
+            self.kind, self.lowered = kind, lowered
+
+        def compile(self, compiler_options=None):
+            options.append((self.kind, compiler_options))
+            return self.lowered.compile()
+
     real_compile = step.StepPrograms._compile
     monkeypatch.setattr(step.StepPrograms, "_compile", lambda self, key, lowered, compiler_options=None: (
-        options.append((key[0], compiler_options)) or real_compile(self, key, lowered)))
+        real_compile(self, key, Recording(key[0], lowered), compiler_options)))
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=3), use_tqdm=False)
     programs.wait_for_background_compiles()
-    assert ("resample", step.TRANSIENT_GPU_COMPILER_OPTIONS) in options
-    assert all(o == step.TRANSIENT_GPU_COMPILER_OPTIONS for kind, o in options if kind == "resample")
+    assert ("resample", step.NO_AUTOTUNE_GPU_COMPILER_OPTIONS) in options
+    assert all(o == step.NO_AUTOTUNE_GPU_COMPILER_OPTIONS for kind, o in options if kind == "resample")
     assert any(kind != "resample" for kind, _ in options)       # the variant's own step, in the background
-    assert all(o is None for kind, o in options if kind != "resample")
+    want = None if step_autotune else step.NO_AUTOTUNE_GPU_COMPILER_OPTIONS
+    assert all(o == want for kind, o in options if kind != "resample")
 
 
 class _Lowered:
