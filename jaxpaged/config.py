@@ -49,11 +49,11 @@ PER_LAYER_MIN_BYTES = 64 << 20
 # programs take longer to compile.
 GPU_SINGLE_STEP_MIN_BYTES = 256 << 20
 # XLA's GEMM autotuning, which times candidate kernels on the GPU as each program compiles, is off for the step
-# programs of layers from GPU_SINGLE_STEP_MIN_BYTES: llama3-8b on the H200 (one machine each, the same revision)
-# started cold in 56.9 s without it against 62.2 s with it, at 9,416 against 9,390 offline output tok/s and
-# 4.42 against 4.54 ms a token at one request, its large GEMMs as fast on cuBLAS's own choice. Smaller layers keep
-# it: qwen2-0.5b's one-request token took 1.22 ms without it against 1.06 ms. A user's XLA_FLAGS that name
-# --xla_gpu_autotune_level decide instead.
+# programs of layers from GPU_SINGLE_STEP_MIN_BYTES: llama3-8b on the H200 (each pair on one machine) started cold
+# in 53.2 s without it against 64.0 s with it (56.9 against 62.2 s on another), at 9,504 against 9,394 offline
+# output tok/s and 4.42 against 4.54 ms a token at one request, its large GEMMs as fast on cuBLAS's own choice.
+# Smaller layers keep it: qwen2-0.5b's one-request token took 1.22 ms without it against 1.06 ms. A user's
+# XLA_FLAGS that name --xla_gpu_autotune_level decide instead.
 GPU_NO_AUTOTUNE_MIN_BYTES = GPU_SINGLE_STEP_MIN_BYTES
 # Layers in one program under per-layer dispatch: one layer per program left the device idle at small
 # batches (a launch costs about as much host time as a layer's device time); four keep it busy.
