@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server against the engine (issue "the server at the engine's speed"), one model per device call:
 #   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--sweep-prompts N] [--cold-server]
-#        [--server-only] [--py-spy] [--soak [--soak-args "FLAGS"]] [--api-server-counts 1,2,4]
+#        [--server-only] [--py-spy] [--soak [--soak-args "FLAGS"]] [--api-server-counts 1,2,4] [--rinf-settled]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
 #   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
@@ -27,19 +27,22 @@
 # --server-args "FLAGS": more server flags (e.g. "--num-scheduler-steps 16 --max-num-seqs 4"); --c1-only skips
 # step 3 (the server's c1 figure under other flags without a ShareGPT run). --c1-settled: step 4 again once the
 # server's background compiles (the common sampler variants' heads, logged when done) have finished, results
-# named ...-settled: a cold server's first requests against its settled speed, on one machine.
+# named ...-settled: a cold server's first requests against its settled speed, on one machine. --rinf-settled:
+# step 3 starts only once those compiles are done (a cold server's burst otherwise runs inside them; a second
+# burst on the same server would find its prompts in the prefix cache), its results named ...-rinf-settled.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=default; LOOPS=asyncio; CPROCS=1
-SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; SPY_GIL=()
+SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; RINF_SETTLED=0; SPY_GIL=()
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --py-spy-gil) PYSPY=1; SPY_GIL=(--gil) ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
              --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;;
-             --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; --c1-settled) C1_SETTLED=1 ;; esac
+             --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; --c1-settled) C1_SETTLED=1 ;;
+             --rinf-settled) RINF_SETTLED=1 ;; esac
   shift
 done
 source bench/gpu_env.sh
@@ -61,6 +64,10 @@ fi
 PORT=8011
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
   | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side" | sed 's/^/   /'; }
+wait_settled() {   # until the server's log says its background compiles (the common variants' heads) are done
+  for _ in $(seq 1200); do grep -q "common sampler variants" /tmp/server.log && break; sleep 0.5; done
+  grep -E "in the background" /tmp/server.log | sed 's/^.*INFO[^:]*: */   /'
+}
 # A fresh server for each (count, client loop): a second run on one server would find its prompts in the
 # prefix cache.
 declare -A SEEN      # a count given more than once (alternating A/B): each repeat's results named ...-apiN-rK
@@ -100,17 +107,18 @@ if [ $SOAK = 1 ]; then
   exit 0
 fi
 if [ $C1_ONLY = 0 ]; then
+RINF=rinf
+if [ $RINF_SETTLED = 1 ]; then RINF=rinf-settled; wait_settled; fi
 echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client: $CPROCS process(es) on $LOOP)"
 client --dataset sharegpt --save-per-request --event-loop "$LOOP" --client-processes "$CPROCS" \
-  --result-name "serve-$MODEL-sharegpt-rinf$SUFFIX$LSUFFIX"
+  --result-name "serve-$MODEL-sharegpt-$RINF$SUFFIX$LSUFFIX"
 fi
 echo "== 4. openqa, concurrency 1"
 client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
   --result-name "serve-$MODEL-openqa-c1$SUFFIX$LSUFFIX"
 if [ $C1_SETTLED = 1 ]; then
   echo "== 4b. openqa, concurrency 1, once the background compiles are done"
-  for _ in $(seq 1200); do grep -q "common sampler variants" /tmp/server.log && break; sleep 0.5; done
-  grep -E "in the background" /tmp/server.log | sed 's/^.*INFO[^:]*: */   /'
+  wait_settled
   client --dataset openqa --max-concurrency 1 --num-prompts 20 --event-loop "$LOOP" \
     --result-name "serve-$MODEL-openqa-c1-settled$SUFFIX$LSUFFIX"
 fi
@@ -132,11 +140,12 @@ tail -5 /tmp/server.log | sed 's/^/   log: /'
 done
 done
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
-$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" "$CPROCS" <<'PYEOF'
+$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" "$CPROCS" "$([ $RINF_SETTLED = 1 ] && echo rinf-settled || echo rinf)" <<'PYEOF'
 import json, sys
 from pathlib import Path
 res, model, counts, loops = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
 cprocs = "" if sys.argv[5] == "1" else f"-cp{sys.argv[5]}"
+rinf = sys.argv[6]
 def load(name):
     p = res / f"{name}.json"
     return json.loads(p.read_text()).get("metrics", {}) if p.exists() else {}
@@ -146,11 +155,11 @@ for i, n in enumerate(counts):
     suffix = ("" if n == "default" else f"-api{n}") + (f"-r{counts[:i + 1].count(n)}" if counts.count(n) > 1 else "")
     for loop in loops:
         lsuffix = ("" if loop == "asyncio" else f"-{loop}") + cprocs
-        inf = load(f"serve-{model}-sharegpt-rinf{suffix}{lsuffix}")
+        inf = load(f"serve-{model}-sharegpt-{rinf}{suffix}{lsuffix}")
         c1 = load(f"serve-{model}-openqa-c1{suffix}{lsuffix}")
         s = inf.get("output_throughput")
         print(f"   --api-server-count {n}{suffix[len(f'-api{n}'):] if n != 'default' else ''}, client {loop}{cprocs}: "
-              f"server rate inf {s}"
+              f"server rate inf{' (settled)' if rinf != 'rinf' else ''} {s}"
               + (f" ({s / o:.1%} of offline)" if o and s else "")
               + f", median TTFT {inf.get('median_ttft_ms')} ms (server-side mean {inf.get('server_mean_ttft_ms')}"
               f" ms), median TPOT {inf.get('median_tpot_ms')} ms; openqa c1 median TPOT {c1.get('median_tpot_ms')} ms")
