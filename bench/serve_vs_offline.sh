@@ -45,6 +45,7 @@ while [ $# -gt 0 ]; do
              --rinf-settled) RINF_SETTLED=1 ;; esac
   shift
 done
+RINF=rinf; [ $RINF_SETTLED = 1 ] && RINF=rinf-settled      # step 3's result name
 source bench/gpu_env.sh
 echo "serve_vs_offline $MODEL: rev $JAXPAGED_GIT_REV, $($PY -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)' 2>&1 | tail -1)"
 path=$($PY -c "from bench.models import resolve_model; print(resolve_model('$MODEL')[0])" 2>/dev/null \
@@ -107,8 +108,7 @@ if [ $SOAK = 1 ]; then
   exit 0
 fi
 if [ $C1_ONLY = 0 ]; then
-RINF=rinf
-if [ $RINF_SETTLED = 1 ]; then RINF=rinf-settled; wait_settled; fi
+[ $RINF_SETTLED = 1 ] && wait_settled
 echo "== 3. ShareGPT 1000 over HTTP, request rate inf (client: $CPROCS process(es) on $LOOP)"
 client --dataset sharegpt --save-per-request --event-loop "$LOOP" --client-processes "$CPROCS" \
   --result-name "serve-$MODEL-sharegpt-$RINF$SUFFIX$LSUFFIX"
@@ -140,7 +140,7 @@ tail -5 /tmp/server.log | sed 's/^/   log: /'
 done
 done
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
-$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" "$CPROCS" "$([ $RINF_SETTLED = 1 ] && echo rinf-settled || echo rinf)" <<'PYEOF'
+$PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" "$CPROCS" "$RINF" <<'PYEOF'
 import json, sys
 from pathlib import Path
 res, model, counts, loops = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")

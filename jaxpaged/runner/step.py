@@ -270,7 +270,7 @@ class StepPrograms:
 
     def _compile_transient(self, key: tuple, lowered):
         """XLA-compile a head-and-sampler program (NO_AUTOTUNE_GPU_COMPILER_OPTIONS) into the variant cache."""
-        compiled = self._compile(key, lowered, NO_AUTOTUNE_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None)
+        compiled = self._compile(key, lowered, self._no_autotune_options)
         if self._variant_cache is not None:
             self._variant_cache.store(key, compiled)
         return compiled
@@ -518,11 +518,14 @@ class StepPrograms:
                     f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
     @property
+    def _no_autotune_options(self) -> dict | None:
+        """NO_AUTOTUNE_GPU_COMPILER_OPTIONS on GPUs; None (XLA's defaults) elsewhere."""
+        return NO_AUTOTUNE_GPU_COMPILER_OPTIONS if self.run.platform == "gpu" else None
+
+    @property
     def step_compiler_options(self) -> dict | None:
-        """XLA's compiler options for the step programs: without autotuning on GPUs where the run says so."""
-        if self.run.platform == "gpu" and not self.run.step_autotune:
-            return NO_AUTOTUNE_GPU_COMPILER_OPTIONS
-        return None
+        """XLA's compiler options for the step programs: without autotuning where the run says so."""
+        return None if self.run.step_autotune else self._no_autotune_options
 
     def _background_compiler(self) -> _BackgroundCompiler:
         if self._background is None:
