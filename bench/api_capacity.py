@@ -8,6 +8,10 @@ the server cannot reach the engine's speed. Runs on the CPU. It also prints the 
 for the run, which, unlike the throughput, hardly depends on what else the machine is running.
 
   python bench/api_capacity.py --num-prompts 1000 --tokens-per-step 16 [--api-server-count 2] [--profile api.prof]
+
+--no-op-server serves the same streams from a bare ASGI app instead (uvicorn, no FastAPI, no engine: each
+request's chunks sent as soon as its body is read): what the client alone can take, so a run whose figures
+match it is bound by the client, not the server.
 """
 from __future__ import annotations
 
@@ -82,6 +86,43 @@ def run_stand_in_core(args, channels, parent_pid: int, tokens_per_step: int = 16
         out.send(outputs, CoreStats(num_requests_running=len(running)))
 
 
+def no_op_app(output_len: int, tokens_per_step: int):
+    """An ASGI app that answers /health, /metrics and /v1/models at once, and any other request with a stream
+    of ceil(output_len / tokens_per_step) completion chunks, then the usage chunk and [DONE]."""
+    import json
+    chunk = ("data: " + json.dumps({"id": "cmpl-0", "object": "text_completion", "model": "stand-in", "choices": [
+        {"index": 0, "text": "x" * (4 * tokens_per_step), "logprobs": None, "finish_reason": None}]}) + "\n\n").encode()
+    tail = ("data: " + json.dumps({"id": "cmpl-0", "object": "text_completion", "model": "stand-in", "choices": [],
+                                   "usage": {"prompt_tokens": 32, "completion_tokens": output_len,
+                                             "total_tokens": 32 + output_len}}) + "\n\ndata: [DONE]\n\n").encode()
+    models = json.dumps({"object": "list", "data": [{"id": "stand-in", "object": "model"}]}).encode()
+    num_chunks = -(-output_len // tokens_per_step)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        if scope["method"] == "GET":
+            body = models if scope["path"] == "/v1/models" else b""
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(num_chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": tail})
+    return app
+
+
+def serve_no_op(port: int, output_len: int, tokens_per_step: int) -> None:
+    import uvicorn
+    uvicorn.run(no_op_app(output_len, tokens_per_step), host="127.0.0.1", port=port, log_level="warning",
+                http="httptools", loop="asyncio", backlog=4096)
+
+
 def serve(port: int, tokens_per_step: int, step_ms: float, api_server_count: int, profile: str | None) -> None:
     """The server process: the real server (run_server, so also its extra API processes) over the stand-in
     core."""
@@ -131,23 +172,31 @@ def main() -> None:
     p.add_argument("--api-server-count", type=int, default=1, help="the server's API processes")
     p.add_argument("--client-flags", default="", help="more flags for bench/serve.py, e.g. '--event-loop uvloop'")
     p.add_argument("--profile", default=None, help="write the (first) API process's cProfile here")
+    p.add_argument("--no-op-server", action="store_true", help="a bare ASGI app instead of the server: the client's "
+                   "ceiling")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)    # (the server process)
     args = p.parse_args()
     if args.serve:
-        serve(args.port, args.tokens_per_step, args.step_ms, args.api_server_count, args.profile)
+        if args.no_op_server:
+            serve_no_op(args.port, args.output_len, args.tokens_per_step)
+        else:
+            serve(args.port, args.tokens_per_step, args.step_ms, args.api_server_count, args.profile)
         return
-    import httpx
+    import urllib.error
+    import urllib.request
     cmd = [sys.executable, __file__, "--serve", "--port", str(args.port), "--tokens-per-step",
            str(args.tokens_per_step), "--step-ms", str(args.step_ms), "--api-server-count",
-           str(args.api_server_count)] + (["--profile", args.profile] if args.profile else [])
+           str(args.api_server_count), "--output-len", str(args.output_len)] + (
+               ["--profile", args.profile] if args.profile else []) + (["--no-op-server"] if args.no_op_server else [])
     srv = subprocess.Popen(cmd)
     try:
         deadline = time.time() + 300
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
                 pass
             if srv.poll() is not None or time.time() > deadline:
                 sys.exit("the server did not start")
@@ -159,8 +208,8 @@ def main() -> None:
                         f"http://127.0.0.1:{args.port}", "--model", "qwen2-0.5b", "--dataset", "random",
                         "--num-prompts", str(args.num_prompts), "--input-len", "32", "--output-len",
                         str(args.output_len), "--no-warmup", "--served-model-name", "stand-in",
-                        "--result-name", f"api-capacity-{args.num_prompts}x{args.output_len}"
-                        f"-k{args.tokens_per_step}", *args.client_flags.split()], check=True)
+                        "--result-name", f"api-capacity{'-no-op' if args.no_op_server else ''}-{args.num_prompts}x"
+                        f"{args.output_len}-k{args.tokens_per_step}", *args.client_flags.split()], check=True)
         # CPU time barely depends on what else the machine runs, unlike the wall-clock figures above
         cpu = sum(map(process_cpu_s, api_pids)) - cpu0
         print(f"API process{'es' if len(api_pids) > 1 else ''} CPU time: {cpu:.2f} s, "

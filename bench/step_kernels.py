@@ -3,7 +3,11 @@ engine compiles them, their optimized HLO kept, a few calls traced, and every tr
 fusion it launches and the JAX operations (op_name metadata) fused into it.
 
     python3 bench/step_kernels.py --model qwen2-0.5b --rows 1 --out DIR          # the GPU: compile, trace, table
+    python3 bench/step_kernels.py --model llama3-8b --rows 64 --prefill-len 256  # a mixed step: 64 prompts of 256
     python3 bench/step_kernels.py --table DIR                                     # the table again, from DIR
+
+With --prefill-len P the step is a mixed one, as a burst of prompts is run: each of --rows requests has P new
+tokens from position 0 (its bucket as the engine picks it), and the table is per step.
 
 DIR gets hlo-<i>.txt.gz (each program's optimized HLO), kernels.json (kernel name -> calls, microseconds per
 step) and kernels.txt (the table: per decode step, each kernel's count, mean and total time and what it runs).
@@ -92,10 +96,12 @@ def table(out_dir: Path) -> str:
     rows = data["kernels"]
     per_step = data["calls"] * data["steps_per_call"]
     total = sum(r["total_us"] for r in rows) / per_step
-    lines = [f"{data['model']}, {data['rows']} rows x ctx {data['ctx']} (max_model_len {data.get('max_model_len')}), "
+    what = (f"a mixed step of {data['rows']} prompts x {data['prefill_len']} tokens (bucket {data.get('bucket')})"
+            if data.get("prefill_len") else f"{data['rows']} rows x ctx {data['ctx']}")
+    lines = [f"{data['model']}, {what} (max_model_len {data.get('max_model_len')}), "
              f"{data['steps_per_call']} decode steps a call, {data['calls']} calls traced; "
              f"dispatch {data['layer_dispatch']}; {data['device']}",
-             f"kernels a decode step: {sum(r['count'] for r in rows) / per_step:.1f}; device time a step: "
+             f"kernels a step: {sum(r['count'] for r in rows) / per_step:.1f}; device time a step: "
              f"{total:.1f} us (the sum of kernel durations); untraced, back to back: {data['us_per_step']:.1f} us",
              "", f"{'kernel':48s} {'a step':>7s} {'mean us':>8s} {'us/step':>8s}  runs"]
     for r in sorted(rows, key=lambda r: -r["total_us"]):
@@ -106,8 +112,38 @@ def table(out_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prefill_inputs(runner, bucket, rows: int, plen: int, rng):
+    """`rows` prompts of `plen` new tokens each, from position 0, in fresh random blocks of the runner's pool,
+    padded to `bucket` as runner/inputs.py pads a mixed step."""
+    import numpy as np
+
+    from jaxpaged.models import AttentionMetadata
+    from jaxpaged.runner.inputs import ModelInput
+    T, R, bs = bucket.padded_num_tokens, bucket.padded_num_reqs, runner.block_size
+    n = rows * plen
+    per_req = -(-plen // bs)
+    tables = np.zeros((R, runner.max_blocks_per_req), np.int32)
+    tables[:rows, :per_req] = rng.permutation(np.arange(1, runner.num_blocks))[:rows * per_req].reshape(rows, per_req)
+    req_of_token = np.repeat(np.arange(rows), plen)
+    positions = np.zeros(T, np.int32)
+    positions[:n] = np.tile(np.arange(plen, dtype=np.int32), rows)
+    slots = np.zeros(T, np.int32)
+    slots[:n] = tables[req_of_token, positions[:n] // bs] * bs + positions[:n] % bs
+    seq_lens = np.zeros(R, np.int32)
+    seq_lens[:rows] = plen
+    qsl = np.full(R + 1, n, np.int32)
+    qsl[:rows + 1] = np.arange(rows + 1) * plen
+    logits_idx = np.zeros(R, np.int32)
+    logits_idx[:rows] = qsl[1:rows + 1] - 1
+    tokens = np.zeros(T, np.int32)
+    tokens[:n] = rng.integers(100, 1000, n)
+    meta = AttentionMetadata(positions, slots, tables, seq_lens, qsl)
+    return ModelInput(tokens, meta, logits_idx, np.full(R, T, np.int32), np.zeros(R, np.int32), np.zeros(0, np.int32))
+
+
 def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: str | None, out_dir: Path,
-          num_blocks: int | None = None, max_model_len: int | None = None, calls: int = 5) -> None:
+          num_blocks: int | None = None, max_model_len: int | None = None, calls: int = 5,
+          prefill_len: int = 0) -> None:
     import jax
     import numpy as np
 
@@ -123,16 +159,19 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
               num_gpu_blocks_override=num_blocks)
     runner = llm.llm_engine.runner
     programs = runner.programs
-    steps = llm.llm_engine.run.num_scheduler_steps
-    bucket = Bucket(rows, rows, True)
+    steps = 1 if prefill_len else llm.llm_engine.run.num_scheduler_steps
+    bucket = (llm.llm_engine.core.buckets.pick(rows * prefill_len, rows, False) if prefill_len
+              else Bucket(rows, rows, True))
     options = programs.options(bucket, steps)
     flags = SamplerFlags()
     out_dir.mkdir(parents=True, exist_ok=True)
     for i, spec in enumerate(programs.program_specs(runner, bucket, options, flags).values()):
         with gzip.open(out_dir / f"hlo-{i:02d}.txt.gz", "wt") as f:
             f.write(spec.lower().compile().as_text())
-    # room in the tables for the program's further steps
-    mi = decode_inputs(runner, rows, ctx, -(-(ctx + 64) // runner.block_size), np.random.default_rng(0))
+    if prefill_len:
+        mi = prefill_inputs(runner, bucket, rows, prefill_len, np.random.default_rng(0))
+    else:   # room in the tables for the program's further steps
+        mi = decode_inputs(runner, rows, ctx, -(-(ctx + 64) // runner.block_size), np.random.default_rng(0))
     _, si = programs.dummy_inputs(bucket)
 
     def call():
@@ -156,7 +195,8 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
     events = trace_analysis.load_events(str(trace_dir)) or []
     kernels = trace_analysis.top_kernels(events, len(events))
     (out_dir / "kernels.json").write_text(json.dumps({
-        "model": model, "rows": rows, "ctx": ctx, "max_model_len": llm.llm_engine.run.max_model_len,
+        "model": model, "rows": rows, "ctx": prefill_len or ctx, "max_model_len": llm.llm_engine.run.max_model_len,
+        "prefill_len": prefill_len, "bucket": list(bucket),
         "steps_per_call": steps, "calls": calls,
         "layer_dispatch": llm.llm_engine.run.layer_dispatch, "device": str(jax.devices()[0].device_kind),
         "us_per_step": us_per_step, "jax": jax.__version__,
@@ -170,6 +210,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2-0.5b")
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--prefill-len", type=int, default=0,
+                    help="a mixed step instead: each of --rows prompts has this many new tokens")
     ap.add_argument("--steps", type=int, default=None, help="decode steps a program (default: the resolved)")
     ap.add_argument("--layer-dispatch", choices=["scan", "per_layer", "unrolled"], default=None)
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
@@ -180,8 +222,10 @@ def main() -> None:
     if args.table:
         print(table(Path(args.table)), end="")
         return
-    out = Path(args.out or f"bench/results/step_kernels-{args.model}-R{args.rows}")
-    probe(args.model, args.rows, args.ctx, args.steps, args.layer_dispatch, out, args.num_blocks, args.max_model_len)
+    out = Path(args.out or f"bench/results/step_kernels-{args.model}-R{args.rows}"
+               + (f"-P{args.prefill_len}" if args.prefill_len else ""))
+    probe(args.model, args.rows, args.ctx, args.steps, args.layer_dispatch, out, args.num_blocks, args.max_model_len,
+          prefill_len=args.prefill_len)
     text = table(out)
     (out / "kernels.txt").write_text(text)
     print(text, end="")

@@ -55,6 +55,14 @@ GPU_SINGLE_STEP_MIN_BYTES = 256 << 20
 # Smaller layers keep it: qwen2-0.5b's one-request token took 1.22 ms without it against 1.06 ms. A user's
 # XLA_FLAGS that name --xla_gpu_autotune_level decide instead.
 GPU_NO_AUTOTUNE_MIN_BYTES = GPU_SINGLE_STEP_MIN_BYTES
+# A cold start-up compiles the common sampler variants' head-and-sampler programs (runner/step.py
+# WARM_SAMPLER_VARIANTS) before the engine is ready for small layers, and while it serves for layers from this
+# size. The steps of small layers are host-bound, and they ran slow beside those compiles: a cold qwen2-0.5b
+# server took a 1000-request burst at 69-72% of the offline throughput inside its 9-11 s of them, against 82%
+# once they were done (H200). Large layers' steps are long enough not to mind, and their start-up has no
+# seconds to spare (llama3-8b's ~15 s of them would take a cold server past 60 s). A warm start-up loads
+# them from the executable cache in under a second either way.
+GPU_BACKGROUND_VARIANTS_MIN_BYTES = GPU_SINGLE_STEP_MIN_BYTES
 # Layers in one program under per-layer dispatch: one layer per program left the device idle at small
 # batches (a launch costs about as much host time as a layer's device time); four keep it busy.
 LAYERS_PER_DISPATCH = 4
@@ -182,9 +190,11 @@ class RunConfig:
     # Worker processes that lower the programs a cold start-up compiles (runner/lowering_workers.py);
     # 0: the engine lowers them itself, one at a time.
     lowering_processes: int = 0
-    # After the warm-up, the head and sampler of the common sampler variants compile for every bucket in the
-    # background (runner/step.py WARM_SAMPLER_VARIANTS), so their first requests compile nothing (GPUs).
+    # The warm-up also compiles the head and sampler of the common sampler variants for every bucket
+    # (runner/step.py WARM_SAMPLER_VARIANTS), so their first requests compile nothing (GPUs).
     warm_sampler_variants: bool = False
+    # Those compiles run while the engine serves rather than before it is ready (GPU_BACKGROUND_VARIANTS_MIN_BYTES).
+    variants_in_background: bool = False
     # XLA's GEMM autotuning for the step programs (GPU_NO_AUTOTUNE_MIN_BYTES); the CPU has none.
     step_autotune: bool = True
 
@@ -207,7 +217,9 @@ class RunConfig:
                 f" max_num_seqs={self.max_num_seqs} max_model_len={self.max_model_len}"
                 f" compile_buckets={self.compile_buckets} executable_cache={self.executable_cache}"
                 f" input_align={self.input_align} lowering_processes={self.lowering_processes}"
-                + ("" if self.step_autotune else " step_autotune=False"))
+                + ("" if self.step_autotune else " step_autotune=False")
+                + (" variants_in_background=True" if self.warm_sampler_variants and self.variants_in_background
+                   else ""))
 
 
 def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_position_embeddings: int,
@@ -250,6 +262,7 @@ def resolve(args: EngineArgs, platform: Platform, *, layer_bytes: int, max_posit
         num_sms=(platform.num_sms or None) if on_gpu else None,
         lowering_processes=_lowering_processes(platform, compile_buckets and executable_cache),
         warm_sampler_variants=on_gpu and compile_buckets,
+        variants_in_background=layer_bytes >= GPU_BACKGROUND_VARIANTS_MIN_BYTES,
         step_autotune=(not on_gpu or layer_bytes < GPU_NO_AUTOTUNE_MIN_BYTES
                        or "xla_gpu_autotune_level" in os.environ.get("XLA_FLAGS", "")),
     )

@@ -168,3 +168,17 @@ def test_step_autotuning_by_layer_size(platform, layer_bytes, xla_flags, want, m
     r = run(platform, layer_bytes)
     assert r.step_autotune == want
     assert ("step_autotune=False" in r.summary()) == (not want)
+
+
+@pytest.mark.parametrize("platform, layer_bytes, warm, background", [
+    (H100, LARGE, True, True),        # llama3-8b's layers: the variants' heads compile while the engine serves
+    (H100, LARGE - 1, True, False),   # smaller layers (host-bound steps) compile them before it is ready
+    (H100, SMALL, True, False),
+    (CPU, LARGE, False, True),        # the CPU compiles on first use: nothing to warm
+])
+def test_sampler_variants_compile_before_ready_for_small_layers(platform, layer_bytes, warm, background):
+    from jaxpaged.config import GPU_BACKGROUND_VARIANTS_MIN_BYTES
+    assert GPU_BACKGROUND_VARIANTS_MIN_BYTES == LARGE
+    r = run(platform, layer_bytes)
+    assert (r.warm_sampler_variants, r.variants_in_background) == (warm, background)
+    assert ("variants_in_background=True" in r.summary()) == (warm and background)

@@ -83,8 +83,8 @@ def _lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
             os.nice(nice)
 
 DEFAULT_FLAGS = SamplerFlags()      # the sampler variant the warm-up compiles
-# Sampler variants whose head and sampler (layerwise.resample) are compiled for every bucket after the warm-up,
-# in the background, with RunConfig.warm_sampler_variants: top-k/p/min-p, which OpenAI clients often send, and
+# Sampler variants whose head and sampler (layerwise.resample) are compiled for every bucket by the warm-up (or
+# after it, in the background), with RunConfig.warm_sampler_variants: top-k/p/min-p, which OpenAI clients send, and
 # logprobs (the sampled token's alone, and up to inputs.MIN_LOGPROBS_WIDTH top ones).
 WARM_SAMPLER_VARIANTS = (SamplerFlags(top_k_p=True), SamplerFlags(num_logprobs=0),
                          SamplerFlags(num_logprobs=MIN_LOGPROBS_WIDTH))
@@ -442,19 +442,22 @@ class StepPrograms:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         if self.run.warm_sampler_variants:
-            self._warm_resamplers(state, heads)
+            self._warm_resamplers(state, heads, progress)
         if self.compile_seconds:
             logger.info("XLA compile seconds by program (count), summed over threads: %s", ", ".join(
                 f"{kind} {sum(t):.1f} ({len(t)})" for kind, t in sorted(self.compile_seconds.items())))
 
-    def _warm_resamplers(self, state, heads: list) -> None:
-        """Queue the head and sampler of each of WARM_SAMPLER_VARIANTS for every single-step bucket on the
-        background thread, which compiles them (or loads them from the executable cache) on STARTUP_THREADS
-        threads while the engine serves: a cold start-up is ready without them (about 20 s sooner for
-        qwen2-0.5b and llama3-8b on the H200, 84 programs each), and a variant's request that comes first
-        compiles its own in the loop."""
+    def _warm_resamplers(self, state, heads: list, progress: bool = False) -> None:
+        """The head and sampler of each of WARM_SAMPLER_VARIANTS for every single-step bucket, compiled (or loaded
+        from the executable cache) on STARTUP_THREADS threads: here, before the engine is ready, or with
+        RunConfig.variants_in_background (large layers) on the background thread while it serves, so a cold
+        start-up is ready without them (about 15 s sooner for llama3-8b on the H200, 84 programs), and a
+        variant's request that comes first compiles its own in the loop."""
         jobs = self._head_jobs(state, heads)
-        self._background_compiler().submit(functools.partial(self._compile_resamplers, jobs))
+        if self.run.variants_in_background:
+            self._background_compiler().submit(functools.partial(self._compile_resamplers, jobs))
+        else:
+            self._compile_resamplers(jobs, progress, background=False)
 
     def _head_jobs(self, state, heads: list) -> dict:
         """[(bucket, options, its sampled rows' hidden states' shape)] -> {the head-and-sampler program's key of
@@ -473,11 +476,13 @@ class StepPrograms:
         return jax.ShapeDtypeStruct((bucket.padded_num_reqs, self.cfg.hidden_size), self.dtype,
                                     sharding=state.prev_sampled.sharding)
 
-    def _compile_resamplers(self, jobs: dict) -> None:
+    def _compile_resamplers(self, jobs: dict, progress: bool = False, background: bool = True) -> None:
         """The warm-up's head-and-sampler programs: from the variant cache, else lowered at start-up
-        (_lower_in_workers), else lowered by lowering workers where the engine has them (traced here, they would
-        hold the GIL from the engine loop, whose per-layer dispatch is Python: bench/results/NOTES.md), and
-        compiled on STARTUP_THREADS threads."""
+        (_lower_in_workers), else lowered by lowering workers where the engine has them (traced here while the
+        engine serves, they would hold the GIL from its loop, whose per-layer dispatch is Python:
+        bench/results/NOTES.md), and compiled on STARTUP_THREADS threads. background: on the background thread
+        while the engine serves (its workers at BACKGROUND_NICE), else at start-up (progress: a bar)."""
+        from tqdm.auto import tqdm
         t0 = time.perf_counter()
         cache = self._variant_cache
         missing, prelowered = [], {}
@@ -496,7 +501,8 @@ class StepPrograms:
         with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {key: pool.submit(self._compile_transient, key, lowered) for key, lowered in prelowered.items()}
             if n:
-                for index, result in self._in_workers([jobs[k][1] for k in missing], n, BACKGROUND_NICE):
+                for index, result in self._in_workers([jobs[k][1] for k in missing], n,
+                                                      BACKGROUND_NICE if background else 0):
                     key = missing[index]
                     t1 = time.perf_counter()
                     lowered = self._lowered(jobs[key][0], result)
@@ -506,15 +512,16 @@ class StepPrograms:
                 futures.update({key: pool.submit(lambda k: self._compile_transient(k, jobs[k][0].lower()), key)
                                 for key in missing})
             failed = []
-            for key, future in futures.items():
+            for key, future in tqdm(futures.items(), desc="Compiling sampler variants", total=len(futures),
+                                    disable=not progress or not futures):
                 try:
                     self._resamplers.setdefault(key, future.result())
                 except Exception:  # noqa: BLE001 - that variant's bucket compiles its head when first used
                     logger.exception("Compiling the head and sampler of %s failed", key[2])
                     failed.append(key)
-        logger.info("Compiled the head and sampler of the common sampler variants (%d programs%s) in the background "
-                    "in %.1f s (%d lowered at start-up%s)", len(futures) - len(failed),
-                    f", {len(failed)} failed" if failed else "", time.perf_counter() - t0, len(prelowered),
+        logger.info("Compiled the head and sampler of the common sampler variants (%d programs%s) %s in %.1f s "
+                    "(%d lowered at start-up%s)", len(futures) - len(failed), f", {len(failed)} failed" if failed else "",
+                    "in the background" if background else "before serving", time.perf_counter() - t0, len(prelowered),
                     f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
     @property

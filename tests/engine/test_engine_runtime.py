@@ -393,8 +393,9 @@ def test_a_new_sampler_variant_never_compiles_the_model_in_the_loop(model_dir, l
 
 def test_the_common_sampler_variants_compile_nothing_in_the_loop(model_dir, tmp_path, monkeypatch):
     """With RunConfig.warm_sampler_variants (on for GPUs) the head and sampler of top-k/p and of logprobs (the
-    sampled token's, and up to 8 top ones) compile for every bucket in the background after the warm-up:
-    once they have, the first requests of those variants compile nothing at all on the engine's thread."""
+    sampled token's, and up to 8 top ones) compile for every bucket at start-up (small layers: before the engine
+    is ready, no background thread): the first requests of those variants compile nothing at all on the engine's
+    thread."""
     import dataclasses
 
     from jaxpaged import envs
@@ -406,7 +407,7 @@ def test_the_common_sampler_variants_compile_nothing_in_the_loop(model_dir, tmp_
     jax.clear_caches()
     llm = LLM(model=model_dir, **COMPILED, layer_dispatch="scan")
     programs = llm.llm_engine.runner.programs
-    programs.wait_for_background_compiles()
+    assert not llm.llm_engine.run.variants_in_background and programs._background is None
     # every bucket is a single-step one (one step a program on the CPU)
     assert len(programs._resamplers) == len(llm.llm_engine.buckets.all_buckets()) * len(WARM_SAMPLER_VARIANTS)
     compiled_on: collections.Counter = collections.Counter()
