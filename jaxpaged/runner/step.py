@@ -520,8 +520,9 @@ class StepPrograms:
                     logger.exception("Compiling the head and sampler of %s failed", key[2])
                     failed.append(key)
         logger.info("Compiled the head and sampler of the common sampler variants (%d programs%s) %s in %.1f s "
-                    "(%d lowered at start-up%s)", len(futures) - len(failed), f", {len(failed)} failed" if failed else "",
-                    "in the background" if background else "before serving", time.perf_counter() - t0, len(prelowered),
+                    "(%d lowered at start-up%s)", len(futures) - len(failed),
+                    f", {len(failed)} failed" if failed else "", "in the background" if background else "before serving",
+                    time.perf_counter() - t0, len(prelowered),
                     f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
     @property

@@ -114,11 +114,11 @@ def test_a_worker_that_fails_costs_only_time(model_dir, jit_reference, with_work
 def test_workers_lower_the_common_variants_heads(model_dir, jit_reference, with_workers, monkeypatch):
     """warm_sampler_variants (a GPU's default) compiled in the background (large layers): the head and sampler of
     every WARM_SAMPLER_VARIANTS variant for every single-step bucket are lowered by the workers, never traced here
-    (where, while the engine serves, the tracing would hold the GIL from its loop). A cold start-up's workers export them after its steps, and they
-    are lowered here before the engine serves, then compiled in the background; a start-up whose steps are all
-    cached has the background start workers for them, at BACKGROUND_NICE, as it is itself. A logprobs request
-    (logprobs=1: the warmed width) then runs on them with nothing lowered here: the jit reference's tokens and
-    logprobs."""
+    (where, while the engine serves, the tracing would hold the GIL from its loop). A cold start-up's workers
+    export them after its steps, and they are lowered here before the engine serves, then compiled in the
+    background; a start-up whose steps are all cached has the background start workers for them, at
+    BACKGROUND_NICE, as it is itself. A logprobs request (logprobs=1: the warmed width) then runs on them with
+    nothing lowered here: the jit reference's tokens and logprobs."""
     from jaxpaged.engine import core
     real = core.resolve
     monkeypatch.setattr(core, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k), warm_sampler_variants=True,
