@@ -521,8 +521,8 @@ class StepPrograms:
                     failed.append(key)
         logger.info("Compiled the head and sampler of the common sampler variants (%d programs%s) %s in %.1f s "
                     "(%d lowered at start-up%s)", len(futures) - len(failed),
-                    f", {len(failed)} failed" if failed else "", "in the background" if background else "before serving",
-                    time.perf_counter() - t0, len(prelowered),
+                    f", {len(failed)} failed" if failed else "",
+                    "in the background" if background else "before serving", time.perf_counter() - t0, len(prelowered),
                     f"; {len(missing)} by {n} worker processes, their exports' lowering here {here:.1f} s" if n else "")
 
     @property
