@@ -15,5 +15,8 @@ for server in no-op api2; do
     echo "== $server server, $cp client process(es)"
     $PY "$REPO/bench/api_capacity.py" --num-prompts 1000 "${flags[@]}" --client-flags "--client-processes $cp --disable-tqdm" \
       2>&1 | grep -E "Benchmark duration|Output token throughput|admitted|sent at|Median TTFT|Server-side|CPU time" | sed 's/^/   /'
+    if [ -n "${OUT:-}" ]; then
+      f=$(ls -t "$REPO"/bench/results/api-capacity*.json | head -1); cp "$f" "$OUT/$(basename "$f" .json)-cp$cp.json"
+    fi
   done
 done
