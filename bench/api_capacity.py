@@ -123,16 +123,18 @@ def serve_no_op(port: int, output_len: int, tokens_per_step: int) -> None:
                 http="httptools", loop="asyncio", backlog=4096)
 
 
-def serve(port: int, tokens_per_step: int, step_ms: float, api_server_count: int, profile: str | None) -> None:
+def serve(port: int, tokens_per_step: int, step_ms: float, api_server_count: int, profile: str | None,
+          model: str | None = None) -> None:
     """The server process: the real server (run_server, so also its extra API processes) over the stand-in
-    core."""
+    core; model: the folder whose tokenizer it loads (default: the server's default model's)."""
     import functools
 
     from jaxpaged.server.api_workers import multiprocess_metrics_dir
     from jaxpaged.server.cli import make_parser
     args = make_parser().parse_args(["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "stand-in",
                                      "--disable-log-requests", "--uvicorn-log-level", "warning",
-                                     "--api-server-count", str(api_server_count)])
+                                     "--api-server-count", str(api_server_count)]
+                                    + (["--model", model] if model else []))
     target = functools.partial(run_stand_in_core, tokens_per_step=tokens_per_step, step_s=step_ms / 1000)
     with multiprocess_metrics_dir(api_server_count):
         from jaxpaged.server.api_server import run_server
@@ -172,6 +174,8 @@ def main() -> None:
     p.add_argument("--api-server-count", type=int, default=1, help="the server's API processes")
     p.add_argument("--client-flags", default="", help="more flags for bench/serve.py, e.g. '--event-loop uvloop'")
     p.add_argument("--profile", default=None, help="write the (first) API process's cProfile here")
+    p.add_argument("--model", default=None, help="a bench model (bench/models.py) whose tokenizer the server loads "
+                   "(default: the server's default model's)")
     p.add_argument("--no-op-server", action="store_true", help="a bare ASGI app instead of the server: the client's "
                    "ceiling")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)    # (the server process)
@@ -180,13 +184,18 @@ def main() -> None:
         if args.no_op_server:
             serve_no_op(args.port, args.output_len, args.tokens_per_step)
         else:
-            serve(args.port, args.tokens_per_step, args.step_ms, args.api_server_count, args.profile)
+            model = None
+            if args.model:
+                from bench.models import ensure_model_dir
+                model = ensure_model_dir(args.model)
+            serve(args.port, args.tokens_per_step, args.step_ms, args.api_server_count, args.profile, model)
         return
     import urllib.error
     import urllib.request
     cmd = [sys.executable, __file__, "--serve", "--port", str(args.port), "--tokens-per-step",
            str(args.tokens_per_step), "--step-ms", str(args.step_ms), "--api-server-count",
            str(args.api_server_count), "--output-len", str(args.output_len)] + (
+               ["--model", args.model] if args.model else []) + (
                ["--profile", args.profile] if args.profile else []) + (["--no-op-server"] if args.no_op_server else [])
     srv = subprocess.Popen(cmd)
     try:

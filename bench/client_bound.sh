@@ -11,7 +11,7 @@ source bench/gpu_env.sh
 echo "client_bound: rev $JAXPAGED_GIT_REV, $(nproc) cores"
 for server in no-op api2; do
   for cp in 1 4; do
-    flags=(); [ $server = no-op ] && flags=(--no-op-server) || flags=(--api-server-count 2)
+    flags=(); [ $server = no-op ] && flags=(--no-op-server) || flags=(--api-server-count 2 --model qwen2-0.5b)
     echo "== $server server, $cp client process(es)"
     $PY "$REPO/bench/api_capacity.py" --num-prompts 1000 "${flags[@]}" --client-flags "--client-processes $cp --disable-tqdm" \
       2>&1 | grep -E "Benchmark duration|Output token throughput|admitted|sent at|Median TTFT|Server-side|CPU time" | sed 's/^/   /'
