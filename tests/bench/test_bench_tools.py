@@ -283,7 +283,7 @@ def test_step_kernels_names_each_kernel_by_what_is_fused_into_it(tmp_path):
         "layer_dispatch": "unrolled", "device": "d", "us_per_step": 10.0,
         "kernels": [{"name": name, "total_us": 80.0, "count": 16, "args": {}}]}))
     out = table(tmp_path)
-    assert "kernels a decode step: 2.0; device time a step: 10.0 us" in out
+    assert "kernels a step: 2.0; device time a step: 10.0 us" in out
     row = next(line for line in out.splitlines() if line.startswith(name))
     assert row.split()[1:4] == ["2.00", "5.00", "10.0"] and "mlp" in row
 
