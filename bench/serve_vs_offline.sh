@@ -2,6 +2,7 @@
 # The server against the engine (issue "the server at the engine's speed"), one model per device call:
 #   bash bench/serve_vs_offline.sh qwen2-0.5b|llama3-8b [--sweep] [--sweep-prompts N] [--cold-server]
 #        [--server-only] [--py-spy] [--soak [--soak-args "FLAGS"]] [--api-server-counts 1,2,4] [--rinf-settled]
+#        [--warm-restart]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). In order, in one call:
 #   1. offline LLM.generate, ShareGPT 1000 (bench/throughput.py; compiles, fills the executable cache)
 #   2. the server (--load-format dummy, everything else default): seconds to /health 200 (warm: step 1's
@@ -30,19 +31,21 @@
 # named ...-settled: a cold server's first requests against its settled speed, on one machine. --rinf-settled:
 # step 3 starts only once those compiles are done (a cold server's burst otherwise runs inside them; a second
 # burst on the same server would find its prompts in the prefix cache), its results named ...-rinf-settled.
+# --warm-restart: after the rest, the server started once more on the same cache root (a warm start-up: its
+# executables loaded, nothing compiled), its seconds to /health 200, then stopped.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=default; LOOPS=asyncio; CPROCS=1
-SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; RINF_SETTLED=0; SPY_GIL=()
+SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; RINF_SETTLED=0; SPY_GIL=(); WARM_RESTART=0
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --py-spy-gil) PYSPY=1; SPY_GIL=(--gil) ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
              --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;;
              --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; --c1-settled) C1_SETTLED=1 ;;
-             --rinf-settled) RINF_SETTLED=1 ;; esac
+             --rinf-settled) RINF_SETTLED=1 ;; --warm-restart) WARM_RESTART=1 ;; esac
   shift
 done
 RINF=rinf; [ $RINF_SETTLED = 1 ] && RINF=rinf-settled      # step 3's result name
@@ -139,6 +142,21 @@ tail -5 /tmp/server.log | sed 's/^/   log: /'
 [ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL$SUFFIX$LSUFFIX.log"
 done
 done
+if [ $WARM_RESTART = 1 ]; then
+  echo "== 6. warm restart on the same cache root"
+  t0=$(ms)
+  $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
+    --uvicorn-log-level warning $SERVER_ARGS > /tmp/server-warm.log 2>&1 &
+  SRV=$!
+  until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server-warm.log; break; fi
+    sleep 0.2
+  done
+  echo "   /health 200 after $(secs $t0) s (warm)"
+  grep -E "Compiled|Loaded|engine core ready" /tmp/server-warm.log | sed 's/^/   /'
+  kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+  [ -n "${OUT:-}" ] && cp /tmp/server-warm.log "$OUT/server-$MODEL-warm.log"
+fi
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"
 $PY - "$REPO/bench/results" "$MODEL" "$COUNTS" "$LOOPS" "$CPROCS" "$RINF" <<'PYEOF'
 import json, sys
