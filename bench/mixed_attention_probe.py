@@ -13,9 +13,12 @@ and 2n times, the median of (t(2n) - t(n)) / n):
   prompts   attention() on the prompts alone (the same padded T)
   decode    attention(decode_only=True) on the decode rows alone (the packed Mosaic decode kernel from
             MOSAIC_DECODE_MIN_PAIRS pairs)
-mixed - prompts is what the decode rows cost inside the ragged kernel; decode is what they would cost apart.
+  ragged    the ragged kernel alone on the whole batch (each decode row a tile of its own: what a mixed step
+            ran before mixed_attention_mgpu), where this checkout has mixed_attention_mgpu
+mixed - prompts is what the decode rows cost; decode is what they cost apart.
 The K/V bytes the decode rows read are printed beside, as TB/s. Checked first: the decode rows' outputs of
-`mixed` equal `decode`'s, and the prompt rows' equal `prompts`' (max abs difference printed).
+`mixed` against `decode`'s, the prompt rows' against `prompts`', and `ragged`'s against `mixed`'s (max abs
+differences printed).
 """
 from __future__ import annotations
 
@@ -88,6 +91,10 @@ def run_case(layout: str, n_heads: int, n_kv: int, d: int, n_dec: int, ctx: int,
     def decode(i, qs, pool, bt, sl, qsl):
         return pk.attention(qs[i][:n_dec], pool, zero, bt, sl, qsl, scale=scale, decode_only=True, backend="mosaic")
 
+    def ragged(i, qs, pool, bt, sl, qsl):
+        from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
+        return ragged_paged_attention_mgpu(qs[i], pool, zero, bt, sl, qsl, scale=scale, interpret=False)
+
     out_m = np.asarray(jax.jit(lambda *a: mixed(0, *a))(qs, pool, *mixed_args), np.float32)
     out_p = np.asarray(jax.jit(lambda *a: prompts(0, *a))(qs_prompts, pool, *prompt_args), np.float32)
     out_d = np.asarray(jax.jit(lambda *a: decode(0, *a))(qs, pool, *dec_args), np.float32)
@@ -96,12 +103,24 @@ def run_case(layout: str, n_heads: int, n_kv: int, d: int, n_dec: int, ctx: int,
            "tokens": tokens,
            "check_decode_rows_max_abs": float(np.abs(out_m[:n_dec] - out_d).max()),
            "check_prompt_rows_max_abs": float(np.abs(out_m[n_dec:n_dec + n_prompt_rows] - out_p[:n_prompt_rows]).max())}
-    for name, f, q, args in (("mixed", mixed, qs, mixed_args), ("prompts", prompts, qs_prompts, prompt_args),
-                             ("decode", decode, qs, dec_args)):
+    timed = [("mixed", mixed, qs, mixed_args), ("prompts", prompts, qs_prompts, prompt_args),
+             ("decode", decode, qs, dec_args)]
+    try:
+        from pallas_kernels.paged_decode_attention_mgpu import mixed_attention_mgpu  # noqa: F401
+        if jax.default_backend() == "cpu":
+            raise ImportError("the compiled Mosaic GPU kernel needs the GPU")
+        out_r = np.asarray(jax.jit(lambda *a: ragged(0, *a))(qs, pool, *mixed_args), np.float32)
+        row["check_ragged_max_abs"] = float(np.nanmax(np.abs(out_r[:qsl[-1]] - out_m[:qsl[-1]])))
+        timed.append(("ragged", ragged, qs, mixed_args))
+    except ImportError:
+        pass
+    for name, f, q, args in timed:
         t, _ = time_op(f, (q, pool, *args), reps)
         row[f"{name}_us"] = t * 1e6
     kv_bytes = n_dec * ctx * n_kv * d * 2 * 2
     row["decode_rows_in_mixed_us"] = row["mixed_us"] - row["prompts_us"]
+    if "ragged_us" in row:
+        row["decode_rows_in_ragged_us"] = row["ragged_us"] - row["prompts_us"]
     row["decode_kv_tbps_apart"] = kv_bytes / row["decode_us"] / 1e6
     row["decode_kv_tbps_in_mixed"] = kv_bytes / max(row["decode_rows_in_mixed_us"], 1e-3) / 1e6
     return row

@@ -15,7 +15,9 @@ which implementation runs below them is chosen by `backend`:
                loops (per-layer or unrolled dispatch, one step per program) run the Mosaic decode kernel
                (paged_decode_attention_mgpu), or where it declines a soft cap, a sliding window or head size
                256 (Gemma 2 and 3), the wide-head one (paged_decode_attention_mgpu_wide); other decodes the
-               Triton split-K one. Over an e4m3 pool:
+               Triton split-K one. Mixed batches outside while loops run their one-token requests in the
+               packed decode kernel and the rest in the ragged one (mixed_attention_mgpu), where both take
+               the layout. Over an e4m3 pool:
                the Mosaic decode kernel from head size MOSAIC_FP8_DECODE_MIN_HEAD_DIM (with
                MOSAIC_FP8_DECODE_CONFIG: both compute warpgroups widen the slots), the Triton prefill kernel.
 
@@ -146,6 +148,12 @@ def _attention(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, 
             from .ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
             if mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,
                               soft_cap=soft_cap) is None:
+                from .paged_decode_attention_mgpu import mgpu_decode_supported, mixed_attention_mgpu
+                if not in_loop and mgpu_decode_supported(q, kv_cache, alibi=alibi_slopes is not None) is None:
+                    # a mixed step's decodes in the packed decode kernel, its prompt chunks in the ragged one
+                    return mixed_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
+                                                scale=scale, num_ctas=num_sms, alibi_slopes=alibi_slopes,
+                                                interpret=False)
                 return ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens,
                                                    query_start_loc, scale=scale, num_ctas=num_sms,
                                                    alibi_slopes=alibi_slopes, interpret=False)

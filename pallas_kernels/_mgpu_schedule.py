@@ -10,6 +10,8 @@ second warpgroup the half ending at the last token (overlapping the first: overl
 computed identically and written twice with the same values). A tile with n < BQ tokens (decodes,
 short chunks) loads a BQ-row q tile clamped inside [0, Tp) and leaves its second warpgroup idle.
 Zero tiles (no K/V steps) write zeros over the bucket padding, rows [query_start_loc[R], T).
+skip_single: requests of one query token get no tile, and their rows are left unwritten, for a caller that
+computes those rows with the packed decode kernel (paged_decode_attention_mgpu.mixed_attention_mgpu).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ REQ, STEPS, WG0 = 0, 1, 2
 LOAD, LO, ROWS, POS = 0, 1, 2, 3
 
 
-def tile_schedule(query_start_loc, seq_lens, num_tokens: int, num_rows: int, block_q: int, block_kv: int):
+def tile_schedule(query_start_loc, seq_lens, num_tokens: int, num_rows: int, block_q: int, block_kv: int,
+                  skip_single: bool = False):
     """-> (sched i32[NT, 2 + 4 * COMPUTE_WGS], i32 number of live tiles, NT): live tiles first, longest first.
 
     num_tokens T (rows of the output); num_rows Tp = max(T, BQ) (rows a clamped q tile may read).
@@ -33,7 +36,7 @@ def tile_schedule(query_start_loc, seq_lens, num_tokens: int, num_rows: int, blo
     #   tile [75, 203): shifted back to end at token 203; both warpgroups full (WG1 rows [139, 203))
     #   zero tile: WG0 writes zeros to rows [203, 210); sorted after the three tiles with K/V steps
     """
-    real, num_real = _request_tiles(query_start_loc, seq_lens, num_rows, block_q, block_kv)
+    real, num_real = _request_tiles(query_start_loc, seq_lens, num_rows, block_q, block_kv, skip_single)
     zero, num_zero = _zero_tiles(query_start_loc[-1], num_tokens, block_q)
     sched = jnp.concatenate([real, zero])
     # Longest tiles first (the tail of the work list is made of short ones), then zero tiles, then none.
@@ -43,12 +46,14 @@ def tile_schedule(query_start_loc, seq_lens, num_tokens: int, num_rows: int, blo
     return sched[jnp.argsort(key, stable=True)], num_real + num_zero, sched.shape[0]
 
 
-def _request_tiles(query_start_loc, seq_lens, num_rows, block_q, block_kv):
+def _request_tiles(query_start_loc, seq_lens, num_rows, block_q, block_kv, skip_single=False):
     num_reqs = seq_lens.shape[0]
     cta_tokens = COMPUTE_WGS * block_q
     num_tiles = -(-num_rows // cta_tokens) + num_reqs            # static bound on the tiles needed
     q_begin, q_end = query_start_loc[:-1], query_start_loc[1:]
     per_req = (q_end - q_begin + cta_tokens - 1) // cta_tokens
+    if skip_single:
+        per_req = jnp.where(q_end - q_begin == 1, 0, per_req)
     cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_req).astype(jnp.int32)])
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     req = jnp.minimum(jnp.searchsorted(cum[1:], tile, side="right").astype(jnp.int32), num_reqs - 1)

@@ -19,6 +19,10 @@ with the kernel's causal mask off (every row sees the request's seq_lens[r] keys
 On the H100, from about one pair per SM (MOSAIC_DECODE_MIN_PAIRS) it is faster than the Triton decode
 kernel on every measured shape, and slower below it. attention() takes it from MOSAIC_DECODE_MIN_PAIRS
 pairs, outside while loops only (its custom call keeps XLA from capturing a loop body in CUDA graphs).
+
+mixed_attention_mgpu runs a mixed batch (prompt chunks beside decodes) as two calls: the requests of one
+query token through this packed kernel, the rest through the ragged kernel, which otherwise gives each
+decode row a tile per query head and streams its K/V once per head of a group.
 """
 from __future__ import annotations
 
@@ -71,3 +75,26 @@ def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
         scale=scale, block_q=64, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
         num_ctas=num_ctas, causal=False, alibi_slopes=slopes, split_keys=split_keys, interpret=interpret)
     return out.reshape(num_reqs, num_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_ctas", "interpret"))
+def mixed_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale: float,
+                         num_ctas: int | None = None, alibi_slopes=None, interpret=None):
+    """Same contract as ragged_paged_attention_mgpu (causal; q dtype[T, N, D] -> dtype[T, N, D]), for the layouts
+    both kernels take (mgpu_decode_supported). Requests of one query token (decodes, one-token chunks: the
+    same computation) run in the packed decode kernel, every other request in the ragged kernel:
+
+        q_lens [1, 1, 200, 0] -> decode kernel on rows [0, 1] (seq_lens [s0, s1, 0, 0]: the others empty);
+                                 ragged kernel on rows [2, 202) (rows 0 and 1 unwritten, then filled)
+    """
+    num_tokens = q.shape[0]
+    single = query_start_loc[1:] - query_start_loc[:-1] == 1
+    rows = jnp.minimum(query_start_loc[:-1], num_tokens - 1)          # each request's first token
+    decoded = paged_decode_attention_mgpu(q[rows], kv_cache, layer_idx, block_tables,
+                                          jnp.where(single, seq_lens, 0), scale=scale, num_ctas=num_ctas,
+                                          alibi_slopes=alibi_slopes, interpret=interpret)
+    out = ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc,
+                                      scale=scale, num_ctas=num_ctas, alibi_slopes=alibi_slopes,
+                                      skip_single_tokens=True, interpret=interpret)
+    # rows of the other requests' "first tokens" go to index T: dropped
+    return out.at[jnp.where(single, rows, num_tokens)].set(decoded, mode="drop")

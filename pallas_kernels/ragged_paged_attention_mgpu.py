@@ -531,13 +531,14 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_concurrent_steps",
                                              "sliding_window", "soft_cap", "num_ctas", "causal", "split_keys",
-                                             "interpret", "lowering_semantics"))
+                                             "skip_single_tokens", "interpret", "lowering_semantics"))
 def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                 scale: float, block_q: int = 64, block_kv: int = 128,
                                 max_concurrent_steps: int = 2, sliding_window: int | None = None,
                                 soft_cap: float | None = None, num_ctas: int | None = None,
                                 causal: bool = True, alibi_slopes=None, split_keys: bool = False,
-                                interpret=None, lowering_semantics: str | None = None):
+                                skip_single_tokens: bool = False, interpret=None,
+                                lowering_semantics: str | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D]; the cache is
     q's dtype or e4m3 (FP8_CACHE_DTYPE bytes: the kernel then computes in float16).
 
@@ -550,6 +551,8 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     step; max_concurrent_steps: K/V slots in flight; num_ctas: persistent CTAs (None: one per SM on the
     GPU, 3 in the interpreter). causal=False: every query row of a request sees all its seq_lens[r]
     keys (the packed decode rows of paged_decode_attention_mgpu; q_len may then exceed seq_lens).
+    skip_single_tokens: the rows of requests with one query token are left unwritten (their values are
+    undefined): mixed_attention_mgpu computes them with the packed decode kernel instead.
     interpret: None (CPU -> Mosaic GPU interpreter), a bool, or an InterpretGPUParams.
     lowering_semantics: None (jax's default), "lane" or "warpgroup".
     """
@@ -568,7 +571,7 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     max_blocks = block_tables.shape[1]
     tables = jnp.pad(block_tables, ((0, 0), (0, -(-max_blocks // per_step) * per_step - max_blocks)))
     sched, live_tiles, num_tiles = ms.tile_schedule(query_start_loc, seq_lens, num_tokens, num_rows,
-                                                    block_q, block_kv)
+                                                    block_q, block_kv, skip_single_tokens)
     kv_rows = kv_cache.reshape(num_layers * 2 * num_blocks * num_kv_heads, block_size, head_dim)
     meta = jnp.stack([jnp.asarray(layer_idx, jnp.int32), live_tiles])
     alibi = alibi_slopes is not None

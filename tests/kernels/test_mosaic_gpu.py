@@ -29,7 +29,8 @@ from jaxpaged.pallas_kernels.paged_decode_attention import paged_decode_attentio
 from jaxpaged.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 try:
-    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import mgpu_decode_supported, paged_decode_attention_mgpu
+    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import (mgpu_decode_supported, mixed_attention_mgpu,
+                                                                     paged_decode_attention_mgpu)
     from jaxpaged.pallas_kernels.paged_decode_attention_mgpu_wide import (mgpu_wide_decode_supported,
                                                                           paged_decode_attention_mgpu_wide)
     from jaxpaged.pallas_kernels.ragged_paged_attention_mgpu import mgpu_supported, ragged_paged_attention_mgpu
@@ -372,7 +373,44 @@ class TestPagedDecodeMosaicWide:
         assert "mosaic_gpu" in lowered.as_text()
 
 
+# A mixed step's batch: decodes (one query token) beside prompt chunks, as the scheduler orders them (running
+# requests first) and out of that order, and a one-token chunk mid-prompt (the decode kernel's computation too).
+_DECODES_AND_CHUNKS = RaggedBatch("decodes+chunks", (1, 1, 37, 1, 150, 5, 1), (40, 130, 0, 3, 21, 9, 70), 7)
+MIXED_CASES = [MosaicCase(layout=Layout(16, head_dim, kv * group, kv, "bfloat16"), batch=_DECODES_AND_CHUNKS,
+                          block_kv=block_kv, num_ctas=2, **kw)
+               for head_dim, kv, group, block_kv, kw in [(64, 2, 7, 64, {}), (128, 2, 4, 128, {}),
+                                                         (64, 3, 1, 64, dict(alibi=True))]]
+MIXED_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_RAGGED, chunked_reference=True) for layout in REAL_LAYOUTS)
+
+
+class TestMixedMosaic:
+    @runs_kernel
+    @pytest.mark.parametrize("case", MIXED_CASES, ids=case_id)
+    def test_matches_reference(self, case):
+        """mixed_attention_mgpu: one-token requests through the packed decode kernel, the rest through the ragged
+        kernel, which leaves their rows unwritten (the interpreter poisons them with NaN): every row as the
+        reference's."""
+        x = ragged_inputs(case.rng(), case.layout, case.batch)
+        scale = case.layout.head_dim ** -0.5
+        out = mixed_attention_mgpu(*x.args, scale=scale, num_ctas=case.num_ctas,
+                                   interpret=interpret_arg(case.detect_races), **case.slopes)
+        ref_fn = chunked_reference if case.chunked_reference else ragged_paged_attention_reference
+        _check(out, reference(ref_fn, *x.args, scale=scale, **case.slopes), case, slice(x.num_real_tokens, None))
+
+
 class TestTileSchedule:
+    def test_skip_single_gives_one_token_requests_no_tile(self):
+        """skip_single: the tiles of the other requests as without it; one-token requests none."""
+        q_lens = np.array([1, 37, 1, 150, 0, 1, 5])
+        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        seq_lens = jnp.asarray(q_lens + 11, jnp.int32)
+        full, live_full, _ = tile_schedule(qsl, seq_lens, 200, 200, 64, 64)
+        skip, live_skip, _ = tile_schedule(qsl, seq_lens, 200, 200, 64, 64, skip_single=True)
+        full, skip = np.asarray(full)[:int(live_full)], np.asarray(skip)[:int(live_skip)]
+        assert sorted(full[:, 0].tolist()) == [-1, 0, 1, 2, 3, 3, 5, 6]       # -1: the zero tile over rows [195, 200)
+        assert sorted(skip[:, 0].tolist()) == [-1, 1, 3, 3, 6]
+        assert sorted(map(tuple, full[~np.isin(full[:, 0], [0, 2, 5])].tolist())) == sorted(map(tuple, skip.tolist()))
+
     @pytest.mark.parametrize("pad", [0, 3, 200])
     def test_covers_every_row_once_per_owner(self, pad):
         """Every token is written by some warpgroup tile, and only by tiles of its own request; the bucket
