@@ -54,8 +54,9 @@ class TestAttentionBackends:
         assert np.array_equal(np.asarray(mosaic, np.float32), np.asarray(pallas, np.float32))
 
     def test_mosaic_backend_lowers_to_mosaic_gpu(self, monkeypatch):
-        """Lowered for CUDA: bf16 ragged attention under backend="mosaic" becomes one Mosaic GPU call, a soft
-        cap sends it to Triton, and decodes take the Mosaic decode kernel from MOSAIC_DECODE_MIN_PAIRS
+        """Lowered for CUDA: bf16 ragged attention under backend="mosaic" becomes two Mosaic GPU calls outside while
+        loops (mixed_attention_mgpu: the one-token requests in the packed decode kernel, the rest in the ragged
+        one) and one inside them, a soft cap sends it to Triton, and decodes take the Mosaic decode kernel from MOSAIC_DECODE_MIN_PAIRS
         (request, kv head) pairs, the Triton one below. The kernels' numbers: test_mosaic_gpu.py (the Mosaic
         GPU interpreter on the CPU, the kernels themselves on a Hopper GPU)."""
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
@@ -66,7 +67,8 @@ class TestAttentionBackends:
             fn = functools.partial(pk.attention, scale=0.1, backend="mosaic", **kw)
             return lowered_calls(fn, q, pool, layer, s((reqs, 32), jnp.int32), s((reqs,), jnp.int32),
                                  s((reqs + 1,), jnp.int32), names=MOSAIC_AND_TRITON)
-        assert calls(s((256, 14, 64), jnp.bfloat16)) == (1, 0)
+        assert calls(s((256, 14, 64), jnp.bfloat16)) == (2, 0)
+        assert calls(s((256, 14, 64), jnp.bfloat16), in_loop=True) == (1, 0)
         assert calls(s((256, 14, 64), jnp.bfloat16), soft_cap=30.0) == (0, 1)
         assert pk.MOSAIC_DECODE_MIN_PAIRS == 128                              # the measured default
         assert calls(s((8, 14, 64), jnp.bfloat16), decode_only=True) == TRITON_DECODE  # 16 pairs: Triton
@@ -84,7 +86,8 @@ class TestAttentionBackends:
         """Lowered for CUDA under backend="mosaic": an e4m3 pool's decode takes the Mosaic decode kernel at head
         size 128 (MOSAIC_FP8_DECODE_MIN_HEAD_DIM) and the Triton one at 64, its prefill the Triton kernel;
         ALiBi's prefill takes the Mosaic kernel, its decode too with one query head per kv head, Triton with
-        grouped heads."""
+        grouped heads (and so a mixed batch's one-token requests: in the packed decode kernel with one query head
+        per kv head, in the ragged one with grouped heads)."""
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
         s = jax.ShapeDtypeStruct
         layer, reqs = s((), jnp.int32), 64
@@ -102,7 +105,7 @@ class TestAttentionBackends:
         pool = s((4, 2, 100, 2, 16, 128), jnp.bfloat16)
         slopes = jnp.asarray([0.5, 0.25], jnp.float32)
         assert calls(s((reqs, 2, 128), jnp.bfloat16), pool, decode_only=True, alibi_slopes=slopes) == (1, 0)
-        assert calls(s((256, 2, 128), jnp.bfloat16), pool, alibi_slopes=slopes) == (1, 0)
+        assert calls(s((256, 2, 128), jnp.bfloat16), pool, alibi_slopes=slopes) == (2, 0)
         grouped = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
         assert calls(s((reqs, 4, 128), jnp.bfloat16), pool, decode_only=True, alibi_slopes=grouped) == TRITON_DECODE
         assert calls(s((256, 4, 128), jnp.bfloat16), pool, alibi_slopes=grouped) == (1, 0)
