@@ -56,9 +56,9 @@ class TestAttentionBackends:
     def test_mosaic_backend_lowers_to_mosaic_gpu(self, monkeypatch):
         """Lowered for CUDA: bf16 ragged attention under backend="mosaic" becomes two Mosaic GPU calls outside while
         loops (mixed_attention_mgpu: the one-token requests in the packed decode kernel, the rest in the ragged
-        one) and one inside them, a soft cap sends it to Triton, and decodes take the Mosaic decode kernel from MOSAIC_DECODE_MIN_PAIRS
-        (request, kv head) pairs, the Triton one below. The kernels' numbers: test_mosaic_gpu.py (the Mosaic
-        GPU interpreter on the CPU, the kernels themselves on a Hopper GPU)."""
+        one) and one inside them, a soft cap sends it to Triton, and decodes take the Mosaic decode kernel from
+        MOSAIC_DECODE_MIN_PAIRS (request, kv head) pairs, the Triton one below. The kernels' numbers:
+        test_mosaic_gpu.py (the Mosaic GPU interpreter on the CPU, the kernels themselves on a Hopper GPU)."""
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # the ops' interpret=None -> compiled
         s = jax.ShapeDtypeStruct
         pool, layer = s((4, 2, 100, 2, 16, 64), jnp.bfloat16), s((), jnp.int32)
