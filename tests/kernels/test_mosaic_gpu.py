@@ -380,6 +380,11 @@ MIXED_CASES = [MosaicCase(layout=Layout(16, head_dim, kv * group, kv, "bfloat16"
                           block_kv=block_kv, num_ctas=2, **kw)
                for head_dim, kv, group, block_kv, kw in [(64, 2, 7, 64, {}), (128, 2, 4, 128, {}),
                                                          (64, 3, 1, 64, dict(alibi=True))]]
+# Fewer rows than a q tile (T < BQ: the ragged kernel's clamped loads), and no one-token request at all (the decode
+# kernel's pairs all empty, nothing scattered).
+MIXED_CASES += [MosaicCase(layout=Layout(16, 64, 4, 2, "bfloat16"), batch=batch, block_kv=64, num_ctas=2)
+                for batch in (RaggedBatch("short+decodes", (3, 1, 2, 1), (30, 40, 17, 0), 2),
+                              RaggedBatch("no-decodes", (37, 64, 150), (0, 19, 21), 7))]
 MIXED_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_RAGGED, chunked_reference=True) for layout in REAL_LAYOUTS)
 
 
