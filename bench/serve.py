@@ -230,6 +230,13 @@ def format_metrics(m: dict[str, Any], max_concurrency: int | None, request_rate:
     if "last_admitted_s" in m:          # jaxpaged's own lines (admission_metrics, server_latency_metrics)
         row("Last request sent at (s):", f"{m['last_sent_s']:.3f}")
         row("Requests admitted, median / last (s):", f"{m['median_admitted_s']:.3f} / {m['last_admitted_s']:.3f}")
+    if m.get("num_first_token_waves", 0) > 1:        # steps shorter than WAVE_GAP_S make one "wave": no line
+        waves = m["first_token_waves"]
+        k = m["median_first_token_wave"]
+        row("First-token waves (s: requests):", " ".join(f"{t:.2f}:{c}" for t, c in waves[:8])
+            + (" ..." if m["num_first_token_waves"] > 8 else ""))
+        row("Median request's first token:", f"wave {k} of {m['num_first_token_waves']}"
+            + (f", at {waves[k - 1][0]:.3f} s" if k <= len(waves) else ""))
     if "server_mean_ttft_ms" in m:
         row("Server-side mean TTFT / E2EL (ms):",
             f"{m['server_mean_ttft_ms']:.2f} / {m.get('server_mean_e2el_ms', 0):.2f}")
@@ -298,6 +305,32 @@ def admission_metrics(outputs: list[RequestFuncOutput], start: float) -> dict[st
         return {}
     return {"last_sent_s": max(sent), "median_admitted_s": float(np.median(admitted)),
             "last_admitted_s": max(admitted)}
+
+
+WAVE_GAP_S = 0.05       # first tokens this far apart or more belong to different engine steps' waves
+
+
+def first_token_waves(outputs: list[RequestFuncOutput], start: float, max_waves: int = 12) -> dict[str, Any]:
+    """jaxpaged's own, not vLLM's: when every request is sent at once, first tokens reach the clients in waves, one
+    per engine step that completes prompts (a gap of WAVE_GAP_S or more between two first tokens ends a wave).
+    The median TTFT is then set by the wave that holds the median request, so it moves by whole steps:
+
+        first tokens at [0.36, 0.36, 0.74, 0.74, 0.74, 1.10] s -> waves [[0.36, 2], [0.74, 3], [1.10, 1]];
+        the median (3rd of 6) request's first token is in wave 2, at 0.74 s
+
+    -> {"first_token_waves": [[last first token of the wave (s from the start), requests], ...] (the first
+    max_waves), "median_first_token_wave": 1-based wave of the median request, "num_first_token_waves"}."""
+    firsts = np.sort([o.sent_at - start + o.ttft for o in outputs if o.success and o.ttft > 0])
+    if len(firsts) < 2:
+        return {}
+    ends = np.flatnonzero(np.diff(firsts) >= WAVE_GAP_S)                 # index of each wave's last first token
+    ends = np.append(ends, len(firsts) - 1)
+    counts = np.diff(np.concatenate([[-1], ends]))
+    median_index = (len(firsts) - 1) // 2
+    return {"first_token_waves": [[round(float(firsts[e]), 3), int(c)] for e, c in zip(ends[:max_waves],
+                                                                                        counts[:max_waves])],
+            "median_first_token_wave": int(np.searchsorted(ends, median_index) + 1),
+            "num_first_token_waves": len(ends)}
 
 
 SERVER_HISTOGRAMS = {"server_mean_ttft_ms": "jaxpaged:time_to_first_token_seconds",
@@ -405,6 +438,8 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
     metrics = calculate_metrics(requests, outputs, dur_s, percentiles, slo_ttft_ms, slo_tpot_ms)
     metrics["skipped"] = num_skipped
     metrics.update(admission_metrics(outputs, start))
+    if request_rate == float("inf") and max_concurrency is None:
+        metrics.update(first_token_waves(outputs, start))
     metrics.update(server_latency_metrics(before, after))
     errors = sorted({o.error for o in outputs if o.error})[:5]
     return {"metrics": metrics, "errors": errors,

@@ -67,7 +67,7 @@ fi
 [ $COLD = 1 ] && export JAXPAGED_CACHE_ROOT=/tmp/jaxpaged-cold-cache
 PORT=8011
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
-  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side" | sed 's/^/   /'; }
+  | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side|First-token waves|first token:" | sed 's/^/   /'; }
 wait_settled() {   # until the server's log says its background compiles (the common variants' heads) are done
   for _ in $(seq 1200); do grep -q "common sampler variants" /tmp/server.log && break; sleep 0.5; done
   grep -E "in the background" /tmp/server.log | sed 's/^.*INFO[^:]*: */   /'

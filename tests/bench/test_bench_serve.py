@@ -286,3 +286,19 @@ def test_single_rate_run_writes_no_sweep(results_dir, capsys):
     assert m["completed"] == 4 and m["request_rate"] == "50.0" and "p50_ttft_ms" not in m
     assert sorted(p.name for p in results_dir.iterdir()) == ["one.json", "one.md"]
     assert "request rates" not in capsys.readouterr().err
+
+
+def test_first_token_waves_find_the_median_requests_step():
+    """Rate inf: first tokens grouped into the waves engine steps deliver them in; the median request's wave."""
+    from bench.serve import first_token_waves
+    start = 100.0
+    firsts = [0.36, 0.36, 0.74, 0.74, 0.75, 1.10, 1.11]     # s from the start: waves end at 0.36, 0.75, 1.11
+    outs = [RequestFuncOutput(success=True, sent_at=start + 0.01 * i, ttft=f - 0.01 * i) for i, f in enumerate(firsts)]
+    outs.append(RequestFuncOutput(success=False, error="boom"))          # no first token: not counted
+    m = first_token_waves(outs, start)
+    assert m["first_token_waves"] == [[0.36, 2], [0.75, 3], [1.11, 2]]
+    assert m["num_first_token_waves"] == 3 and m["median_first_token_wave"] == 2     # the 4th of 7
+    assert first_token_waves(outs, start, max_waves=2)["first_token_waves"] == [[0.36, 2], [0.75, 3]]
+    assert first_token_waves(outs[:1], start) == {}
+    text = format_metrics({**calculate_metrics([_req(4, 1)] * 7, outs[:7], 2.0), **m}, None, float("inf"))
+    assert "0.36:2 0.75:3 1.11:2" in text and "wave 2 of 3, at 0.750 s" in text
