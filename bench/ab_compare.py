@@ -20,6 +20,10 @@ The revisions share one JAXPAGED_CACHE_ROOT ($AB_ROOT/cache): XLA's persistent c
 revision compiled already, the executable cache (keyed by the sources) is each revision's own. Every run's engine
 start-up is reported, not judged.
 
+--step-log: each offline run also writes its step log (bench/throughput.py --step-log), and its figures gain the
+seconds in mixed steps (any prompt token) and in decode steps and the median mixed step (bench/step_log_table.py's
+groups), shown in the runs table, not judged: where a change to one kind of step shows beside the whole run.
+
 A figure is the mean over a revision's runs; it passes when new/base is at most 3% worse (lower tok/s, higher
 TPOT). "outputs" passes when every run of the part generated the same number of tokens, none of a wrong length,
 and no request failed (a server run cut short by its time limit gives no figures for that concurrency).
@@ -68,16 +72,33 @@ def _metrics(path: Path) -> dict[str, Any]:
         return {}
 
 
+STEP_LOG = "steps.csv"   # an offline run's step log in its results folder (--step-log)
+
+
+def step_log_figures(path: Path) -> dict[str, float]:
+    """Seconds in mixed and in decode steps and the median mixed step (ms), from a step log."""
+    import numpy as np
+    from bench.step_log_table import load
+    steps = load(str(path))
+    mixed = steps[:, 1] > steps[:, 2]          # more tokens than requests: prompt tokens in the step
+    out = {"mixed_s": float(steps[mixed, 0].sum()), "decode_s": float(steps[~mixed, 0].sum())}
+    if mixed.any():
+        out["median_mixed_step_ms"] = 1e3 * float(np.median(steps[mixed, 0]))
+    return out
+
+
 def read_figures(results: Path, log: Path | None, serve: bool) -> dict[str, Any]:
-    """One run's figures, from the result JSONs its scripts wrote (and, for the server, its log's start-up line).
-    A concurrency level with failed requests gives no speed figures, one cut short by the time limit (skipped
-    requests) only its count of them."""
+    """One run's figures, from the result JSONs its scripts wrote (and, for the server, its log's start-up line;
+    for an offline run with --step-log, its step log). A concurrency level with failed requests gives no speed
+    figures, one cut short by the time limit (skipped requests) only its count of them."""
     out: dict[str, Any] = {}
     if not serve:
         m = next((m for p in sorted(results.glob("throughput-*.json")) if (m := _metrics(p))), {})
         if m:
             out.update(output_tok_s=m["output_tokens_per_second"], init_s=m["engine_startup_s"],
                        output_tokens=m["total_output_tokens"], bad_requests=m["num_wrong_output_len"])
+        if (results / STEP_LOG).exists():
+            out.update(step_log_figures(results / STEP_LOG))
         return out
     for c in (1, 10):
         m = _metrics(results / f"serve-openqa-c{c}.json")
@@ -184,7 +205,8 @@ def write(reports: list[dict[str, Any]], name: str, folder: Path | None = None) 
     return path
 
 
-def run_one(part: str, step: suite.Step, rev: str, rnd: int, budget_s: float, smoke: bool) -> dict[str, Any]:
+def run_one(part: str, step: suite.Step, rev: str, rnd: int, budget_s: float, smoke: bool,
+            step_log: bool = False) -> dict[str, Any]:
     """One run of `step` with revision `rev`: its own results folder, log, PYTHONPATH and stamp."""
     tree, label = revisions()[rev]
     tag = f"{part}-{rev}-r{rnd}"
@@ -203,6 +225,8 @@ def run_one(part: str, step: suite.Step, rev: str, rnd: int, budget_s: float, sm
     else:     # the revision's own bench scripts
         bench = str(REPO / "bench")
         argv = [suite.PY] + [str(tree / "bench") + a[len(bench):] if a.startswith(bench) else a for a in step.argv]
+        if step_log:
+            argv += ["--step-log", str(results / STEP_LOG)]
         rc, _ = suite.run_logged(argv, log, budget_s, work, {**env, **step.env})
     secs = time.perf_counter() - t0
     text = log.read_text(errors="replace")
@@ -238,7 +262,7 @@ def make_report(part: str, command: str, runs: list[dict[str, Any]]) -> dict[str
 
 
 def run_part(part: str, rounds: int, deadline_s: float, smoke: bool, command: str,
-             save: Callable[[dict[str, Any]], Any] = lambda report: None) -> dict[str, Any]:
+             save: Callable[[dict[str, Any]], Any] = lambda report: None, step_log: bool = False) -> dict[str, Any]:
     """Rounds of base, new; `save` gets the report so far after each run (a command killed at the device's
     limit still leaves the runs before)."""
     suite_part, step_name, _ = PARTS[part]
@@ -255,7 +279,7 @@ def run_part(part: str, rounds: int, deadline_s: float, smoke: bool, command: st
             if left < 60:
                 print(f"[{part}] round {rnd}: {rev} skipped ({left:.0f} s left)")
                 continue
-            runs.append(run_one(part, step, rev, rnd, left, smoke))
+            runs.append(run_one(part, step, rev, rnd, left, smoke, step_log and step.kind != "serve"))
             save(make_report(part, command, runs))
     return make_report(part, command, runs)
 
@@ -266,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="base, new rounds (the second and later if time allows)")
     p.add_argument("--deadline-s", type=float, default=570.0, help="per part (the device caps a command at 600 s)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny-llama, 8 prompts")
+    p.add_argument("--step-log", action="store_true", help="offline runs: their step logs' mixed and decode seconds")
     p.add_argument("--report", nargs="+", metavar="JSON", help="ab-<part>.json files to merge into one table")
     a = p.parse_args(argv)
     if a.report:
@@ -292,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         return path
 
     for name in a.parts:
-        report = run_part(name, a.rounds, a.deadline_s, a.smoke, command, save)
+        report = run_part(name, a.rounds, a.deadline_s, a.smoke, command, save, a.step_log)
         print(render([report]) + f"\n-> {save(report)}")
         done += [dict(x, part=name) for x in report["runs"]]
 

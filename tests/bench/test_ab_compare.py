@@ -57,6 +57,13 @@ def test_read_figures_from_result_files(tmp_path):
                  meta={}, results_dir=tmp_path / "off")
     assert ab.read_figures(tmp_path / "off", None, serve=False) == {
         "output_tok_s": 48000.0, "init_s": 22.5, "output_tokens": 191578, "bad_requests": 0}
+    # --step-log: the run's step log adds its mixed and decode seconds (2 mixed steps: more tokens than requests)
+    (tmp_path / "off" / ab.STEP_LOG).write_text("# seconds,tokens,requests,context_tokens,gc_seconds,gc_gen2_seconds\n"
+                                                "0.4,16384,86,16384,0,0\n0.3,16384,160,32768,0,0\n"
+                                                "0.01,160,160,33000,0,0\n0.02,150,150,34000,0,0\n")
+    figs = ab.read_figures(tmp_path / "off", None, serve=False)
+    assert figs["mixed_s"] == pytest.approx(0.7) and figs["decode_s"] == pytest.approx(0.03)
+    assert figs["median_mixed_step_ms"] == pytest.approx(350.0) and figs["output_tok_s"] == 48000.0
     for c, skipped in ((1, 0), (10, 3)):
         write_result(f"serve-openqa-c{c}", {"output_throughput": 400.0 * c, "median_tpot_ms": 2.5, "failed": 0,
                                             "skipped": skipped, "total_output_tokens": 30000}, meta={},
@@ -82,7 +89,10 @@ def test_run_part_alternates_revisions_and_writes_the_report(tmp_path, monkeypat
     monkeypatch.setattr(ab, "git_revision", lambda: "b" * 40 + "-dirty")
     calls = []
 
+    argvs = []
+
     def fake_run_logged(argv, log, timeout_s, cwd, env):
+        argvs.append(argv)
         rev = "base" if str(tree) in argv[1] else "new"
         calls.append((rev, env["JAXPAGED_GIT_REV"], env["PYTHONPATH"].split(":")[0]))
         write_result("throughput-qwen2-0.5b-sharegpt", {
@@ -94,6 +104,10 @@ def test_run_part_alternates_revisions_and_writes_the_report(tmp_path, monkeypat
         return 0, run_s
 
     monkeypatch.setattr(ab.suite, "run_logged", fake_run_logged)
+    ab.run_part("qwen", rounds=1, deadline_s=570, smoke=False, command="c", step_log=True)   # --step-log
+    assert all(argv[-2:] == ["--step-log", str(tmp_path / "ab" / "results" / f"qwen-{rev}-r1" / ab.STEP_LOG)]
+               for rev, argv in zip(["base", "new"], argvs[-2:]))
+    calls.clear()
     saved = []
     report = ab.run_part("qwen", rounds=2, deadline_s=570, smoke=False, command="bash bench/ab_compare.sh qwen",
                          save=lambda r: saved.append(len(r["runs"])))
