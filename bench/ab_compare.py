@@ -78,9 +78,9 @@ STEP_LOG = "steps.csv"   # an offline run's step log in its results folder (--st
 def step_log_figures(path: Path) -> dict[str, float]:
     """Seconds in mixed and in decode steps and the median mixed step (ms), from a step log."""
     import numpy as np
-    from bench.step_log_table import load
+    from bench.step_log_table import load, mixed_steps
     steps = load(str(path))
-    mixed = steps[:, 1] > steps[:, 2]          # more tokens than requests: prompt tokens in the step
+    mixed = mixed_steps(steps)
     out = {"mixed_s": float(steps[mixed, 0].sum()), "decode_s": float(steps[~mixed, 0].sum())}
     if mixed.any():
         out["median_mixed_step_ms"] = 1e3 * float(np.median(steps[mixed, 0]))

@@ -9,12 +9,12 @@ Each case DxC: D decode rows (one query token, C tokens of context each) ahead o
 (--prompts PxL, whole prompts from position 0), in the engine's order (running requests first), padded to
 --tokens rows as a mixed bucket pads them. Times, per layer (bench_kernels.time_op: one jit runs the op n
 and 2n times, the median of (t(2n) - t(n)) / n):
-  mixed     attention() on the whole batch (the ragged kernel: each decode row is a tile of its own)
+  mixed     attention() on the whole batch (mixed_attention_mgpu: decode rows in the packed decode kernel)
   prompts   attention() on the prompts alone (the same padded T)
   decode    attention(decode_only=True) on the decode rows alone (the packed Mosaic decode kernel from
             MOSAIC_DECODE_MIN_PAIRS pairs)
   ragged    the ragged kernel alone on the whole batch (each decode row a tile of its own: what a mixed step
-            ran before mixed_attention_mgpu), where this checkout has mixed_attention_mgpu
+            ran before mixed_attention_mgpu), on the GPU only
 mixed - prompts is what the decode rows cost; decode is what they cost apart.
 The K/V bytes the decode rows read are printed beside, as TB/s. Checked first: the decode rows' outputs of
 `mixed` against `decode`'s, the prompt rows' against `prompts`', and `ragged`'s against `mixed`'s (max abs
@@ -82,10 +82,7 @@ def run_case(layout: str, n_heads: int, n_kv: int, d: int, n_dec: int, ctx: int,
     prompt_args = (jnp.asarray(bt_p), jnp.asarray(sl_p), jnp.asarray(qsl_p))
     dec_args = (jnp.asarray(bt[:n_dec]), jnp.asarray(sl[:n_dec]), jnp.arange(n_dec + 1, dtype=jnp.int32))
 
-    def mixed(i, qs, pool, bt, sl, qsl):
-        return pk.attention(qs[i], pool, zero, bt, sl, qsl, scale=scale, backend="mosaic")
-
-    def prompts(i, qs, pool, bt, sl, qsl):
+    def routed(i, qs, pool, bt, sl, qsl):        # as attention() routes a mixed batch (the prompts alone too)
         return pk.attention(qs[i], pool, zero, bt, sl, qsl, scale=scale, backend="mosaic")
 
     def decode(i, qs, pool, bt, sl, qsl):
@@ -95,25 +92,20 @@ def run_case(layout: str, n_heads: int, n_kv: int, d: int, n_dec: int, ctx: int,
         from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
         return ragged_paged_attention_mgpu(qs[i], pool, zero, bt, sl, qsl, scale=scale, interpret=False)
 
-    out_m = np.asarray(jax.jit(lambda *a: mixed(0, *a))(qs, pool, *mixed_args), np.float32)
-    out_p = np.asarray(jax.jit(lambda *a: prompts(0, *a))(qs_prompts, pool, *prompt_args), np.float32)
+    out_m = np.asarray(jax.jit(lambda *a: routed(0, *a))(qs, pool, *mixed_args), np.float32)
+    out_p = np.asarray(jax.jit(lambda *a: routed(0, *a))(qs_prompts, pool, *prompt_args), np.float32)
     out_d = np.asarray(jax.jit(lambda *a: decode(0, *a))(qs, pool, *dec_args), np.float32)
     n_prompt_rows = n_prompts * length
     row = {"layout": layout, "decode_rows": n_dec, "ctx": ctx, "prompts": n_prompts, "prompt_len": length,
            "tokens": tokens,
            "check_decode_rows_max_abs": float(np.abs(out_m[:n_dec] - out_d).max()),
            "check_prompt_rows_max_abs": float(np.abs(out_m[n_dec:n_dec + n_prompt_rows] - out_p[:n_prompt_rows]).max())}
-    timed = [("mixed", mixed, qs, mixed_args), ("prompts", prompts, qs_prompts, prompt_args),
+    timed = [("mixed", routed, qs, mixed_args), ("prompts", routed, qs_prompts, prompt_args),
              ("decode", decode, qs, dec_args)]
-    try:
-        from pallas_kernels.paged_decode_attention_mgpu import mixed_attention_mgpu  # noqa: F401
-        if jax.default_backend() == "cpu":
-            raise ImportError("the compiled Mosaic GPU kernel needs the GPU")
+    if jax.default_backend() != "cpu":           # the compiled Mosaic GPU kernel (the CPU routes to Triton)
         out_r = np.asarray(jax.jit(lambda *a: ragged(0, *a))(qs, pool, *mixed_args), np.float32)
         row["check_ragged_max_abs"] = float(np.nanmax(np.abs(out_r[:qsl[-1]] - out_m[:qsl[-1]])))
         timed.append(("ragged", ragged, qs, mixed_args))
-    except ImportError:
-        pass
     for name, f, q, args in timed:
         t, _ = time_op(f, (q, pool, *args), reps)
         row[f"{name}_us"] = t * 1e6

@@ -68,6 +68,12 @@ fi
 PORT=8011
 client() { $PY "$BENCH/serve.py" --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --disable-tqdm "$@" 2>&1 \
   | grep -E "Successful|Failed|Benchmark duration|Output token throughput|Mean TTFT|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT|Mean TPOT|Request goodput|rate|admitted|sent at|Server-side|First-token waves|first token:" | sed 's/^/   /'; }
+wait_health() {   # until /health answers 200 (0), or the server $SRV exits (its log's tail, 1)
+  until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+    if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 "$1"; return 1; fi
+    sleep 0.2
+  done
+}
 wait_settled() {   # until the server's log says its background compiles (the common variants' heads) are done
   for _ in $(seq 1200); do grep -q "common sampler variants" /tmp/server.log && break; sleep 0.5; done
   grep -E "in the background" /tmp/server.log | sed 's/^.*INFO[^:]*: */   /'
@@ -92,10 +98,7 @@ fi
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning $APIFLAG $SERVER_ARGS > /tmp/server.log 2>&1 &
 SRV=$!
-until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-  if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server.log; exit 1; fi
-  sleep 0.2
-done
+wait_health /tmp/server.log || exit 1
 echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo warm))"
 grep -E "Run config|Compiled|engine core ready|API server processes" /tmp/server.log | sed 's/^/   /'
 if [ $SOAK = 1 ]; then
@@ -148,13 +151,11 @@ if [ $WARM_RESTART = 1 ]; then
   $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
     --uvicorn-log-level warning $SERVER_ARGS > /tmp/server-warm.log 2>&1 &
   SRV=$!
-  until $PY -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-    if ! kill -0 $SRV 2>/dev/null; then echo "server exited:"; tail -30 /tmp/server-warm.log; break; fi
-    sleep 0.2
-  done
-  echo "   /health 200 after $(secs $t0) s (warm)"
-  grep -E "Compiled|Loaded|engine core ready" /tmp/server-warm.log | sed 's/^/   /'
-  kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+  if wait_health /tmp/server-warm.log; then
+    echo "   /health 200 after $(secs $t0) s (warm)"
+    grep -E "Compiled|engine core ready" /tmp/server-warm.log | sed 's/^/   /'
+    kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
+  fi
   [ -n "${OUT:-}" ] && cp /tmp/server-warm.log "$OUT/server-$MODEL-warm.log"
 fi
 echo "== summary ($MODEL, rev $JAXPAGED_GIT_REV)"

@@ -29,6 +29,11 @@ def load(path: str) -> np.ndarray:
     return np.loadtxt(path, delimiter=",", ndmin=2)[:, :4]
 
 
+def mixed_steps(steps: np.ndarray) -> np.ndarray:
+    """bool[steps]: the steps with prompt tokens (more tokens scheduled than requests)."""
+    return steps[:, 1] > steps[:, 2]
+
+
 def floors(steps: np.ndarray, step_weight_bytes: int, layer_flops_per_token: int, head_flops: int,
            kv_bytes_per_token: int, peaks: tuple[float, float]) -> np.ndarray:
     """Each step's floor in seconds (see the module docstring)."""
@@ -41,7 +46,7 @@ def floors(steps: np.ndarray, step_weight_bytes: int, layer_flops_per_token: int
 
 def groups(steps: np.ndarray, floor: np.ndarray) -> list[dict]:
     """One row a group that has steps: its name, steps, seconds, median step (ms), floor (s), seconds / floor."""
-    mixed = steps[:, 1] > steps[:, 2]
+    mixed = mixed_steps(steps)
     masks = [("mixed", mixed)]
     lo = 1
     for hi in (*EDGES, None):
