@@ -31,6 +31,8 @@
 # named ...-settled: a cold server's first requests against its settled speed, on one machine. --rinf-settled:
 # step 3 starts only once those compiles are done (a cold server's burst otherwise runs inside them; a second
 # burst on the same server would find its prompts in the prefix cache), its results named ...-rinf-settled.
+# --core-step-log: the server's engine core logs its steps and arrivals (JAXPAGED_STEP_LOG), and the burst's
+# first steps are printed (bench/core_steps.py) after the server stops; the CSVs go to $OUT.
 # --warm-restart: after the rest, the server started once more on the same cache root (a warm start-up: its
 # executables loaded, nothing compiled), its seconds to /health 200, then stopped.
 # Results (JSON with device, JAX version, revision) go to bench/results/ and, when set, $OUT.
@@ -38,14 +40,14 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 MODEL=${1:?model: qwen2-0.5b or llama3-8b}; shift
 SWEEP=0; COLD=0; SWEEP_PROMPTS=200; OFFLINE=1; PYSPY=0; SOAK=0; SOAK_ARGS="--request-rate 64"; COUNTS=default; LOOPS=asyncio; CPROCS=1
-SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; RINF_SETTLED=0; SPY_GIL=(); WARM_RESTART=0
+SERVER_ARGS=""; C1_ONLY=0; C1_SETTLED=0; RINF_SETTLED=0; SPY_GIL=(); WARM_RESTART=0; CORE_LOG=0
 while [ $# -gt 0 ]; do
   case $1 in --sweep) SWEEP=1 ;; --cold-server) COLD=1 ;; --sweep-prompts) SWEEP_PROMPTS=$2; shift ;;
              --server-only) OFFLINE=0 ;; --py-spy) PYSPY=1 ;; --py-spy-gil) PYSPY=1; SPY_GIL=(--gil) ;; --soak) SOAK=1; OFFLINE=0 ;;
              --soak-args) SOAK_ARGS=$2; shift ;; --api-server-counts) COUNTS=$2; shift ;;
              --client-loops) LOOPS=$2; shift ;; --client-processes) CPROCS=$2; shift ;;
              --server-args) SERVER_ARGS=$2; shift ;; --c1-only) C1_ONLY=1 ;; --c1-settled) C1_SETTLED=1 ;;
-             --rinf-settled) RINF_SETTLED=1 ;; --warm-restart) WARM_RESTART=1 ;; esac
+             --rinf-settled) RINF_SETTLED=1 ;; --warm-restart) WARM_RESTART=1 ;; --core-step-log) CORE_LOG=1 ;; esac
   shift
 done
 RINF=rinf; [ $RINF_SETTLED = 1 ] && RINF=rinf-settled      # step 3's result name
@@ -95,6 +97,8 @@ if [ $PYSPY = 1 ]; then
   [ -x /tmp/site/bin/py-spy ] || $PY -m pip install -q --no-index --no-deps --target /tmp/site "$REPO"/.whl/py_spy-*.whl
   SPY=(/tmp/site/bin/py-spy record -r 200 -f speedscope --subprocesses --idle "${SPY_GIL[@]}" --nonblocking -o /tmp/pyspy-server.json --)
 fi
+STEPS_CSV=/tmp/core-steps$SUFFIX$LSUFFIX.csv
+[ $CORE_LOG = 1 ] && export JAXPAGED_STEP_LOG=$STEPS_CSV
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning $APIFLAG $SERVER_ARGS > /tmp/server.log 2>&1 &
 SRV=$!
@@ -142,6 +146,13 @@ else
   kill -TERM $SRV; wait $SRV; echo "   server exit status $?"
 fi
 tail -5 /tmp/server.log | sed 's/^/   log: /'
+if [ $CORE_LOG = 1 ]; then
+  unset JAXPAGED_STEP_LOG
+  echo "== the burst's first steps (bench/core_steps.py)"
+  $PY "$BENCH/core_steps.py" "$STEPS_CSV" --steps 24 2>&1 | sed 's/^/   /'
+  [ -n "${OUT:-}" ] && tar -czf "$OUT/core-steps$SUFFIX$LSUFFIX.tgz" -C /tmp "$(basename "$STEPS_CSV")" \
+    "$(basename "${STEPS_CSV%.csv}")-arrivals.csv"
+fi
 [ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL$SUFFIX$LSUFFIX.log"
 done
 done

@@ -22,6 +22,9 @@ JAXPAGED_API_KEY = os.environ.get("JAXPAGED_API_KEY") or None
 # As vLLM: give the `jaxpaged` logger its own INFO handler (start-up facts such as the KV pool size),
 # unless the application configures logging itself ("0").
 JAXPAGED_CONFIGURE_LOGGING = os.environ.get("JAXPAGED_CONFIGURE_LOGGING", "1") != "0"
+# A CSV path: the server's engine core records every step and every arrival and writes them there when it
+# stops (engine/stats.py write_core_step_log), for reading a burst's first steps (bench/serve_vs_offline.sh).
+JAXPAGED_STEP_LOG = os.environ.get("JAXPAGED_STEP_LOG") or None
 
 # JAX preallocates 75% of GPU memory by default; jaxpaged sizes its own pool from
 # gpu_memory_utilization, so let XLA's allocator see nearly all of it (the user's setting wins).

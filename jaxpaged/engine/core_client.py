@@ -31,7 +31,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from jaxpaged import envs
 from jaxpaged.config import EngineArgs
+from jaxpaged.engine.stats import write_core_step_log
 from jaxpaged.engine.messages import (Command, CoreFailure, CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs,
                                       EngineCoreRequest, abort_decoder, add_decoder, core_message_decoder)
 
@@ -68,8 +70,14 @@ def run_core_process(args: EngineArgs, channels: list[Channel], parent_pid: int)
     try:
         from jaxpaged.engine.core import EngineCore
         core = EngineCore(args)
+        if envs.JAXPAGED_STEP_LOG:
+            core.stats.step_log, core.stats.arrival_log = [], []
         out.broadcast(core.info())
-        _core_loop(core, inp, out, parent_pid)
+        try:
+            _core_loop(core, inp, out, parent_pid)
+        finally:
+            if envs.JAXPAGED_STEP_LOG:
+                write_core_step_log(envs.JAXPAGED_STEP_LOG, core.stats)
     except BaseException as e:
         logger.exception("engine core failed")           # the traceback: here, in the log
         out.broadcast(CoreFailure(f"{type(e).__name__}: {e}"))

@@ -42,11 +42,15 @@ class EngineStats:
     # one row per step when not None (bench/throughput.py --step-log): (perf_counter when the step's results
     # were processed, tokens scheduled, requests, tokens of context the step's attention reads)
     step_log: list | None = None
+    # with the step log: (perf_counter, requests added) for each batch of arrivals
+    arrival_log: list | None = None
     _step_pending = None        # (not a field) the dispatched step's row, waiting for its results
     _scheduled = None           # (not a field) the row of the step scheduled last
 
     def on_arrival(self, n: int) -> None:
         self.arrivals += n
+        if self.arrival_log is not None:
+            self.arrival_log.append((time.perf_counter(), n))
 
     def on_schedule(self, sched, requests: dict) -> None:
         """Note a step's shape as it is scheduled (its requests are all still there), for the step log."""
@@ -112,3 +116,20 @@ class RequestStats:
         out = (self.ttft, self.itl, self.e2e)
         self.ttft, self.itl, self.e2e = [], [], []
         return out
+
+
+def write_core_step_log(path: str, stats: EngineStats) -> None:
+    """The core's step log as CSV: each step's end (seconds from the first arrival), tokens scheduled, requests,
+    tokens of context its attention read; and beside it (`-arrivals.csv`) each batch of arrivals (seconds from
+    the first, requests). A burst's first steps read against when its requests reached the core."""
+    import pathlib
+    steps = np.array(stats.step_log or [], np.float64).reshape(-1, 4)
+    arrivals = np.array(stats.arrival_log or [], np.float64).reshape(-1, 2)
+    t0 = arrivals[0, 0] if len(arrivals) else (steps[0, 0] if len(steps) else 0.0)
+    steps[:, 0] -= t0
+    arrivals[:, 0] -= t0
+    np.savetxt(path, steps, fmt=["%.6f", "%d", "%d", "%d"], delimiter=",",
+               header="end_s,tokens,requests,context_tokens")
+    out = pathlib.Path(path)
+    np.savetxt(out.with_name(out.stem + "-arrivals.csv"), arrivals, fmt=["%.6f", "%d"], delimiter=",",
+               header="seconds,requests")

@@ -313,3 +313,18 @@ def test_step_log_table_groups_steps_and_sets_each_against_its_floor(tmp_path):
     assert table["decode 1-16"]["ratio"] == pytest.approx(0.04 / 14.0)
     assert table["all"]["floor_s"] == pytest.approx(166.0)
     assert "| decode 65-128 | 1 | 0.05 | 50.00 ms | 101.00 s | 0.00 |" in slt.markdown(list(table.values()), "t")
+
+
+def test_core_steps_reads_the_burst_after_a_warm_up_request():
+    from bench.core_steps import burst_start, table
+    # a warm-up request at 0 s (its prompt step and 2 decode steps), then 20 requests at 1.000-1.019 s
+    arrivals = np.array([[0.0, 1]] + [[1.0 + i / 1000, 1] for i in range(20)])
+    assert burst_start(arrivals) == 1
+    steps = np.array([[0.1, 30, 1, 0], [0.2, 1, 1, 30], [0.3, 1, 1, 31],
+                      [1.05, 600, 3, 0], [1.10, 4000, 17, 0], [1.50, 9000, 20, 0]], float)
+    rows = table(steps, arrivals, 8, max_tokens=16384, max_seqs=1024)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["end_s"] for r in rows] == [0.05, 0.1, 0.5]
+    assert [r["scheduled_s"] for r in rows] == [0.0, 0.0, 0.05]     # step N is scheduled as N-2 ends
+    assert [r["arrived_by_schedule"] for r in rows] == [1, 1, 20]
+    assert [r["bucket_tokens"] for r in rows] == [1024, 4096, 16384]

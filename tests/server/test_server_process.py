@@ -254,3 +254,26 @@ def test_an_api_process_dying_stops_the_server(model_dir):
         assert srv.proc.wait(timeout=120) == 1, srv.read_log()[-3000:]
         assert "API server process jaxpaged-api-server-1 exited (exit code -9)" in srv.read_log()
         assert _poll(lambda: _gone(core), 60, "the engine core exiting")
+
+
+def test_core_step_log_records_every_step_and_arrival(model_dir, tmp_path, monkeypatch):
+    """JAXPAGED_STEP_LOG: the core writes each step (tokens, requests) and each arrival when it stops."""
+    log = tmp_path / "steps.csv"
+    monkeypatch.setenv("JAXPAGED_STEP_LOG", str(log))
+    prompts = ["Once upon a time", "The capital of France is", "1 2 3 4 5 6 7 8 9"]
+    with ServerProcess(["--model", model_dir, *FLAGS]) as srv:
+        lens = []
+        for p in prompts:          # one at a time: each request's steps are its own
+            r = httpx.post(srv.base + "/v1/completions", timeout=120,
+                           json={**BODY, "prompt": p, "max_tokens": 5, "stream": False})
+            assert r.status_code == 200, r.text
+            lens.append(r.json()["usage"]["prompt_tokens"])
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) == 0
+    import numpy as np
+    steps = np.loadtxt(log, delimiter=",", ndmin=2)
+    arrivals = np.loadtxt(tmp_path / "steps-arrivals.csv", delimiter=",", ndmin=2)
+    assert arrivals[:, 1].tolist() == [1, 1, 1] and arrivals[0, 0] == 0 and np.all(np.diff(arrivals[:, 0]) > 0)
+    # each request: one step with its whole prompt, then 4 one-token steps (its first token came with the prompt)
+    assert steps[:, 1].tolist() == [n for n in lens for n in (n, 1, 1, 1, 1)]
+    assert steps[:, 2].tolist() == [1] * 15 and np.all(np.diff(steps[:, 0]) > 0)

@@ -1,0 +1,70 @@
+"""A server burst's first steps, from the engine core's step log (JAXPAGED_STEP_LOG; bench/serve_vs_offline.sh
+--core-step-log): when each step was scheduled and ended, its tokens and requests, the token bucket it ran in,
+and how many requests had reached the core by the time it was scheduled.
+
+    python -m bench.core_steps /tmp/core-steps.csv [--steps 20] [--max-num-batched-tokens 16384]
+
+The engine keeps one step in flight, so step N is scheduled as step N-1 is launched, about when N-2 ends:
+a step's "scheduled" column is the end of the step two before it (the burst's first arrival for the first
+two). Times are seconds from the burst's first arrival (the first of 10 within 0.1 s: a benchmark's warm-up
+request comes before)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from jaxpaged.runner.buckets import BucketPolicy
+
+
+def burst_start(arrivals: np.ndarray, count: int = 10, within_s: float = 0.1) -> int:
+    """The first arrival of the first burst (`count` arrivals within `within_s`): the log's first arrivals may
+    be a benchmark's warm-up request."""
+    t = np.repeat(arrivals[:, 0], arrivals[:, 1].astype(int)) if len(arrivals) else np.zeros(0)
+    for i in range(max(len(t) - count + 1, 0)):
+        if t[i + count - 1] - t[i] <= within_s:
+            return i
+    return 0
+
+
+def table(steps: np.ndarray, arrivals: np.ndarray, n: int, max_tokens: int, max_seqs: int) -> list[dict]:
+    """The first n steps that end after the burst's first arrival; times from that arrival."""
+    policy = BucketPolicy(max_tokens, max_seqs)
+    t = np.repeat(arrivals[:, 0], arrivals[:, 1].astype(int)) if len(arrivals) else np.zeros(1)
+    first = burst_start(arrivals)
+    t0 = t[first]
+    start = int(np.searchsorted(steps[:, 0], t0, side="right"))
+    rows = []
+    for i in range(start, min(start + n, len(steps))):
+        end, tokens, requests, _ctx = steps[i]
+        scheduled = max(steps[i - 2, 0], t0) if i - 2 >= start - 1 and i >= 2 else t0
+        arrived = int(np.searchsorted(t, scheduled, side="right")) - first
+        bucket = policy.pick(int(tokens), int(requests), decode_only=tokens == requests)
+        rows.append({"step": i - start + 1, "scheduled_s": round(float(scheduled - t0), 3),
+                     "end_s": round(float(end - t0), 3), "tokens": int(tokens),
+                     "bucket_tokens": bucket.padded_num_tokens, "requests": int(requests),
+                     "arrived_by_schedule": arrived})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("csv")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=1024)
+    a = p.parse_args()
+    path = Path(a.csv)
+    steps = np.loadtxt(path, delimiter=",", ndmin=2)
+    arrivals = np.loadtxt(path.with_name(path.stem + "-arrivals.csv"), delimiter=",", ndmin=2)
+    rows = table(steps, arrivals, a.steps, a.max_num_batched_tokens, a.max_num_seqs)
+    print(f"{len(steps)} steps, {int(arrivals[:, 1].sum()) if len(arrivals) else 0} arrivals, the last at "
+          f"{arrivals[-1, 0] if len(arrivals) else 0:.3f} s")
+    print("| " + " | ".join(rows[0]) + " |" if rows else "(no steps)")
+    for r in rows:
+        print("| " + " | ".join(str(v) for v in r.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
