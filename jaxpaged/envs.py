@@ -22,6 +22,11 @@ JAXPAGED_API_KEY = os.environ.get("JAXPAGED_API_KEY") or None
 # As vLLM: give the `jaxpaged` logger its own INFO handler (start-up facts such as the KV pool size),
 # unless the application configures logging itself ("0").
 JAXPAGED_CONFIGURE_LOGGING = os.environ.get("JAXPAGED_CONFIGURE_LOGGING", "1") != "0"
+# Threads that compile (and read from the executable cache) the step and head programs at start-up and in the
+# background: XLA compiles one program a thread. With 8, llama3-8b's cold start-up on an H100 host of 16 cores took
+# 36-60 s (bench/results/NOTES.md); whether more would be faster there (its lowering workers are done after the
+# first ~11 s) is not measured.
+JAXPAGED_STARTUP_THREADS = int(os.environ.get("JAXPAGED_STARTUP_THREADS", "8"))
 # A CSV path: the server's engine core records every step and every arrival and writes them there when it
 # stops (engine/stats.py write_core_step_log), for reading a burst's first steps (bench/serve_vs_offline.sh).
 JAXPAGED_STEP_LOG = os.environ.get("JAXPAGED_STEP_LOG") or None

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged import envs
 from jaxpaged.config import RunConfig
 from jaxpaged.models import AttentionMetadata, DecoderModel, RuntimeOptions
 from jaxpaged.models.decoder import head_options
@@ -38,8 +39,8 @@ from jaxpaged.runner.step_inputs import HostInputs, fill_input_tokens, flatten, 
 logger = logging.getLogger("jaxpaged.runner")
 
 # Start-up threads with the executable cache on: they deserialize the cached programs and XLA-compile the
-# missing ones while the main thread traces and lowers the next.
-STARTUP_THREADS = 8
+# missing ones while the main thread traces and lowers the next (envs.JAXPAGED_STARTUP_THREADS).
+STARTUP_THREADS = envs.JAXPAGED_STARTUP_THREADS
 
 # XLA's GPU compile without its GEMM autotuning, which times candidate kernels on the device. The head-and-sampler
 # programs (layerwise.resample) compile so: they compile while the engine serves (in the background after the
