@@ -29,6 +29,7 @@ JAXPAGED_CONFIGURE_LOGGING = os.environ.get("JAXPAGED_CONFIGURE_LOGGING", "1") !
 JAXPAGED_STARTUP_THREADS = int(os.environ.get("JAXPAGED_STARTUP_THREADS", "8"))
 # A CSV path: the server's engine core records every step and every arrival and writes them there when it
 # stops (engine/stats.py write_core_step_log), for reading a burst's first steps (bench/serve_vs_offline.sh).
+# The record grows by a row a step and a request: for a benchmark's run, not for a server that runs for days.
 JAXPAGED_STEP_LOG = os.environ.get("JAXPAGED_STEP_LOG") or None
 
 # JAX preallocates 75% of GPU memory by default; jaxpaged sizes its own pool from

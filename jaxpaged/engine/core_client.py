@@ -33,9 +33,9 @@ import zmq.asyncio
 
 from jaxpaged import envs
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.stats import write_core_step_log
 from jaxpaged.engine.messages import (Command, CoreFailure, CoreInfo, CoreStats, EngineCoreOutput, EngineCoreOutputs,
                                       EngineCoreRequest, abort_decoder, add_decoder, core_message_decoder)
+from jaxpaged.engine.stats import write_core_step_log
 
 logger = logging.getLogger("jaxpaged.core")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import pathlib
 import time
 from collections import Counter
 
@@ -122,7 +123,6 @@ def write_core_step_log(path: str, stats: EngineStats) -> None:
     """The core's step log as CSV: each step's end (seconds from the first arrival), tokens scheduled, requests,
     tokens of context its attention read; and beside it (`-arrivals.csv`) each batch of arrivals (seconds from
     the first, requests). A burst's first steps read against when its requests reached the core."""
-    import pathlib
     steps = np.array(stats.step_log or [], np.float64).reshape(-1, 4)
     arrivals = np.array(stats.arrival_log or [], np.float64).reshape(-1, 2)
     t0 = arrivals[0, 0] if len(arrivals) else (steps[0, 0] if len(steps) else 0.0)
