@@ -38,7 +38,7 @@ def table(steps: np.ndarray, arrivals: np.ndarray, n: int, max_tokens: int, max_
     rows = []
     for i in range(start, min(start + n, len(steps))):
         end, tokens, requests, _ctx = steps[i]
-        scheduled = max(steps[i - 2, 0], t0) if i - 2 >= start - 1 and i >= 2 else t0
+        scheduled = max(steps[i - 2, 0], t0) if i >= 2 else t0      # (steps before `start` ended by t0)
         arrived = int(np.searchsorted(t, scheduled, side="right")) - first
         bucket = policy.pick(int(tokens), int(requests), decode_only=tokens == requests)
         rows.append({"step": i - start + 1, "scheduled_s": round(float(scheduled - t0), 3),
