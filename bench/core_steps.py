@@ -18,10 +18,15 @@ import numpy as np
 from jaxpaged.runner.buckets import BucketPolicy
 
 
+def arrival_times(arrivals: np.ndarray) -> np.ndarray:
+    """One time per request, from the log's (time, requests) rows."""
+    return np.repeat(arrivals[:, 0], arrivals[:, 1].astype(int)) if len(arrivals) else np.zeros(0)
+
+
 def burst_start(arrivals: np.ndarray, count: int = 10, within_s: float = 0.1) -> int:
     """The first arrival of the first burst (`count` arrivals within `within_s`): the log's first arrivals may
     be a benchmark's warm-up request."""
-    t = np.repeat(arrivals[:, 0], arrivals[:, 1].astype(int)) if len(arrivals) else np.zeros(0)
+    t = arrival_times(arrivals)
     for i in range(max(len(t) - count + 1, 0)):
         if t[i + count - 1] - t[i] <= within_s:
             return i
@@ -31,9 +36,9 @@ def burst_start(arrivals: np.ndarray, count: int = 10, within_s: float = 0.1) ->
 def table(steps: np.ndarray, arrivals: np.ndarray, n: int, max_tokens: int, max_seqs: int) -> list[dict]:
     """The first n steps that end after the burst's first arrival; times from that arrival."""
     policy = BucketPolicy(max_tokens, max_seqs)
-    t = np.repeat(arrivals[:, 0], arrivals[:, 1].astype(int)) if len(arrivals) else np.zeros(1)
+    t = arrival_times(arrivals)
     first = burst_start(arrivals)
-    t0 = t[first]
+    t0 = t[first] if len(t) else 0.0
     start = int(np.searchsorted(steps[:, 0], t0, side="right"))
     rows = []
     for i in range(start, min(start + n, len(steps))):
