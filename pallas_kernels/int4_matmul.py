@@ -405,11 +405,16 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
     return chunks
 
 
-def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, slabs_per_split, block_n,
-                            slabs_per_iter, offsets, asm):
-    # x_ref: dtype[1, K] (bf16 or f16); w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
+def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_per_iter, offsets, asm, prepared):
+    # Not prepared: x_ref dtype[1, K] (bf16 or f16). Prepared (prepare_gemv_x's operands): xp_ref i32[1, K/2] the
+    # float16 pairs, u_ref f32[1] their unscale, xs_ref f32[1, K/G] x's group sums (read with offsets only).
+    # w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
+    if prepared:
+        xp_ref, u_ref, xs_ref, w_ref, s_ref, z_ref, o_ref = refs
+    else:
+        x_ref, w_ref, s_ref, z_ref, o_ref = refs
     jn, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(jn * block_n, block_n)
     tile = (_NIBBLE_ROWS, block_n)
@@ -423,17 +428,23 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
     def group_scale(row):
         return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
 
-    # the split's power-of-two scale of x (its inverse applied to the output)
-    amax = functools.reduce(jnp.maximum, [
-        jnp.max(jnp.abs(x_ref[0, pl.ds(first * PACK_ROWS + start, size)].astype(jnp.float32)))
-        for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
-    scale, unscale = _pow2_scale(amax)
+    if prepared:
+        unscale = u_ref[0]
+    else:
+        # the split's power-of-two scale of x (its inverse applied to the output)
+        amax = functools.reduce(jnp.maximum, [
+            jnp.max(jnp.abs(x_ref[0, pl.ds(first * PACK_ROWS + start, size)].astype(jnp.float32)))
+            for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
+        scale, unscale = _pow2_scale(amax)
 
     def slab_step(slab, w, acc, off):
-        xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
-              for j in range(8)]                                                         # [16] each
-        scaled = [xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0)) for j in range(8)]
-        x_pairs = [_f16_pair(scaled[p], scaled[p + 4], asm) for p in range(4)]                # [16] int32 each
+        if prepared:
+            x_pairs = [xp_ref[0, pl.ds((slab * 4 + p) * _NIBBLE_ROWS, _NIBBLE_ROWS)] for p in range(4)]
+        else:
+            xj = [x_ref[0, pl.ds(slab * PACK_ROWS + j * _NIBBLE_ROWS, _NIBBLE_ROWS)].astype(jnp.float32)
+                  for j in range(8)]                                                     # [16] each
+            scaled = [xj[j] * (scale * (1.0 / 16 if j % 2 else 1.0)) for j in range(8)]
+            x_pairs = [_f16_pair(scaled[p], scaled[p + 4], asm) for p in range(4)]            # [16] int32 each
         for pairs in calls:
             g_lo, g_hi = group_row(slab, pairs[0]), group_row(slab, pairs[0] + 4)
             xs = [jnp.broadcast_to(x_pairs[p][:, None], tile) for p in pairs]
@@ -454,7 +465,8 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         if offsets:
             for g in range(max(1, PACK_ROWS // group_size)):
                 nib = range(8) if group_size >= PACK_ROWS else range(g * group_size // 16, (g + 1) * group_size // 16)
-                x_sum = sum(jnp.sum(xj[j]) for j in nib)
+                x_sum = (xs_ref[0, group_row(slab, nib[0])] if prepared
+                         else sum(jnp.sum(xj[j]) for j in nib))
                 off += x_sum * z_ref[group_row(slab, nib[0]), cols].astype(jnp.float32)[None, :]
         return acc, off
 
@@ -472,6 +484,26 @@ def _int4_gemv_f16x2_kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, group_size, sl
         o_ref[0, cols] = out.astype(o_ref.dtype)
     else:
         o_ref[split, 0, cols] = out
+
+
+# Whether the f16x2 GEMV takes x prepared before the kernel (prepare_gemv_x) when int4_matmul is not told.
+GEMV_PREPARE_X = False
+
+
+def prepare_gemv_x(x, group_size: int):
+    """x dtype[1, K] -> the f16x2 GEMV's x operands, computed once before the kernel rather than by every program
+    of it: (the float16 pairs i32[1, K/2], their unscale f32[1], x's group sums f32[1, K/G] for the offset form).
+    Pair p of slab t, row r (word (4 t + p) 16 + r) holds x[128 t + 16 p + r] and x[128 t + 16 (p + 4) + r] times
+    the row's power-of-two scale (and 1/16 for odd p), as the kernel builds them itself, there with one scale a
+    split. Being plain jnp, XLA fuses it into the ops that produce x (the norm before a projection, the SiLU)."""
+    xf = x.astype(jnp.float32)[0]
+    k = xf.shape[0]
+    scale, unscale = _pow2_scale(jnp.max(jnp.abs(xf)))
+    odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
+    v = xf.reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS) * (scale * odd)                        # [slab, j, r]
+    pairs = _f16_bits(v[:, :4]) | (_f16_bits(v[:, 4:]) << 16)                              # [slab, p, r]
+    sums = xf.reshape(k // group_size, group_size).sum(axis=1)
+    return pairs.reshape(1, k // 2), unscale.reshape(1), sums.reshape(1, k // group_size)
 
 
 def use_f16x2(dtype, group_size: int) -> bool:
@@ -506,11 +538,11 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "bits", "interpret"))
+                                             "num_stages", "gemv_math", "bits", "prepare_x", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                bits: int = 4, interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, prepare_x: bool | None = None, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros, u8) or offsets (mins, floats) of scales' shape (the layout and both forms in the module
     docstring).
@@ -520,7 +552,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
     None: "f16x2" where use_f16x2 allows it, else "f32". bits: 4, or 8 (qweight i32[K/4, N], 64-row slabs; the
-    GEMV's f32 form)."""
+    GEMV's f32 form). prepare_x (the f16x2 GEMV): x's float16 pairs made once before the kernel
+    (prepare_gemv_x), not by each program; None: GEMV_PREPARE_X where it applies."""
     zeros, offsets = _affine(zeros, mins)
     if bits not in BITS:
         raise ValueError(f"bits {bits}: 4 or 8")
@@ -555,15 +588,20 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         raise ValueError(f"gemv_math {gemv_math!r}: f32, f16x2 or f16x2-jnp")
     if m <= GEMV_MAX_ROWS and (slabs // num_splits) % slabs_per_iter:
         raise ValueError(f"{slabs // num_splits} slabs per split do not divide into {slabs_per_iter} per iteration")
+    prepared = False
     if m <= GEMV_MAX_ROWS and gemv_math != "f32":
         if m != 1 or group_size < F16X2_MIN_GROUP:
             raise ValueError(f"the f16x2 GEMV takes one row and groups of {F16X2_MIN_GROUP} or more, not {m} rows "
                              f"in groups of {group_size}")
+        prepared = GEMV_PREPARE_X if prepare_x is None else prepare_x
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
-                                   asm=gemv_math == "f16x2" and not interpret)
+                                   asm=gemv_math == "f16x2" and not interpret, prepared=prepared)
         grid: tuple[int, ...] = (n // block_n, num_splits)
+    elif prepare_x:
+        raise ValueError("prepare_x takes the f16x2 GEMV (one half-precision row, groups of "
+                         f"{F16X2_MIN_GROUP} or more, 4 bits)")
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_n=block_n, slabs_per_iter=slabs_per_iter, offsets=offsets, bits=bits)
@@ -581,10 +619,10 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul",
-    )(x, qweight, scales, zeros)
+    )(*(prepare_gemv_x(x, group_size) if prepared else (x,)), qweight, scales, zeros)
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 __all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
-           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_bits", "pack_int4", "slab_rows",
-           "unpack_bits", "unpack_int4", "use_f16x2"]
+           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_bits", "pack_int4", "prepare_gemv_x",
+           "slab_rows", "unpack_bits", "unpack_int4", "use_f16x2"]

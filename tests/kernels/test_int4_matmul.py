@@ -29,13 +29,15 @@ class MatmulCase:
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
     gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
     bits: int = 4                       # 8: byte values (GGUF's wider types repacked)
+    prepare_x: bool | None = None       # the f16x2 GEMV with x's pairs made before the kernel (None: the default)
 
     def __str__(self):
         form = "-min" if self.offsets else ""
         math = f"-{self.gemv_math}" if self.gemv_math else ""
         width = "" if self.bits == 4 else f"-u{self.bits}"
+        prep = "" if self.prepare_x is None else f"-prep{int(self.prepare_x)}"
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
-                f"-it{self.slabs_per_iter}{math}{width}")
+                f"-it{self.slabs_per_iter}{math}{width}{prep}")
 
 
 def make_inputs(case: MatmulCase):
@@ -79,6 +81,11 @@ CASES = [
     MatmulCase(1, 512, 64, 256, "bfloat16"),                             # f16x2: a group over two slabs
     MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2),   # f16x2, two slabs an iteration
     MatmulCase(1, 768, 128, 128, "bfloat16", num_splits=2),              # f16x2: x's scale read in 256 + 128 rows
+    # the f16x2 GEMV on x prepared before the kernel (prepare_gemv_x), and on the kernel's own, by both forms
+    *(MatmulCase(1, 512, 128, g, "bfloat16", num_splits=ns, offsets=o, prepare_x=prep)
+      for g, ns, o in ((128, 2, False), (32, 1, False), (64, 2, True), (256, 1, False), (32, 4, True))
+      for prep in (True, False)),
+    MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2, prepare_x=True),
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
     MatmulCase(1, 256, 128, 16, "bfloat16", num_splits=2),               # groups of 16: the f32 GEMV
@@ -108,30 +115,35 @@ class TestInt4Matmul:
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
                           slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, bits=case.bits,
-                          interpret=INTERPRET)
+                          prepare_x=case.prepare_x, interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
 
+    @pytest.mark.parametrize("prepare_x", [False, True], ids=["in-kernel", "prepared"])
     @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
     @pytest.mark.parametrize("magnitude", [1e4, 1e-6])
-    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets):
-        """Rows far outside float16's comfortable range (products past 65504, values below its normals): each
-        split's power-of-two scale keeps the f16x2 GEMV as close to the reference as at unit scale."""
+    def test_f16x2_scales_the_row_into_range(self, magnitude, offsets, prepare_x):
+        """Rows far outside float16's comfortable range (products past 65504, values below its normals): the
+        power-of-two scale (each split's, or the row's when prepared) keeps the f16x2 GEMV as close to the
+        reference as at unit scale."""
         case = MatmulCase(1, 256, 128, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
         x = (x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
         ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
-        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", interpret=INTERPRET)
+        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", prepare_x=prepare_x,
+                          interpret=INTERPRET)
         assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, ref) <= TOL["bfloat16"]
-        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), interpret=INTERPRET)
+        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), prepare_x=prepare_x,
+                           interpret=INTERPRET)
         assert not bool(jnp.any(zero))
 
+    @pytest.mark.parametrize("prepare_x", [False, True], ids=["in-kernel", "prepared"])
     @pytest.mark.parametrize("outlier", [1e3, 3e4])
-    def test_f16x2_keeps_small_values_beside_an_outlier(self, outlier):
-        """One element of x far above the rest (LLMs' massive activations) sets its split's power-of-two scale; its
-        weights are zero (q = z), so the output is the small values' sum alone, computed at that scale: still as
-        close to the reference as a row without the outlier."""
+    def test_f16x2_keeps_small_values_beside_an_outlier(self, outlier, prepare_x):
+        """One element of x far above the rest (LLMs' massive activations) sets the power-of-two scale (its split's,
+        or the row's when prepared); its weights are zero (q = z), so the output is the small values' sum alone,
+        computed at that scale: still as close to the reference as a row without the outlier."""
         case = MatmulCase(1, 512, 128, 128, "bfloat16")
         x, _, scales, b, q = make_inputs(case)
         q = q.copy()
@@ -139,8 +151,19 @@ class TestInt4Matmul:
         qweight = jnp.asarray(pack_int4(q))
         x = x.at[0, 37].set(outlier)
         ref = int4_matmul_reference(x, qweight, scales, zeros=b)
-        out = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, gemv_math="f16x2", interpret=INTERPRET)
+        out = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, gemv_math="f16x2", prepare_x=prepare_x,
+                          interpret=INTERPRET)
         assert rel_err(out, ref) <= TOL["bfloat16"], rel_err(out, ref)
+
+    def test_prepare_x_only_for_the_f16x2_gemv(self):
+        """x's pairs are the f16x2 GEMV's operands: asking for them elsewhere (the f32 GEMV, the dot kernel) is an
+        error, not a silent no-op."""
+        for case in (MatmulCase(1, 256, 128, 128, "bfloat16", gemv_math="f32"),
+                     MatmulCase(3, 256, 128, 128, "bfloat16"), MatmulCase(1, 256, 128, 128)):
+            x, qweight, scales, b, _ = make_inputs(case)
+            with pytest.raises(ValueError, match="prepare_x"):
+                int4_matmul(x, qweight, scales, zeros=b, gemv_math=case.gemv_math, prepare_x=True,
+                            interpret=INTERPRET)
 
     def test_f16x2_only_for_half_rows_and_groups_of_32_up(self):
         """A float32 row keeps float32 math (a float32 model computes in float32); groups of 16 too."""
@@ -155,13 +178,14 @@ class TestInt4Matmul:
 
     @pytest.mark.skipif(INTERPRET, reason="PTX runs only on a GPU (interpret mode runs the jnp form)")
     @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
-    def test_f16x2_ptx_equals_its_jnp_form(self, offsets):
+    @pytest.mark.parametrize("prepare_x", [False, True], ids=["in-kernel", "prepared"])
+    def test_f16x2_ptx_equals_its_jnp_form(self, offsets, prepare_x):
         """On the GPU: the PTX and the jnp form of the f16x2 GEMV, both compiled, agree to float16's last bits
         (the PTX's FMA rounds once, the jnp form twice), at llama3-8b's qkv size."""
         case = MatmulCase(1, 4096, 6144, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
-        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2")
-        emulated = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2-jnp")
+        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", prepare_x=prepare_x)
+        emulated = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2-jnp", prepare_x=prepare_x)
         assert rel_err(ptx, emulated) <= 2e-3
 
     def test_packing_round_trip_and_layout(self):
