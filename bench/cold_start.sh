@@ -5,8 +5,8 @@
 #        [--deadline-s S]
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Each variant starts
 # `python -m jaxpaged.server --load-format dummy` on a fresh cache root with its environment (e.g.
-# "XLA_FLAGS=--xla_gpu_autotune_level=0"; STARTUP_THREADS=N sets runner/step.py's constant in the installed
-# copy only) and reports the seconds to /health 200 and the engine's start-up lines (lowering, XLA compile
+# "XLA_FLAGS=--xla_gpu_autotune_level=0", or "JAXPAGED_STARTUP_THREADS=16") and reports the seconds to
+# /health 200 and the engine's start-up lines (lowering, XLA compile
 # seconds by program kind). --offline NAME,...: after that variant's start-up, bench/throughput.py (ShareGPT
 # 1000) with the same environment on its now warm cache, so an option's run-time cost is measured beside
 # its compile time. --warm NAME,...: after that variant's cold start-up, a second server start on the same
@@ -41,8 +41,6 @@ for i in "${!NAMES[@]}"; do
   name=${NAMES[$i]}; assign=${ENVS[$i]}
   if [ $(( $(date +%s) - START )) -gt "$DEADLINE" ]; then echo "== $name: skipped (deadline)"; continue; fi
   rm -rf /tmp/jp; cp -r /tmp/jp0 /tmp/jp
-  threads=$(echo "$assign" | sed -n 's/.*STARTUP_THREADS=\([0-9]*\).*/\1/p')
-  [ -n "$threads" ] && sed -i "s/^STARTUP_THREADS = .*/STARTUP_THREADS = $threads/" /tmp/jp/jaxpaged/runner/step.py
   root=/tmp/cold-$name; rm -rf "$root"
   echo "== $name: ${assign:-(no extra environment)}"
   t0=$(ms)

@@ -23,10 +23,11 @@ JAXPAGED_API_KEY = os.environ.get("JAXPAGED_API_KEY") or None
 # unless the application configures logging itself ("0").
 JAXPAGED_CONFIGURE_LOGGING = os.environ.get("JAXPAGED_CONFIGURE_LOGGING", "1") != "0"
 # Threads that compile (and read from the executable cache) the step and head programs at start-up and in the
-# background: XLA compiles one program a thread. With 8, llama3-8b's cold start-up on an H100 host of 16 cores took
-# 36-60 s (bench/results/NOTES.md); whether more would be faster there (its lowering workers are done after the
-# first ~11 s) is not measured.
-JAXPAGED_STARTUP_THREADS = int(os.environ.get("JAXPAGED_STARTUP_THREADS", "8"))
+# background: XLA compiles one program a thread. Default: the host's cores, at least 8 and at most 16. On an H100
+# host of 16 cores, llama3-8b's 29 buckets compiled in 37 s on 16 threads against 48-49 s on 8 (cold /health 50 s
+# against 61 s, one machine: bench/results/NOTES.md); the lowering workers are done after the first ~14 s, and
+# from there 8 threads left half the cores idle.
+JAXPAGED_STARTUP_THREADS = int(os.environ.get("JAXPAGED_STARTUP_THREADS") or min(16, max(8, os.cpu_count() or 8)))
 # A CSV path: the server's engine core records every step and every arrival and writes them there when it
 # stops (engine/stats.py write_core_step_log), for reading a burst's first steps (bench/serve_vs_offline.sh).
 # The record grows by a row a step and a request: for a benchmark's run, not for a server that runs for days.
