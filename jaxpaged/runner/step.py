@@ -41,6 +41,9 @@ logger = logging.getLogger("jaxpaged.runner")
 # Start-up threads with the executable cache on: they deserialize the cached programs and XLA-compile the
 # missing ones while the main thread traces and lowers the next (envs.JAXPAGED_STARTUP_THREADS).
 STARTUP_THREADS = envs.JAXPAGED_STARTUP_THREADS
+# At most this many of them compile in the background while the engine serves, beside its loop and the API
+# processes on the same cores (the number the cold-server benchmarks ran with).
+BACKGROUND_THREADS = 8
 
 # XLA's GPU compile without its GEMM autotuning, which times candidate kernels on the device. The head-and-sampler
 # programs (layerwise.resample) compile so: they compile while the engine serves (in the background after the
@@ -481,7 +484,8 @@ class StepPrograms:
         """The warm-up's head-and-sampler programs: from the variant cache, else lowered at start-up
         (_lower_in_workers), else lowered by lowering workers where the engine has them (traced here while the
         engine serves, they would hold the GIL from its loop, whose per-layer dispatch is Python:
-        bench/results/NOTES.md), and compiled on STARTUP_THREADS threads. background: on the background thread
+        bench/results/NOTES.md), and compiled on STARTUP_THREADS threads (BACKGROUND_THREADS at most in the
+        background). background: on the background thread
         while the engine serves (its workers at BACKGROUND_NICE), else at start-up (progress: a bar)."""
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
@@ -499,7 +503,8 @@ class StepPrograms:
         self._head_lowered.clear()
         n = min(self.run.lowering_processes, len(missing))
         here = 0.0                # seconds of this thread lowering the workers' exports (it holds the GIL)
-        with concurrent.futures.ThreadPoolExecutor(STARTUP_THREADS, thread_name_prefix="jaxpaged-compile") as pool:
+        threads = min(STARTUP_THREADS, BACKGROUND_THREADS) if background else STARTUP_THREADS
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxpaged-compile") as pool:
             futures = {key: pool.submit(self._compile_transient, key, lowered) for key, lowered in prelowered.items()}
             if n:
                 for index, result in self._in_workers([jobs[k][1] for k in missing], n,
