@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import dequantize_int4, int4_matmul, slab_rows
+from jaxpaged.pallas_kernels.int4_matmul import GEMV_MAX_ROWS, dequantize_int4, int4_matmul, slab_rows, use_f16x2
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 
@@ -61,24 +61,33 @@ class RuntimeOptions:
 # weights in XLA and take cuBLAS's dot, where a prefill's matmul outweighs the expansion. A first choice, not
 # yet measured shape by shape (bench/bench_matmul.py's table is to set it).
 INT4_KERNEL_MAX_ROWS = 64
+# Whether a one-row W4A16 down projection takes its input's float16 operands made before the kernel, from its
+# maximum (an XLA reduction beside the SiLU's fusion), rather than in each of the kernel's programs.
+INT4_PREPARE_DOWN = True
 
 
 class RMSNorm(nn.Module):
     """HF's RMSNorm: Llama's scales the normed x after rounding it to x's dtype; Gemma's (plus_one) scales by
-    (1 + w) in float32 and rounds after."""
+    (1 + w) in float32 and rounds after.
+    With bound=True it also returns a bound of each row's |output| (f32[T]): rsqrt(mean(x^2) + eps) times
+    max |x w|, a second reduction over the same x beside the mean's, which XLA computes in the mean's kernel. The
+    W4A16 GEMV scales its float16 operands by it (int4_matmul's x_amax) instead of reducing the output again."""
     eps: float
     dtype: Any
     plus_one: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, bound: bool = False):
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.plus_one:
-            return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
-        return scale * x32.astype(x.dtype)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        w = 1.0 + scale.astype(jnp.float32) if self.plus_one else scale.astype(jnp.float32)
+        normed = x32 * inv_rms
+        y = (normed * w).astype(x.dtype) if self.plus_one else scale * normed.astype(x.dtype)
+        if not bound:
+            return y
+        return y, inv_rms[..., 0] * jnp.max(jnp.abs(x32 * w), axis=-1)
 
 
 def _norm(cfg: DecoderConfig, dtype, name: str | None) -> RMSNorm:
@@ -134,7 +143,8 @@ class Linear(nn.Module):
     weight_dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, x_bound=None):
+        """x_bound: a bound of each row's |x| (Int4Linear's; unused here)."""
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.weight_dtype)
         y = matmul(x.astype(self.dtype), kernel, self.dtype)
         return y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype) if self.use_bias else y
@@ -199,7 +209,9 @@ class Int4Linear(nn.Module):
     bits: int = 4
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, x_bound=None):
+        """x_bound f32[T]: a bound of each row's |x| (RMSNorm's, or its maximum); given, a one-row bf16/f16 x takes
+        the W4A16 GEMV with its float16 operands made before the kernel (int4_matmul's x_amax)."""
         k, n = self.in_features, self.features
         if self.offsets:
             k += -k % slab_rows(self.bits)
@@ -216,7 +228,10 @@ class Int4Linear(nn.Module):
         if x.shape[1] < k:
             x = jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
         if self.options.pallas and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            y = int4_matmul(x, qweight, scales, **affine, bits=self.bits, interpret=self.options.interpret)
+            prepared = (x_bound is not None and x.shape[0] <= GEMV_MAX_ROWS and self.bits == 4
+                        and use_f16x2(self.dtype, k // groups))
+            y = int4_matmul(x, qweight, scales, **affine, bits=self.bits, x_amax=x_bound if prepared else None,
+                            interpret=self.options.interpret)
         else:
             y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
@@ -233,7 +248,8 @@ class Fp8Linear(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, x_bound=None):
+        """x_bound: Int4Linear's (unused here)."""
         n, k = self.features, self.in_features
         weight = self.param("weight", nn.initializers.zeros, (n, k), fp8.F8)
         weight_scale = self.param("weight_scale", nn.initializers.ones, (n, k // (self.block_cols or k)),
@@ -253,7 +269,8 @@ class Int8Linear(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, x_bound=None):
+        """x_bound: Int4Linear's (unused here)."""
         n, k, s = self.features, self.in_features, self.scheme
         groups = k // (s.group_size or k)
         weight = self.param("weight", nn.initializers.zeros, (n, k), jnp.int8)
@@ -306,8 +323,9 @@ class Attention(nn.Module):
     kind: int | None = None
 
     @nn.compact
-    def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin):
-        """cos, sin: f32[rope kinds, T, P] (rope_cos_sin); the layer takes its kind's."""
+    def __call__(self, x, kv_cache, layer_idx, meta: AttentionMetadata, cos, sin, x_bound=None):
+        """cos, sin: f32[rope kinds, T, P] (rope_cos_sin); the layer takes its kind's. x_bound: the input norm's
+        bound of |x| (RMSNorm), for the q/k/v projection."""
         c = self.cfg
         kinds = c.layer_kinds()
         kind = self.kind if self.kind is not None else jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
@@ -315,7 +333,8 @@ class Attention(nn.Module):
         cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)(x)
+        qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)(
+            x, x_bound)
         q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
         v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
@@ -358,13 +377,18 @@ class MLP(nn.Module):
     options: RuntimeOptions
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, x_bound=None):
+        """x_bound: the norm's bound of |x| (RMSNorm), for the gate/up projection."""
         c, opts = self.cfg, self.options
-        gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)(x)
+        gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)(
+            x, x_bound)
         gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
         down = _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj", opts)
         act = nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-        return down(act * up)
+        hidden = act * up
+        # its maximum, for a W4A16 down projection (one more reduction; unused by the others, which XLA drops)
+        bound = jnp.max(jnp.abs(hidden.astype(jnp.float32)), axis=-1) if INT4_PREPARE_DOWN else None
+        return down(hidden, bound)
 
 
 class DecoderLayer(nn.Module):
@@ -377,15 +401,18 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, meta: AttentionMetadata, cos, sin):
         h, kv_cache, layer_idx = carry
         c, dtype = self.cfg, self.dtype
+        # each norm that feeds a projection gives it a bound of its output (used by W4A16 projections only)
+        x, bound = _norm(c, dtype, "input_layernorm")(h, bound=True)
         attn_out, kv_cache = Attention(c, dtype, self.options, self.kind, name="self_attn")(
-            _norm(c, dtype, "input_layernorm")(h), kv_cache, layer_idx, meta, cos, sin)
+            x, kv_cache, layer_idx, meta, cos, sin, x_bound=bound)
         if c.sandwich_norms:        # Gemma: post_attention_layernorm norms attention's output
             h = h + _norm(c, dtype, "post_attention_layernorm")(attn_out)
-            mlp_out = MLP(c, dtype, self.options, name="mlp")(_norm(c, dtype, "pre_feedforward_layernorm")(h))
+            mlp_out = MLP(c, dtype, self.options, name="mlp")(
+                *_norm(c, dtype, "pre_feedforward_layernorm")(h, bound=True))
             h = h + _norm(c, dtype, "post_feedforward_layernorm")(mlp_out)
         else:
             h = h + attn_out
-            h = h + MLP(c, dtype, self.options, name="mlp")(_norm(c, dtype, "post_attention_layernorm")(h))
+            h = h + MLP(c, dtype, self.options, name="mlp")(*_norm(c, dtype, "post_attention_layernorm")(h, bound=True))
         return (h, kv_cache, layer_idx + 1), None
 
 

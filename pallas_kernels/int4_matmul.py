@@ -407,12 +407,13 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
 
 def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_per_iter, offsets, asm, prepared):
     # Not prepared: x_ref dtype[1, K] (bf16 or f16). Prepared (prepare_gemv_x's operands): xp_ref i32[1, K/2] the
-    # float16 pairs, u_ref f32[1] their unscale, xs_ref f32[1, K/G] x's group sums (read with offsets only).
-    # w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
+    # float16 pairs, a_ref f32[1] the bound of |x| they were scaled by, and with offsets xs_ref f32[1, K/G] x's
+    # group sums. w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
     if prepared:
-        xp_ref, u_ref, xs_ref, w_ref, s_ref, z_ref, o_ref = refs
+        xp_ref, a_ref, *xs, w_ref, s_ref, z_ref, o_ref = refs
+        xs_ref = xs[0] if offsets else None
     else:
         x_ref, w_ref, s_ref, z_ref, o_ref = refs
     jn, split = pl.program_id(0), pl.program_id(1)
@@ -429,7 +430,7 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
         return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
 
     if prepared:
-        unscale = u_ref[0]
+        _, unscale = _pow2_scale(a_ref[0])
     else:
         # the split's power-of-two scale of x (its inverse applied to the output)
         amax = functools.reduce(jnp.maximum, [
@@ -486,24 +487,23 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
         o_ref[split, 0, cols] = out
 
 
-# Whether the f16x2 GEMV takes x prepared before the kernel (prepare_gemv_x) when int4_matmul is not told.
-GEMV_PREPARE_X = False
-
-
-def prepare_gemv_x(x, group_size: int):
-    """x dtype[1, K] -> the f16x2 GEMV's x operands, computed once before the kernel rather than by every program
-    of it: (the float16 pairs i32[1, K/2], their unscale f32[1], x's group sums f32[1, K/G] for the offset form).
-    Pair p of slab t, row r (word (4 t + p) 16 + r) holds x[128 t + 16 p + r] and x[128 t + 16 (p + 4) + r] times
-    the row's power-of-two scale (and 1/16 for odd p), as the kernel builds them itself, there with one scale a
-    split. Being plain jnp, XLA fuses it into the ops that produce x (the norm before a projection, the SiLU)."""
+def prepare_gemv_x(x, group_size: int, offsets: bool, amax=None):
+    """x dtype[1, K] -> the f16x2 GEMV's x operands, made once before the kernel rather than by every program of
+    it: (the float16 pairs i32[1, K/2], the bound of |x| they were scaled by f32[1], and for the offset form x's
+    group sums f32[1, K/G]). Pair p of slab t, row r (word (4 t + p) 16 + r) holds x[128 t + 16 p + r] and
+    x[128 t + 16 (p + 4) + r] times the power-of-two scale of the bound (and 1/16 for odd p), as the kernel builds
+    them itself, there with one scale a split. amax: a bound of |x| known beforehand (a norm's, from its own
+    reduction), else max |x|, one more reduction. Any bound within a few powers of two of the true maximum
+    keeps float16's precision: the scale only keeps the products in float16's range."""
     xf = x.astype(jnp.float32)[0]
     k = xf.shape[0]
-    scale, unscale = _pow2_scale(jnp.max(jnp.abs(xf)))
+    amax = jnp.max(jnp.abs(xf)) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
+    scale, _ = _pow2_scale(amax)
     odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
     v = xf.reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS) * (scale * odd)                        # [slab, j, r]
     pairs = _f16_bits(v[:, :4]) | (_f16_bits(v[:, 4:]) << 16)                              # [slab, p, r]
-    sums = xf.reshape(k // group_size, group_size).sum(axis=1)
-    return pairs.reshape(1, k // 2), unscale.reshape(1), sums.reshape(1, k // group_size)
+    sums = (xf.reshape(k // group_size, group_size).sum(axis=1).reshape(1, k // group_size),) if offsets else ()
+    return (pairs.reshape(1, k // 2), amax.reshape(1), *sums)
 
 
 def use_f16x2(dtype, group_size: int) -> bool:
@@ -538,11 +538,11 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "bits", "prepare_x", "interpret"))
+                                             "num_stages", "gemv_math", "bits", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                bits: int = 4, prepare_x: bool | None = None, interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, x_amax=None, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros, u8) or offsets (mins, floats) of scales' shape (the layout and both forms in the module
     docstring).
@@ -552,8 +552,10 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     gemv_math (GEMV kernel): "f32" (one float32 FMA a weight), "f16x2" (two weights an instruction: PTX when
     compiled, its jnp equivalent when interpreted), "f16x2-jnp" (that equivalent, compiled too: for tests);
     None: "f16x2" where use_f16x2 allows it, else "f32". bits: 4, or 8 (qweight i32[K/4, N], 64-row slabs; the
-    GEMV's f32 form). prepare_x (the f16x2 GEMV): x's float16 pairs made once before the kernel
-    (prepare_gemv_x), not by each program; None: GEMV_PREPARE_X where it applies."""
+    GEMV's f32 form). x_amax f32[1] (the f16x2 GEMV only): a bound of |x| (its maximum, or a norm's bound of
+    it); given, x's float16 pairs are made before the kernel by prepare_gemv_x (XLA fuses them into the ops that
+    produce x) rather than by each of the kernel's programs, about 10% of the kernel's time at llama3-8b's
+    sizes on the H100 (bench/results/NOTES.md)."""
     zeros, offsets = _affine(zeros, mins)
     if bits not in BITS:
         raise ValueError(f"bits {bits}: 4 or 8")
@@ -593,14 +595,14 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         if m != 1 or group_size < F16X2_MIN_GROUP:
             raise ValueError(f"the f16x2 GEMV takes one row and groups of {F16X2_MIN_GROUP} or more, not {m} rows "
                              f"in groups of {group_size}")
-        prepared = GEMV_PREPARE_X if prepare_x is None else prepare_x
+        prepared = x_amax is not None
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
                                    asm=gemv_math == "f16x2" and not interpret, prepared=prepared)
         grid: tuple[int, ...] = (n // block_n, num_splits)
-    elif prepare_x:
-        raise ValueError("prepare_x takes the f16x2 GEMV (one half-precision row, groups of "
+    elif x_amax is not None:
+        raise ValueError("x_amax takes the f16x2 GEMV (one half-precision row, groups of "
                          f"{F16X2_MIN_GROUP} or more, 4 bits)")
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
@@ -619,7 +621,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul",
-    )(*(prepare_gemv_x(x, group_size) if prepared else (x,)), qweight, scales, zeros)
+    )(*(prepare_gemv_x(x, group_size, offsets, x_amax) if prepared else (x,)), qweight, scales, zeros)
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 

@@ -29,13 +29,13 @@ class MatmulCase:
     offsets: bool = False               # the offset form (GGUF's 4-bit blocks): float32 scales and mins
     gemv_math: str | None = None        # None: the op's choice (f16x2 for a half-precision row, else f32)
     bits: int = 4                       # 8: byte values (GGUF's wider types repacked)
-    prepare_x: bool | None = None       # the f16x2 GEMV with x's pairs made before the kernel (None: the default)
+    prepare_x: bool = False             # the f16x2 GEMV with x's pairs made before the kernel (x_amax given)
 
     def __str__(self):
         form = "-min" if self.offsets else ""
         math = f"-{self.gemv_math}" if self.gemv_math else ""
         width = "" if self.bits == 4 else f"-u{self.bits}"
-        prep = "" if self.prepare_x is None else f"-prep{int(self.prepare_x)}"
+        prep = "-prep" if self.prepare_x else ""
         return (f"{self.m}x{self.k}x{self.n}-g{self.group_size}{form}-{self.dtype}-ns{self.num_splits}"
                 f"-it{self.slabs_per_iter}{math}{width}{prep}")
 
@@ -56,6 +56,11 @@ def make_inputs(case: MatmulCase):
         b = jnp.asarray(rng.integers(0, levels, (groups, case.n)), jnp.uint8)
     x = jnp.asarray(rng.standard_normal((case.m, case.k)), dtype)
     return x, jnp.asarray(pack_bits(q, case.bits)), scales, b, q
+
+
+def amax_of(x):
+    """max |x| f32[1] of a one-row x: int4_matmul's x_amax."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
 
 
 def affine(case: MatmulCase, b) -> dict:
@@ -81,10 +86,9 @@ CASES = [
     MatmulCase(1, 512, 64, 256, "bfloat16"),                             # f16x2: a group over two slabs
     MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2),   # f16x2, two slabs an iteration
     MatmulCase(1, 768, 128, 128, "bfloat16", num_splits=2),              # f16x2: x's scale read in 256 + 128 rows
-    # the f16x2 GEMV on x prepared before the kernel (prepare_gemv_x), and on the kernel's own, by both forms
-    *(MatmulCase(1, 512, 128, g, "bfloat16", num_splits=ns, offsets=o, prepare_x=prep)
-      for g, ns, o in ((128, 2, False), (32, 1, False), (64, 2, True), (256, 1, False), (32, 4, True))
-      for prep in (True, False)),
+    # the f16x2 GEMV on x prepared before the kernel (prepare_gemv_x), by both forms
+    *(MatmulCase(1, 512, 128, g, "bfloat16", num_splits=ns, offsets=o, prepare_x=True)
+      for g, ns, o in ((128, 2, False), (32, 1, False), (64, 2, True), (256, 1, False), (32, 4, True))),
     MatmulCase(1, 512, 128, 64, "bfloat16", num_splits=2, slabs_per_iter=2, prepare_x=True),
     MatmulCase(1, 384, 64, 64, "bfloat16", gemv_math="f32"),             # the f32 GEMV on a bf16 row
     MatmulCase(1, 384, 64, 32, "bfloat16", offsets=True, gemv_math="f32"),
@@ -115,7 +119,7 @@ class TestInt4Matmul:
         block_n = None if case.n % 128 == 0 else 64
         out = int4_matmul(x, qweight, scales, **affine(case, b), num_splits=case.num_splits, block_n=block_n,
                           slabs_per_iter=case.slabs_per_iter, gemv_math=case.gemv_math, bits=case.bits,
-                          prepare_x=case.prepare_x, interpret=INTERPRET)
+                          x_amax=amax_of(x) if case.prepare_x else None, interpret=INTERPRET)
         assert out.shape == (case.m, case.n) and out.dtype == x.dtype
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, ref) <= TOL[case.dtype]
@@ -131,11 +135,11 @@ class TestInt4Matmul:
         x, qweight, scales, b, _ = make_inputs(case)
         x = (x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
         ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
-        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", prepare_x=prepare_x,
-                          interpret=INTERPRET)
+        out = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2",
+                          x_amax=amax_of(x) if prepare_x else None, interpret=INTERPRET)
         assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, ref) <= TOL["bfloat16"]
-        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b), prepare_x=prepare_x,
-                           interpret=INTERPRET)
+        zero = int4_matmul(jnp.zeros_like(x), qweight, scales, **affine(case, b),
+                           x_amax=jnp.zeros(1) if prepare_x else None, interpret=INTERPRET)
         assert not bool(jnp.any(zero))
 
     @pytest.mark.parametrize("prepare_x", [False, True], ids=["in-kernel", "prepared"])
@@ -151,18 +155,30 @@ class TestInt4Matmul:
         qweight = jnp.asarray(pack_int4(q))
         x = x.at[0, 37].set(outlier)
         ref = int4_matmul_reference(x, qweight, scales, zeros=b)
-        out = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, gemv_math="f16x2", prepare_x=prepare_x,
-                          interpret=INTERPRET)
+        out = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, gemv_math="f16x2",
+                          x_amax=amax_of(x) if prepare_x else None, interpret=INTERPRET)
         assert rel_err(out, ref) <= TOL["bfloat16"], rel_err(out, ref)
 
-    def test_prepare_x_only_for_the_f16x2_gemv(self):
+    @pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "mins"])
+    @pytest.mark.parametrize("factor", [1 / 8, 1.0, 64.0, 4096.0])
+    def test_prepared_x_takes_any_bound_near_its_maximum(self, factor, offsets):
+        """x_amax is a bound of |x| a norm gives from its own reduction, not the exact maximum: any value within a
+        few powers of two of it gives the same result within bf16's tolerance (above it down to float16's normals;
+        below it by up to 16x, as far as a lane's four products stay in float16's range)."""
+        case = MatmulCase(1, 512, 128, 32 if offsets else 128, "bfloat16", num_splits=2, offsets=offsets)
+        x, qweight, scales, b, _ = make_inputs(case)
+        ref = int4_matmul_reference(x, qweight, scales, **affine(case, b))
+        out = int4_matmul(x, qweight, scales, **affine(case, b), x_amax=amax_of(x) * factor, interpret=INTERPRET)
+        assert bool(jnp.all(jnp.isfinite(out))) and rel_err(out, ref) <= TOL["bfloat16"], rel_err(out, ref)
+
+    def test_prepared_x_only_for_the_f16x2_gemv(self):
         """x's pairs are the f16x2 GEMV's operands: asking for them elsewhere (the f32 GEMV, the dot kernel) is an
         error, not a silent no-op."""
         for case in (MatmulCase(1, 256, 128, 128, "bfloat16", gemv_math="f32"),
                      MatmulCase(3, 256, 128, 128, "bfloat16"), MatmulCase(1, 256, 128, 128)):
             x, qweight, scales, b, _ = make_inputs(case)
-            with pytest.raises(ValueError, match="prepare_x"):
-                int4_matmul(x, qweight, scales, zeros=b, gemv_math=case.gemv_math, prepare_x=True,
+            with pytest.raises(ValueError, match="x_amax"):
+                int4_matmul(x, qweight, scales, zeros=b, gemv_math=case.gemv_math, x_amax=amax_of(x),
                             interpret=INTERPRET)
 
     def test_f16x2_only_for_half_rows_and_groups_of_32_up(self):
@@ -184,8 +200,9 @@ class TestInt4Matmul:
         (the PTX's FMA rounds once, the jnp form twice), at llama3-8b's qkv size."""
         case = MatmulCase(1, 4096, 6144, 32 if offsets else 128, "bfloat16", offsets=offsets)
         x, qweight, scales, b, _ = make_inputs(case)
-        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", prepare_x=prepare_x)
-        emulated = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2-jnp", prepare_x=prepare_x)
+        amax = amax_of(x) if prepare_x else None
+        ptx = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2", x_amax=amax)
+        emulated = int4_matmul(x, qweight, scales, **affine(case, b), gemv_math="f16x2-jnp", x_amax=amax)
         assert rel_err(ptx, emulated) <= 2e-3
 
     def test_packing_round_trip_and_layout(self):
@@ -275,3 +292,32 @@ class TestInt4Matmul:
             bytes_ = lambda x, w, sc, m: op(x, w, sc, mins=m, bits=8)       # noqa: E731
             assert lowered_calls(bytes_, s((rows, 4096), jnp.bfloat16), s((1024, 6144), jnp.int32),
                                  s((256, 6144), jnp.float32), s((256, 6144), jnp.float32)) == (1,)
+
+
+@pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norm", "gemma-norm"])
+def test_a_norms_bound_feeds_the_w4a16_decode_row(plus_one):
+    """The model's path for a one-row bf16 decode: RMSNorm's bound (its inverse RMS times max |x w|, from a
+    reduction beside its mean's) bounds its output (to bf16's rounding), and Int4Linear given it takes the
+    prepared f16x2 GEMV: equal to the same layer without the bound, and to the dequantized reference, within
+    bf16's tolerance."""
+    from jaxpaged.models.decoder import Int4Linear, RMSNorm, RuntimeOptions
+    k, n, g = 512, 128, 128
+    rng = np.random.default_rng(7)
+    h = jnp.asarray(rng.standard_normal((1, k)) * 3, jnp.bfloat16).at[0, 5].set(200.0)    # an outlier
+    norm = RMSNorm(1e-6, jnp.bfloat16, plus_one)
+    w = jnp.asarray(rng.uniform(-2, 2, k), jnp.bfloat16)
+    x, bound = norm.apply({"params": {"scale": w}}, h, bound=True)
+    assert x.dtype == jnp.bfloat16 and bound.shape == (1,)
+    assert float(jnp.max(jnp.abs(x.astype(jnp.float32)))) <= float(bound[0]) * (1 + 2 ** -7)
+    assert float(jnp.max(jnp.abs(x.astype(jnp.float32)))) >= float(bound[0]) * (1 - 2 ** -7)
+    assert (norm.apply({"params": {"scale": w}}, h) == x).all()
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    params = {"qweight": jnp.asarray(pack_int4(q)),
+              "scales": jnp.asarray(rng.uniform(0.005, 0.05, (k // g, n)), jnp.bfloat16),
+              "zeros": jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)}
+    layer = Int4Linear(n, k, g, False, False, jnp.bfloat16, RuntimeOptions("pallas", interpret=INTERPRET))
+    prepared = layer.apply({"params": params}, x, bound)
+    plain = layer.apply({"params": params}, x)
+    ref = int4_matmul_reference(x, params["qweight"], params["scales"], zeros=params["zeros"])
+    assert rel_err(prepared, ref) <= TOL["bfloat16"] and rel_err(plain, ref) <= TOL["bfloat16"]
+    assert rel_err(prepared, plain) <= TOL["bfloat16"]
