@@ -407,14 +407,12 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
 
 def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_per_iter, offsets, asm, prepared):
     # Not prepared: x_ref dtype[1, K] (bf16 or f16). Prepared (prepare_gemv_x's operands): xp_ref i32[1, K/2] the
-    # float16 pairs of x times a power-of-two scale, and with offsets xs_ref f32[1, K/G] x's group sums times the
-    # same scale; the output is then x @ W times that scale, which the caller takes back out.
-    # w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
-    # o_ref: dtype[1, N] (one split, not prepared) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32
-    # accumulator takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes
-    # min * sum_k x_k.
+    # float16 pairs, a_ref f32[1] the bound of |x| they were scaled by, and with offsets xs_ref f32[1, K/G] x's
+    # group sums. w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
+    # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
+    # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
     if prepared:
-        xp_ref, *xs, w_ref, s_ref, z_ref, o_ref = refs
+        xp_ref, a_ref, *xs, w_ref, s_ref, z_ref, o_ref = refs
         xs_ref = xs[0] if offsets else None
     else:
         x_ref, w_ref, s_ref, z_ref, o_ref = refs
@@ -432,7 +430,7 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
         return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
 
     if prepared:
-        unscale = 1.0
+        _, unscale = _pow2_scale(a_ref[0])
     else:
         # the split's power-of-two scale of x (its inverse applied to the output)
         amax = functools.reduce(jnp.maximum, [
@@ -490,24 +488,22 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
 
 
 def prepare_gemv_x(x, group_size: int, offsets: bool, amax=None):
-    """x dtype[1, K] -> (the f16x2 GEMV's x operands, made once before the kernel rather than by every program of
-    it: the float16 pairs i32[1, K/2] and for the offset form x's group sums f32[1, K/G], both times a power-of-two
-    scale; the inverse of that scale, f32[], which the kernel's output is to be multiplied by). Pair p of slab t,
-    row r (word (4 t + p) 16 + r) holds x[128 t + 16 p + r] and x[128 t + 16 (p + 4) + r] times the scale (and 1/16
-    for odd p), as the kernel builds them itself, there with one scale a split. amax: a bound of |x| known
-    beforehand (a norm's, from its own reduction), else max |x|, one more reduction. Any bound within a few powers
-    of two of the true maximum keeps float16's precision: the scale only keeps the products in float16's range.
-    Nothing here is a kernel of its own: XLA computes the scale in each fusion that uses it (the pairs', and the
-    one that consumes the output), so the kernel takes no scalar."""
+    """x dtype[1, K] -> the f16x2 GEMV's x operands, made once before the kernel rather than by every program of
+    it: (the float16 pairs i32[1, K/2], the bound of |x| they were scaled by f32[1], and for the offset form x's
+    group sums f32[1, K/G]). Pair p of slab t, row r (word (4 t + p) 16 + r) holds x[128 t + 16 p + r] and
+    x[128 t + 16 (p + 4) + r] times the power-of-two scale of the bound (and 1/16 for odd p), as the kernel builds
+    them itself, there with one scale a split. amax: a bound of |x| known beforehand (a norm's, from its own
+    reduction), else max |x|, one more reduction. Any bound within a few powers of two of the true maximum
+    keeps float16's precision: the scale only keeps the products in float16's range."""
     xf = x.astype(jnp.float32)[0]
     k = xf.shape[0]
     amax = jnp.max(jnp.abs(xf)) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
-    scale, unscale = _pow2_scale(amax)
+    scale, _ = _pow2_scale(amax)
     odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
     v = xf.reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS) * (scale * odd)                        # [slab, j, r]
     pairs = _f16_bits(v[:, :4]) | (_f16_bits(v[:, 4:]) << 16)                              # [slab, p, r]
-    sums = (xf.reshape(1, k // group_size, group_size).sum(axis=2) * scale,) if offsets else ()
-    return (pairs.reshape(1, k // 2), *sums), unscale
+    sums = (xf.reshape(k // group_size, group_size).sum(axis=1).reshape(1, k // group_size),) if offsets else ()
+    return (pairs.reshape(1, k // 2), amax.reshape(1), *sums)
 
 
 def use_f16x2(dtype, group_size: int) -> bool:
@@ -616,9 +612,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         kernel = functools.partial(_int4_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
                                    block_m=block_m, block_n=block_n, offsets=offsets, bits=bits)
         grid = (pl.cdiv(m, block_m), n // block_n, num_splits)
-    out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1 and not prepared
+    out_shape = (jax.ShapeDtypeStruct((m, n), x.dtype) if num_splits == 1
                  else jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32))
-    x_operands, unscale = prepare_gemv_x(x, group_size, offsets, x_amax) if prepared else ((x,), None)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -626,12 +621,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul",
-    )(*x_operands, qweight, scales, zeros)
-    if out.ndim == 3:
-        out = jnp.sum(out, axis=0)
-    if unscale is not None:       # (x @ W) * scale in float32 (fp16 could not hold it), times its inverse
-        out = out * unscale
-    return out.astype(x.dtype)
+    )(*(prepare_gemv_x(x, group_size, offsets, x_amax) if prepared else (x,)), qweight, scales, zeros)
+    return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 __all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
