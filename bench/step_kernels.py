@@ -5,6 +5,10 @@ fusion it launches and the JAX operations (op_name metadata) fused into it.
     python3 bench/step_kernels.py --model qwen2-0.5b --rows 1 --out DIR          # the GPU: compile, trace, table
     python3 bench/step_kernels.py --model llama3-8b --rows 64 --prefill-len 256  # a mixed step: 64 prompts of 256
     python3 bench/step_kernels.py --table DIR                                     # the table again, from DIR
+    python3 bench/step_kernels.py --model llama3-8b-awq --set jaxpaged.models.decoder.INT4_PREPARED_X=False
+
+--set MODULE.NAME=VALUE (repeatable) sets a module constant before the engine is built (an A/B of a code
+switch in one process); the compile caches are then off, since their keys do not see it.
 
 With --prefill-len P the step is a mixed one, as a burst of prompts is run: each of --rows requests has P new
 tokens from position 0 (its bucket as the engine picks it), and the table is per step.
@@ -16,8 +20,11 @@ A kernel of a multi-step program is counted per decode step (its calls / steps).
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
+import importlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -205,6 +212,23 @@ def probe(model: str, rows: int, ctx: int, steps: int | None, layer_dispatch: st
     shutil.rmtree(trace_dir, ignore_errors=True)
 
 
+def apply_sets(items: list[str]) -> list[tuple[str, object]]:
+    """MODULE.NAME=VALUE items (VALUE a Python literal): each module imported and its constant set; returns
+    (MODULE.NAME, value) pairs. A name the module lacks is an error, not a new attribute nothing reads."""
+    done = []
+    for item in items:
+        target, eq, value = item.partition("=")
+        module, _, name = target.rpartition(".")
+        if not eq or not module:
+            raise SystemExit(f"--set {item!r}: expected MODULE.NAME=VALUE")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set {item}: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        done.append((target, getattr(mod, name)))
+    return done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2-0.5b")
@@ -218,10 +242,16 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's, as the benchmarks run")
     ap.add_argument("--out", default=None, help="folder for the HLO, the kernels and the table")
     ap.add_argument("--table", default=None, help="print the table of a folder written before")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant (a Python literal) before the engine is built")
     args = ap.parse_args()
     if args.table:
         print(table(Path(args.table)), end="")
         return
+    if args.set:
+        os.environ["JAXPAGED_COMPILE_CACHE"] = "0"       # read by jaxpaged.envs at its import, below
+        for target, value in apply_sets(args.set):
+            print(f"set {target} = {value!r}")
     out = Path(args.out or f"bench/results/step_kernels-{args.model}-R{args.rows}"
                + (f"-P{args.prefill_len}" if args.prefill_len else ""))
     probe(args.model, args.rows, args.ctx, args.steps, args.layer_dispatch, out, args.num_blocks, args.max_model_len,

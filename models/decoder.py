@@ -61,8 +61,14 @@ class RuntimeOptions:
 # weights in XLA and take cuBLAS's dot, where a prefill's matmul outweighs the expansion. A first choice, not
 # yet measured shape by shape (bench/bench_matmul.py's table is to set it).
 INT4_KERNEL_MAX_ROWS = 64
-# Whether a one-row W4A16 down projection takes its input's float16 operands made before the kernel, from its
-# maximum (an XLA reduction beside the SiLU's fusion), rather than in each of the kernel's programs.
+# Whether a one-row bf16/fp16 W4A16 projection takes its input's float16 operands made before the kernel
+# (int4_matmul's x_amax): from the bound the norm before it gives (q/k/v, gate/up), and for the down projection
+# from its input's maximum (INT4_PREPARE_DOWN: an XLA reduction beside the SiLU's fusion), rather than in each of
+# the kernel's programs. On the H100 (llama3-8b AWQ, one request) the GEMVs took 9-17% less (gate_up 25.4 against
+# 28.2 us) and the step 1.2-1.9% less: the reductions and pairs XLA adds around them take the rest
+# (bench/results/NOTES.md). The output projection keeps the kernel's own: its input comes from attention, with
+# no reduction to share.
+INT4_PREPARED_X = True
 INT4_PREPARE_DOWN = True
 
 
@@ -228,7 +234,7 @@ class Int4Linear(nn.Module):
         if x.shape[1] < k:
             x = jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
         if self.options.pallas and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            prepared = (x_bound is not None and x.shape[0] <= GEMV_MAX_ROWS and self.bits == 4
+            prepared = (INT4_PREPARED_X and x_bound is not None and x.shape[0] <= GEMV_MAX_ROWS and self.bits == 4
                         and use_f16x2(self.dtype, k // groups))
             y = int4_matmul(x, qweight, scales, **affine, bits=self.bits, x_amax=x_bound if prepared else None,
                             interpret=self.options.interpret)

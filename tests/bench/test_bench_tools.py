@@ -288,6 +288,20 @@ def test_step_kernels_names_each_kernel_by_what_is_fused_into_it(tmp_path):
     assert row.split()[1:4] == ["2.00", "5.00", "10.0"] and "mlp" in row
 
 
+def test_step_kernels_sets_module_constants_for_an_ab(monkeypatch):
+    """step_kernels.py --set MODULE.NAME=VALUE: a code switch set before the engine is built (a literal value);
+    a name the module lacks, or a malformed item, stops the run."""
+    import jaxpaged.models.decoder as decoder
+    from bench.step_kernels import apply_sets
+    monkeypatch.setattr(decoder, "INT4_PREPARE_DOWN", decoder.INT4_PREPARE_DOWN)   # restored after the test
+    assert apply_sets(["jaxpaged.models.decoder.INT4_PREPARE_DOWN=False"]) == [
+        ("jaxpaged.models.decoder.INT4_PREPARE_DOWN", False)]
+    assert decoder.INT4_PREPARE_DOWN is False
+    for bad in ("jaxpaged.models.decoder.NO_SUCH_SWITCH=1", "INT4_PREPARE_DOWN"):
+        with pytest.raises(SystemExit):
+            apply_sets([bad])
+
+
 def test_step_log_table_groups_steps_and_sets_each_against_its_floor(tmp_path):
     """bench/step_log_table.py: mixed steps (any prompt token) apart, decode steps by request count; a step's
     floor is the larger of its bytes (weights once, every request's KV) at the HBM's peak and its FLOPs (2 x the
