@@ -412,8 +412,8 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
     # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
     # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
     if prepared:
-        xp_ref, a_ref, *xs, w_ref, s_ref, z_ref, o_ref = refs
-        xs_ref = xs[0] if offsets else None
+        xp_ref, a_ref, *sums, w_ref, s_ref, z_ref, o_ref = refs
+        xs_ref = sums[0] if offsets else None
     else:
         x_ref, w_ref, s_ref, z_ref, o_ref = refs
     jn, split = pl.program_id(0), pl.program_id(1)
