@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import GEMV_MAX_ROWS, dequantize_int4, int4_matmul, slab_rows, use_f16x2
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, dequantize_int4, int4_matmul, norm_gemv_x_supported,
+                                                 rms_norm_gemv_x, slab_rows, use_f16x2)
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 
@@ -70,6 +71,11 @@ INT4_KERNEL_MAX_ROWS = 64
 # no reduction to share.
 INT4_PREPARED_X = True
 INT4_PREPARE_DOWN = True
+# Whether, where both projections after a norm take those operands (4-bit, zero points, no act order), the norm
+# and the operands are one Pallas kernel (rms_norm_gemv_x) instead of XLA's three (the norm's reductions, the
+# bound's scalar, the pairs): run 04-06 of session 49 put those at ~4 us a norm against 2.7 for the plain norm.
+# Off until measured on a GPU (step_kernels.py --set jaxpaged.models.decoder.INT4_NORM_KERNEL=True).
+INT4_NORM_KERNEL = False
 
 
 class RMSNorm(nn.Module):
@@ -77,15 +83,20 @@ class RMSNorm(nn.Module):
     (1 + w) in float32 and rounds after.
     With bound=True it also returns a bound of each row's |output| (f32[T]): rsqrt(mean(x^2) + eps) times
     max |x w|, a second reduction over the same x beside the mean's, which XLA computes in the mean's kernel. The
-    W4A16 GEMV scales its float16 operands by it (int4_matmul's x_amax) instead of reducing the output again."""
+    W4A16 GEMV scales its float16 operands by it (int4_matmul's x_amax) instead of reducing the output again.
+    With pairs=True (one row) the output and those operands come from one Pallas kernel (rms_norm_gemv_x):
+    (y, (pairs, max |y|)), int4_matmul's x_pairs; interpret as RuntimeOptions'."""
     eps: float
     dtype: Any
     plus_one: bool = False
 
     @nn.compact
-    def __call__(self, x, bound: bool = False):
+    def __call__(self, x, bound: bool = False, pairs: bool = False, interpret: bool | None = None):
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
+        if pairs:
+            y, x_pairs, amax = rms_norm_gemv_x(x, scale, eps=self.eps, plus_one=self.plus_one, interpret=interpret)
+            return y, (x_pairs, amax)
         x32 = x.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         w = 1.0 + scale.astype(jnp.float32) if self.plus_one else scale.astype(jnp.float32)
@@ -217,7 +228,9 @@ class Int4Linear(nn.Module):
     @nn.compact
     def __call__(self, x, x_bound=None):
         """x_bound f32[T]: a bound of each row's |x| (RMSNorm's, or its maximum); given, a one-row bf16/f16 x takes
-        the W4A16 GEMV with its float16 operands made before the kernel (int4_matmul's x_amax)."""
+        the W4A16 GEMV with its float16 operands made before the kernel (int4_matmul's x_amax). Or a tuple: those
+        operands made already (RMSNorm's pairs=True, int4_matmul's x_pairs), taken by the zero-point forms
+        without act order (whose input rows are permuted), x otherwise."""
         k, n = self.in_features, self.features
         if self.offsets:
             k += -k % slab_rows(self.bits)
@@ -236,8 +249,12 @@ class Int4Linear(nn.Module):
         if self.options.pallas and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
             prepared = (INT4_PREPARED_X and x_bound is not None and x.shape[0] <= GEMV_MAX_ROWS and self.bits == 4
                         and use_f16x2(self.dtype, k // groups))
-            y = int4_matmul(x, qweight, scales, **affine, bits=self.bits, x_amax=x_bound if prepared else None,
-                            interpret=self.options.interpret)
+            made = isinstance(x_bound, tuple)
+            if made and (self.act_order or self.offsets):
+                prepared = False
+            y = int4_matmul(x, qweight, scales, **affine, bits=self.bits,
+                            x_amax=x_bound if prepared and not made else None,
+                            x_pairs=x_bound if prepared and made else None, interpret=self.options.interpret)
         else:
             y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
@@ -407,19 +424,34 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, meta: AttentionMetadata, cos, sin):
         h, kv_cache, layer_idx = carry
         c, dtype = self.cfg, self.dtype
-        # each norm that feeds a projection gives it a bound of its output (used by W4A16 projections only)
-        x, bound = _norm(c, dtype, "input_layernorm")(h, bound=True)
+        # Each norm that feeds a projection gives it a bound of its output, or the GEMV's operands themselves
+        # (used by W4A16 projections only: the others take x, and XLA drops what they leave).
+        hint = {"pairs": True, "interpret": self.options.interpret} if self._norm_kernel(h) else {"bound": True}
+        x, x_hint = _norm(c, dtype, "input_layernorm")(h, **hint)
         attn_out, kv_cache = Attention(c, dtype, self.options, self.kind, name="self_attn")(
-            x, kv_cache, layer_idx, meta, cos, sin, x_bound=bound)
+            x, kv_cache, layer_idx, meta, cos, sin, x_bound=x_hint)
         if c.sandwich_norms:        # Gemma: post_attention_layernorm norms attention's output
             h = h + _norm(c, dtype, "post_attention_layernorm")(attn_out)
-            mlp_out = MLP(c, dtype, self.options, name="mlp")(
-                *_norm(c, dtype, "pre_feedforward_layernorm")(h, bound=True))
+            mlp_out = MLP(c, dtype, self.options, name="mlp")(*_norm(c, dtype, "pre_feedforward_layernorm")(h, **hint))
             h = h + _norm(c, dtype, "post_feedforward_layernorm")(mlp_out)
         else:
             h = h + attn_out
-            h = h + MLP(c, dtype, self.options, name="mlp")(*_norm(c, dtype, "post_attention_layernorm")(h, bound=True))
+            h = h + MLP(c, dtype, self.options, name="mlp")(*_norm(c, dtype, "post_attention_layernorm")(h, **hint))
         return (h, kv_cache, layer_idx + 1), None
+
+    def _norm_kernel(self, h) -> bool:
+        """Whether this step's norms run as rms_norm_gemv_x (INT4_NORM_KERNEL): one row through the Pallas kernels,
+        and both projections after the norms 4-bit with zero points, no act order, in float16 pairs."""
+        c = self.cfg
+        if not (INT4_NORM_KERNEL and INT4_PREPARED_X and self.options.pallas and h.shape[0] == 1
+                and norm_gemv_x_supported(c.hidden_size)):
+            return False
+        for name in ("qkv_proj", "gate_up_proj"):
+            qtype = c.quant_of(name) or ""
+            group = qtype[len("int4-g"):]
+            if not qtype.startswith("int4-g") or not group.isdigit() or not use_f16x2(self.dtype, int(group) or 32):
+                return False
+        return True
 
 
 PROMPT_HEAD_CHUNK = 2048     # tokens whose full-vocabulary logits exist at once (prompt logprobs)

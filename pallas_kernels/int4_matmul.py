@@ -506,6 +506,66 @@ def prepare_gemv_x(x, group_size: int, offsets: bool, amax=None):
     return (pairs.reshape(1, k // 2), amax.reshape(1), *sums)
 
 
+def _norm_gemv_x_kernel(x_ref, w_ref, y_ref, p_ref, a_ref, *, eps, plus_one, features):
+    # x_ref, w_ref, y_ref: [S, 8, 16] (slab, value position j, row r: input row 128 s + 16 j + r), x's dtype
+    # p_ref: i32[S, 4, 16], pair p of slab s and row r (prepare_gemv_x's layout); a_ref: f32[1], max |y|
+    # Positions j < 4 and j >= 4 are loaded apart: they are each pair's low and high halves.
+    def total(v, reduce):                     # over every axis, one at a time (Triton reduces one axis a call)
+        while v.ndim:
+            v = reduce(v, axis=-1)
+        return v
+
+    xs = [x_ref[:, pl.ds(j0, 4), :].astype(jnp.float32) for j0 in (0, 4)]
+    ws = [w_ref[:, pl.ds(j0, 4), :] for j0 in (0, 4)]
+    inv_rms = jax.lax.rsqrt((total(xs[0] * xs[0], jnp.sum) + total(xs[1] * xs[1], jnp.sum)) / features + eps)
+    if plus_one:        # RMSNorm's two forms (models/decoder.py), rounded where it rounds
+        ys = [(x * inv_rms * (1.0 + w.astype(jnp.float32))).astype(y_ref.dtype) for x, w in zip(xs, ws)]
+    else:
+        ys = [w * (x * inv_rms).astype(y_ref.dtype) for x, w in zip(xs, ws)]
+    y32 = [y.astype(jnp.float32) for y in ys]
+    amax = jnp.maximum(total(jnp.abs(y32[0]), jnp.max), total(jnp.abs(y32[1]), jnp.max))
+    scale, _ = _pow2_scale(amax)
+    odd = jax.lax.broadcasted_iota(jnp.int32, ys[0].shape, 1) % 2 == 1
+    factor = jnp.where(odd, scale * (1.0 / 16), scale)
+    p_ref[...] = _f16_bits(y32[0] * factor) | (_f16_bits(y32[1] * factor) << 16)
+    y_ref[:, pl.ds(0, 4), :] = ys[0]
+    y_ref[:, pl.ds(4, 4), :] = ys[1]
+    a_ref[...] = jnp.broadcast_to(amax, (1,))
+
+
+def norm_gemv_x_supported(features: int) -> bool:
+    """Whether rms_norm_gemv_x takes rows of this many features: whole slabs, a power of two of them (one
+    Triton block)."""
+    slabs = features // PACK_ROWS
+    return features % PACK_ROWS == 0 and slabs > 0 and slabs & (slabs - 1) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "plus_one", "interpret"))
+def rms_norm_gemv_x(x, weight, *, eps: float, plus_one: bool = False, interpret: bool | None = None):
+    """One row's RMSNorm and the f16x2 GEMV's operands of its output in one kernel: x dtype[1, K], weight
+    dtype[K] -> (y dtype[1, K] as models/decoder.py's RMSNorm computes it, its float16 pairs i32[1, K/2] as
+    prepare_gemv_x makes them, max |y| f32[1]: int4_matmul's x_pairs). What XLA makes of the same (the norm's
+    reduction, a kernel for the scalar both the pairs and the GEMV read, the pairs) is three kernels.
+    plus_one: Gemma's form, scaled by (1 + w). K: norm_gemv_x_supported."""
+    m, k = x.shape
+    if m != 1 or weight.shape != (k,) or not norm_gemv_x_supported(k):
+        raise ValueError(f"rms_norm_gemv_x takes one row of whole slabs, a power of two of them: x {x.shape}, "
+                         f"weight {weight.shape}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    slabs = k // PACK_ROWS
+    y, pairs, amax = pl.pallas_call(
+        functools.partial(_norm_gemv_x_kernel, eps=eps, plus_one=plus_one, features=k),
+        out_shape=(jax.ShapeDtypeStruct((slabs, 8, _NIBBLE_ROWS), x.dtype),
+                   jax.ShapeDtypeStruct((slabs, 4, _NIBBLE_ROWS), jnp.int32),
+                   jax.ShapeDtypeStruct((1,), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="rms_norm_gemv_x",
+    )(x.reshape(slabs, 8, _NIBBLE_ROWS), weight.astype(x.dtype).reshape(slabs, 8, _NIBBLE_ROWS))
+    return y.reshape(1, k), pairs.reshape(1, k // 2), amax
+
+
 def use_f16x2(dtype, group_size: int) -> bool:
     """Whether the GEMV kernel takes the f16x2 form: half-precision x (a float32 x keeps float32 math, so a
     float32 model computes in float32) and groups of 32 rows or more."""
@@ -542,7 +602,7 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                bits: int = 4, x_amax=None, interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, x_amax=None, x_pairs=None, interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros, u8) or offsets (mins, floats) of scales' shape (the layout and both forms in the module
     docstring).
@@ -555,7 +615,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     GEMV's f32 form). x_amax f32[1] (the f16x2 GEMV only): a bound of |x| (its maximum, or a norm's bound of
     it); given, x's float16 pairs are made before the kernel by prepare_gemv_x (XLA fuses them into the ops that
     produce x) rather than by each of the kernel's programs, about 10% of the kernel's time at llama3-8b's
-    sizes on the H100 (bench/results/NOTES.md)."""
+    sizes on the H100 (bench/results/NOTES.md). x_pairs (the same GEMV, zero points): those operands made already,
+    (pairs i32[1, K/2], max |x| f32[1]) from rms_norm_gemv_x; x then gives only the shape and dtype."""
     zeros, offsets = _affine(zeros, mins)
     if bits not in BITS:
         raise ValueError(f"bits {bits}: 4 or 8")
@@ -595,14 +656,16 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         if m != 1 or group_size < F16X2_MIN_GROUP:
             raise ValueError(f"the f16x2 GEMV takes one row and groups of {F16X2_MIN_GROUP} or more, not {m} rows "
                              f"in groups of {group_size}")
-        prepared = x_amax is not None
+        prepared = x_amax is not None or x_pairs is not None
+        if x_pairs is not None and (offsets or x_amax is not None):
+            raise ValueError("x_pairs takes the zero-point form, without x_amax (the pairs come with their maximum)")
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
                                    asm=gemv_math == "f16x2" and not interpret, prepared=prepared)
         grid: tuple[int, ...] = (n // block_n, num_splits)
-    elif x_amax is not None:
-        raise ValueError("x_amax takes the f16x2 GEMV (one half-precision row, groups of "
+    elif x_amax is not None or x_pairs is not None:
+        raise ValueError("x_amax and x_pairs take the f16x2 GEMV (one half-precision row, groups of "
                          f"{F16X2_MIN_GROUP} or more, 4 bits)")
     elif m <= GEMV_MAX_ROWS:
         kernel = functools.partial(_int4_gemv_kernel, group_size=group_size, slabs_per_split=slabs // num_splits,
@@ -621,10 +684,11 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul",
-    )(*(prepare_gemv_x(x, group_size, offsets, x_amax) if prepared else (x,)), qweight, scales, zeros)
+    )(*(tuple(x_pairs) if x_pairs is not None else prepare_gemv_x(x, group_size, offsets, x_amax) if prepared
+        else (x,)), qweight, scales, zeros)
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 __all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
-           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_bits", "pack_int4", "prepare_gemv_x",
-           "slab_rows", "unpack_bits", "unpack_int4", "use_f16x2"]
+           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "norm_gemv_x_supported", "pack_bits", "pack_int4",
+           "prepare_gemv_x", "rms_norm_gemv_x", "slab_rows", "unpack_bits", "unpack_int4", "use_f16x2"]

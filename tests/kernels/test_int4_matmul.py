@@ -292,6 +292,16 @@ class TestInt4Matmul:
             bytes_ = lambda x, w, sc, m: op(x, w, sc, mins=m, bits=8)       # noqa: E731
             assert lowered_calls(bytes_, s((rows, 4096), jnp.bfloat16), s((1024, 6144), jnp.int32),
                                  s((256, 6144), jnp.float32), s((256, 6144), jnp.float32)) == (1,)
+        # x's operands made before the GEMV: by XLA from a bound (x_amax), or by the norm's kernel (x_pairs)
+        from jaxpaged.pallas_kernels.int4_matmul import rms_norm_gemv_x
+        weights = (s((512, 6144), jnp.int32), s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.uint8))
+        bound = lambda x, w, sc, z: op(x, w, sc, z, x_amax=jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1))  # noqa
+        assert lowered_calls(bound, s((1, 4096), jnp.bfloat16), *weights) == (1,)
+
+        def normed(h, g, w, sc, z):
+            y, pairs, amax = rms_norm_gemv_x(h, g, eps=1e-6, interpret=False)
+            return op(y, w, sc, z, x_pairs=(pairs, amax))
+        assert lowered_calls(normed, s((1, 4096), jnp.bfloat16), s((4096,), jnp.bfloat16), *weights) == (2,)
 
 
 @pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norm", "gemma-norm"])
@@ -321,3 +331,63 @@ def test_a_norms_bound_feeds_the_w4a16_decode_row(plus_one):
     ref = int4_matmul_reference(x, params["qweight"], params["scales"], zeros=params["zeros"])
     assert rel_err(prepared, ref) <= TOL["bfloat16"] and rel_err(plain, ref) <= TOL["bfloat16"]
     assert rel_err(prepared, plain) <= TOL["bfloat16"]
+
+
+def _f16_pair_values(pairs):
+    """int32 words of float16 pairs -> their (low, high) halves as float32."""
+    words = np.asarray(pairs).astype(np.uint32)
+    return ((words & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32),
+            (words >> 16).astype(np.uint16).view(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("k", [128, 512])
+@pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norm", "gemma-norm"])
+def test_rms_norm_gemv_x_is_the_norm_and_its_gemv_operands(plus_one, k):
+    """rms_norm_gemv_x: one kernel for RMSNorm's output (as models/decoder.py computes it), its maximum, and the f16x2
+    GEMV's float16 pairs of it (prepare_gemv_x's), which int4_matmul takes as x_pairs to the same result."""
+    from jaxpaged.models.decoder import RMSNorm
+    from jaxpaged.pallas_kernels.int4_matmul import norm_gemv_x_supported, prepare_gemv_x, rms_norm_gemv_x
+    rng = np.random.default_rng(k + plus_one)
+    x = jnp.asarray(rng.standard_normal((1, k)) * 3, jnp.bfloat16).at[0, 3].set(150.0)
+    w = jnp.asarray(rng.uniform(-2, 2, k), jnp.bfloat16)
+    y, pairs, amax = rms_norm_gemv_x(x, w, eps=1e-6, plus_one=plus_one, interpret=INTERPRET)
+    ref = RMSNorm(1e-6, jnp.bfloat16, plus_one).apply({"params": {"scale": w}}, x)
+    assert y.dtype == jnp.bfloat16 and pairs.shape == (1, k // 2) and amax.shape == (1,)
+    assert rel_err(y, ref) <= 2 ** -8
+    assert abs(float(amax[0]) - float(jnp.max(jnp.abs(ref.astype(jnp.float32))))) <= float(amax[0]) * 2 ** -7
+    expect, _ = prepare_gemv_x(ref, 128, False, amax)
+    for got, want in zip(_f16_pair_values(pairs), _f16_pair_values(expect)):
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+    case = MatmulCase(1, k, 128, 128, "bfloat16", num_splits=1)
+    _, qweight, scales, b, _ = make_inputs(case)
+    out = int4_matmul(y, qweight, scales, zeros=b, x_pairs=(pairs, amax), interpret=INTERPRET)
+    assert rel_err(out, int4_matmul_reference(y, qweight, scales, zeros=b)) <= TOL["bfloat16"]
+    assert norm_gemv_x_supported(4096) and not norm_gemv_x_supported(3584) and not norm_gemv_x_supported(64)
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm_gemv_x(jnp.zeros((1, 384), jnp.bfloat16), jnp.ones(384, jnp.bfloat16), eps=1e-6)
+    with pytest.raises(ValueError, match="x_pairs"):
+        int4_matmul(y, qweight, scales, zeros=b, x_pairs=(pairs, amax), x_amax=amax, interpret=INTERPRET)
+
+
+def test_int4_linear_takes_the_norm_kernels_operands_where_its_rows_are_in_order():
+    """Int4Linear given rms_norm_gemv_x's operands (the tuple hint) runs the GEMV on them; with act order, whose
+    packed rows follow a permutation of x's, it takes x itself: both equal the dequantized reference."""
+    from jaxpaged.models.decoder import Int4Linear, RuntimeOptions
+    from jaxpaged.pallas_kernels.int4_matmul import rms_norm_gemv_x
+    k, n, g = 256, 128, 128
+    rng = np.random.default_rng(3)
+    y, pairs, amax = rms_norm_gemv_x(jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16),
+                                     jnp.asarray(rng.uniform(-2, 2, k), jnp.bfloat16), eps=1e-6, interpret=INTERPRET)
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    params = {"qweight": jnp.asarray(pack_int4(q)),
+              "scales": jnp.asarray(rng.uniform(0.005, 0.05, (k // g, n)), jnp.bfloat16),
+              "zeros": jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)}
+    opts = RuntimeOptions("pallas", interpret=INTERPRET)
+    ref = int4_matmul_reference(y, params["qweight"], params["scales"], zeros=params["zeros"])
+    out = Int4Linear(n, k, g, False, False, jnp.bfloat16, opts).apply({"params": params}, y, (pairs, amax))
+    assert rel_err(out, ref) <= TOL["bfloat16"]
+    perm = jnp.asarray(rng.permutation(k), jnp.int32)
+    permuted = Int4Linear(n, k, g, True, False, jnp.bfloat16, opts).apply({"params": {**params, "perm": perm}}, y,
+                                                                        (pairs, amax))
+    ref_perm = int4_matmul_reference(y[:, perm], params["qweight"], params["scales"], zeros=params["zeros"])
+    assert rel_err(permuted, ref_perm) <= TOL["bfloat16"]
