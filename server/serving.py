@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator, Awaitable
 
 import msgspec
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
-from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxpaged.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs
@@ -150,6 +151,28 @@ async def sse_with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 _END = object()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A streamed answer that owns its requests' engine streams (AsyncLLM.submit): however the response ends
+    (its last chunk, the client gone, or never started because the client left first), every stream is closed,
+    which aborts its request in the engine unless it finished."""
+
+    def __init__(self, content: AsyncIterator[bytes], streams: list[RequestStream]):
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_streams(self.streams)
+
+
+def close_streams(streams: list[RequestStream]) -> None:
+    """Close engine streams (finished ones: nothing to do; the others' requests are aborted)."""
+    for stream in streams:
+        stream.close()
 
 
 async def merge_outputs(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

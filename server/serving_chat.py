@@ -5,13 +5,14 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                       ChatMessage, ChatResponseMessage, ChatTokenLogprob, TopLogprob, UsageInfo)
-from jaxpaged.server.serving import (APIError, ServerState, clamp, format_prompt_logprobs, merge_outputs, sse,
-                                     sse_with_errors, token_bytes, token_name, top_entries, with_cancellation)
+from jaxpaged.server.serving import (APIError, EngineStreamingResponse, ServerState, clamp, format_prompt_logprobs,
+                                     merge_outputs, sse, sse_with_errors, token_bytes, token_name, top_entries,
+                                     with_cancellation)
 
 
 def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -101,12 +102,16 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         raise APIError(str(e)) from None
     engine_id, request_id = request.ids("chatcmpl")
     state.log_request(engine_id, len(token_ids), params)
-    gen = state.llm.generate({"prompt": prompt, "prompt_token_ids": token_ids}, params, engine_id,
-                             priority=request.priority)
+    # in the engine from here (serving_completion.py says why)
+    stream = state.llm.submit({"prompt": prompt, "prompt_token_ids": token_ids}, params, engine_id,
+                              priority=request.priority)
     if request.stream:
-        chunks = _stream(state, request, request_id, len(token_ids), gen)
-        return StreamingResponse(sse_with_errors(chunks), media_type="text/event-stream")
-    response = await with_cancellation(_full(state, request, request_id, token_ids, gen), raw)
+        return EngineStreamingResponse(sse_with_errors(_stream(state, request, request_id, len(token_ids), stream)),
+                                       [stream])
+    try:
+        response = await with_cancellation(_full(state, request, request_id, token_ids, stream), raw)
+    finally:
+        stream.close()
     return JSONResponse(response.model_dump())
 
 

@@ -5,14 +5,15 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from jaxpaged.outputs import CompletionOutput, Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest, CompletionResponse,
                                       UsageInfo)
-from jaxpaged.server.serving import (APIError, ServerState, clamp, format_prompt_logprobs, merge_outputs, sse,
-                                     sse_with_errors, token_name, top_entries, with_cancellation)
+from jaxpaged.server.serving import (APIError, EngineStreamingResponse, ServerState, clamp, close_streams,
+                                     format_prompt_logprobs, merge_outputs, sse, sse_with_errors, token_name,
+                                     top_entries, with_cancellation)
 
 
 def _prompts(request: CompletionRequest) -> list[str | list[int]]:
@@ -87,16 +88,26 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     except ValueError as e:
         raise APIError(str(e)) from None
     engine_id, request_id = request.ids("cmpl")
-    gens = []
-    for i, prep in enumerate(prepared):
-        rid = engine_id if len(prepared) == 1 else f"{engine_id}-{i}"
-        state.log_request(rid, len(prep.token_ids), prep.params)
-        gens.append(state.llm.generate({"prompt": prep.text, "prompt_token_ids": prep.token_ids}, prep.params,
-                                       rid, priority=request.priority))
+    # Each prompt reaches the engine here, in this handler's turn of the event loop: a burst's first requests are
+    # then in the engine while the rest are still being parsed (a stream read lazily would send its request only
+    # after every handler queued before it had run).
+    streams = []
+    try:
+        for i, prep in enumerate(prepared):
+            rid = engine_id if len(prepared) == 1 else f"{engine_id}-{i}"
+            state.log_request(rid, len(prep.token_ids), prep.params)
+            streams.append(state.llm.submit({"prompt": prep.text, "prompt_token_ids": prep.token_ids},
+                                            prep.params, rid, priority=request.priority))
+    except BaseException:
+        close_streams(streams)
+        raise
     if request.stream:
-        chunks = _stream(state, request, request_id, prepared, gens)
-        return StreamingResponse(sse_with_errors(chunks), media_type="text/event-stream")
-    response = await with_cancellation(_full(state, request, request_id, prepared, gens), raw)
+        return EngineStreamingResponse(sse_with_errors(_stream(state, request, request_id, prepared, streams)),
+                                       streams)
+    try:
+        response = await with_cancellation(_full(state, request, request_id, prepared, streams), raw)
+    finally:
+        close_streams(streams)
     return JSONResponse(response.model_dump())
 
 

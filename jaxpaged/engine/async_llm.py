@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxpaged.async_llm")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "merge_delta"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "merge_delta"]
 
 # Core outputs processed between two yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE).
 OUTPUT_CHUNK = 128
@@ -195,11 +196,32 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs as tokens arrive (deltas when sampling_params.output_kind is DELTA).
-        Raises ValueError for invalid requests before anything is sent to the core."""
+        Raises ValueError for invalid requests before anything is sent to the core. The request reaches the
+        core at this generator's first iteration; submit() sends it at once."""
+        self._check_alive()
+        text, token_ids = await self.tokenize(prompt)
+        async with contextlib.aclosing(self._add(text, token_ids, sampling_params, request_id, priority)) as stream:
+            async for out in stream:
+                yield out
+
+    def submit(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+               priority: int = 0) -> "RequestStream":
+        """generate() for a prompt tokenized already ({"prompt_token_ids": ..., "prompt": its text}), sent to the
+        core now, in the caller's turn of the event loop, rather than when its stream is first read: a server's
+        handler submits while a burst's other requests still wait to be parsed, where a lazy generator's first
+        read waits behind all of them. The caller owns the returned stream: read it to its end or aclose() it,
+        also if it is never read (close() is the same, synchronous). Raises as generate() does."""
+        self._check_alive()
+        text, token_ids = self.input_processor.tokenize_prompt(prompt)
+        return self._add(text, token_ids, sampling_params, request_id, priority)
+
+    def _check_alive(self) -> None:
         self.start()
         if self.errored:
             raise EngineDeadError(f"the engine core is gone: {self.dead_error}")
-        text, token_ids = await self.tokenize(prompt)
+
+    def _add(self, text: str | None, token_ids: list[int], sampling_params: SamplingParams, request_id: str,
+             priority: int) -> "RequestStream":
         token_ids = self.input_processor.truncate(token_ids, sampling_params)
         self.input_processor.validate_prompt(token_ids, sampling_params)
         if request_id in self._streams:
@@ -210,27 +232,14 @@ class AsyncLLM:
         self._streams[request_id] = q
         self.output_processor.add(request_id, text, token_ids, sampling_params, [r.request_id for r in reqs],
                                   reqs[0].arrival_time)
-        finished = False
-        delta = sampling_params.output_kind == RequestOutputKind.DELTA
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                while not item.finished and not q.empty():      # behind: take the backlog as one output
-                    nxt = q.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        q.put_nowait(nxt)       # an error ends the stream: raised after what came before it
-                        break
-                    item = merge_delta(item, nxt) if delta else nxt
-                finished = item.finished
-                yield item
-                if finished:
-                    break
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:        # the client went away or cancelled
-                self.client.abort_requests(self.output_processor.abort(request_id))
+        return RequestStream(self, request_id, q, sampling_params.output_kind == RequestOutputKind.DELTA)
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """A stream's end: its queue goes; unless the request finished, the core aborts it (the client went away,
+        cancelled, or never read it)."""
+        self._streams.pop(request_id, None)
+        if not finished:
+            self.client.abort_requests(self.output_processor.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with finish_reason "abort", its blocks are freed in the core."""
@@ -255,6 +264,49 @@ class AsyncLLM:
             self._loop.call_soon_threadsafe(self._output_task.cancel)
         self.client.shutdown()
         self._workers.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestStream:
+    """One submitted request's RequestOutputs (AsyncLLM.submit), an async iterator. A consumer that falls behind
+    takes what has queued up as one output (deltas concatenated, or the latest cumulative one), as vLLM's output
+    collector does. Ending it early (aclose(), close(), or cancelling its reader, whose `aclosing` closes it)
+    aborts the request in the core; so does closing a stream that was never read."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue, delta: bool):
+        self.request_id = request_id
+        self._llm, self._queue, self._delta = llm, queue, delta
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        q = self._queue
+        item = await q.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        while not item.finished and not q.empty():      # behind: take the backlog as one output
+            nxt = q.get_nowait()
+            if isinstance(nxt, BaseException):
+                q.put_nowait(nxt)       # an error ends the stream: raised after what came before it
+                break
+            item = merge_delta(item, nxt) if self._delta else nxt
+        if item.finished:
+            self._closed = True
+            self._llm._release(self.request_id, finished=True)
+        return item
+
+    def close(self) -> None:
+        """End the stream; the request is aborted unless it finished. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._llm._release(self.request_id, finished=False)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 def merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -392,6 +392,37 @@ def test_async_abort_frees_blocks(alm):
     assert asyncio.run(go())
 
 
+def test_async_submit_sends_at_once_and_an_unread_stream_closes_to_an_abort(alm):
+    """AsyncLLM.submit (what the server's handlers call): the request is in the core before its stream is read,
+    its outputs queue up; a stream closed without being read aborts its request and frees its blocks; read to
+    its end, a submitted request gives what generate gives."""
+    free0 = alm.info.num_blocks - 1
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text, ids = alm.input_processor.tokenize_prompt(PROMPTS[2])
+
+    async def until(check) -> bool:
+        deadline = time.monotonic() + 120          # polled: the core reports with its next step's message
+        while time.monotonic() < deadline:
+            if check(alm.core_stats):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def go():
+        stream = alm.submit({"prompt": text, "prompt_token_ids": ids}, params, "s1")
+        assert await until(lambda st: st.num_requests_running == 1)        # running, its stream unread
+        stream.close()
+        assert await until(lambda st: st.num_free_blocks == free0 and st.num_requests_running == 0)
+        stream.close()                                                       # (idempotent)
+        outs = [o async for o in alm.submit({"prompt": text, "prompt_token_ids": ids}, params, "s2")]
+        ref = [o async for o in alm.generate(PROMPTS[2], params, "g2")]
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == ref[-1].outputs[0].token_ids
+        assert len(outs[-1].outputs[0].token_ids) == 40
+        return True
+
+    assert asyncio.run(go())
+
+
 def test_async_slow_consumer_gets_coalesced_deltas(llm, alm):
     """A DELTA consumer that falls behind receives the backlog as one output (as vLLM's collector does);
     the concatenated deltas (text, tokens, logprobs) equal the whole request's output, n = 2.

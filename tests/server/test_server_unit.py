@@ -3,6 +3,7 @@ healthy real engine never takes (an engine that dies mid-stream, a stalled loop)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -147,6 +148,28 @@ class _StubLLM:
         finally:
             self.aborted.append(request_id)
 
+    def submit(self, prompt, params, request_id, priority=0):
+        return _StubStream(self.generate(prompt, params, request_id, priority))
+
+
+class _StubStream:
+    """AsyncLLM.submit's stream (RequestStream's surface) over the stub's generator, which records its own end."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.gen.__anext__()
+
+    async def aclose(self):
+        await self.gen.aclose()
+
+    def close(self):
+        pass
+
 
 PATHS = [("/v1/completions", {"prompt": "hi"}),
          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
@@ -241,6 +264,41 @@ def test_health_is_503_when_engine_dead_or_stalled(stub):
     assert r.status_code == 503 and r.json()["error"]["message"] == "engine core stalled"
     llm.errored, llm.dead_error = True, RuntimeError("boom")
     assert "boom" in client.get("/health").json()["error"]["message"]
+
+
+def test_a_streamed_response_closes_its_engine_streams_however_it_ends():
+    """EngineStreamingResponse owns the streams its handler submitted (they are in the engine already): read to
+    the end, or the client gone before the first chunk (never read), each stream is closed after the response,
+    which aborts an unfinished request in the engine."""
+    import asyncio
+    from jaxpaged.server.serving import EngineStreamingResponse
+
+    class Stream:
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    async def body():
+        yield b"data: 1\n\n"
+
+    async def respond(send):
+        streams = [Stream(), Stream()]
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        with contextlib.suppress(Exception):
+            await EngineStreamingResponse(body(), streams)(scope, None, send)
+        return [s.closed for s in streams]
+
+    sent = []
+
+    async def ok(message):
+        sent.append(message["type"])
+
+    async def gone(message):
+        raise OSError("the client went away")
+
+    assert asyncio.run(respond(ok)) == [1, 1] and "http.response.body" in sent
+    assert asyncio.run(respond(gone)) == [1, 1]
 
 
 def test_merge_outputs_closes_every_stream():
