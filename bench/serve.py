@@ -437,6 +437,7 @@ async def benchmark(api_url: str, model: str, requests: list[SampleRequest], req
     num_skipped = len(results) - len(ran)
     metrics = calculate_metrics(requests, outputs, dur_s, percentiles, slo_ttft_ms, slo_tpot_ms)
     metrics["skipped"] = num_skipped
+    metrics["start_perf_counter_s"] = start     # the host's monotonic clock: other processes' logs read against it
     metrics.update(admission_metrics(outputs, start))
     if request_rate == float("inf") and max_concurrency is None:
         metrics.update(first_token_waves(outputs, start))

@@ -149,7 +149,10 @@ tail -5 /tmp/server.log | sed 's/^/   log: /'
 if [ $CORE_LOG = 1 ]; then
   unset JAXPAGED_STEP_LOG
   echo "== the burst's first steps (bench/core_steps.py)"
-  $PY "$BENCH/core_steps.py" "$STEPS_CSV" --steps 24 2>&1 | sed 's/^/   /'
+  RINF_JSON="$REPO/bench/results/serve-$MODEL-sharegpt-$RINF$SUFFIX$LSUFFIX.json"
+  # shellcheck disable=SC2046  # (no --client when the rate-inf run did not run)
+  $PY "$BENCH/core_steps.py" "$STEPS_CSV" --steps 24 $([ -f "$RINF_JSON" ] && echo --client "$RINF_JSON") 2>&1 \
+    | sed 's/^/   /'
   [ -n "${OUT:-}" ] && tar -czf "$OUT/core-steps$SUFFIX$LSUFFIX.tgz" -C /tmp "$(basename "$STEPS_CSV")" \
     "$(basename "${STEPS_CSV%.csv}")-arrivals.csv"
 fi

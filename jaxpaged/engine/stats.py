@@ -119,17 +119,23 @@ class RequestStats:
         return out
 
 
+ZERO_PERF_COUNTER = "zero_perf_counter_s"      # the step log's header key of its time zero
+
+
 def write_core_step_log(path: str, stats: EngineStats) -> None:
     """The core's step log as CSV: each step's end (seconds from the first arrival), tokens scheduled, requests,
     tokens of context its attention read; and beside it (`-arrivals.csv`) each batch of arrivals (seconds from
-    the first, requests). A burst's first steps read against when its requests reached the core."""
+    the first, requests). A burst's first steps read against when its requests reached the core. Each file's
+    first line is that zero as a perf_counter() reading (CLOCK_MONOTONIC, one clock for every process on the
+    host), so a client's own times can be set against the core's."""
     steps = np.array(stats.step_log or [], np.float64).reshape(-1, 4)
     arrivals = np.array(stats.arrival_log or [], np.float64).reshape(-1, 2)
     t0 = arrivals[0, 0] if len(arrivals) else (steps[0, 0] if len(steps) else 0.0)
     steps[:, 0] -= t0
     arrivals[:, 0] -= t0
+    zero = f"{ZERO_PERF_COUNTER}={t0:.6f}\n"
     np.savetxt(path, steps, fmt=["%.6f", "%d", "%d", "%d"], delimiter=",",
-               header="end_s,tokens,requests,context_tokens")
+               header=zero + "end_s,tokens,requests,context_tokens")
     out = pathlib.Path(path)
     np.savetxt(out.with_name(out.stem + "-arrivals.csv"), arrivals, fmt=["%.6f", "%d"], delimiter=",",
-               header="seconds,requests")
+               header=zero + "seconds,requests")

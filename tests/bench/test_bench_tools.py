@@ -342,3 +342,7 @@ def test_core_steps_reads_the_burst_after_a_warm_up_request():
     assert [r["scheduled_s"] for r in rows] == [0.0, 0.0, 0.05]     # step N is scheduled as N-2 ends
     assert [r["arrived_by_schedule"] for r in rows] == [1, 1, 20]
     assert [r["bucket_tokens"] for r in rows] == [1024, 4096, 16384]
+    # against the client's clock: the log's zero at perf_counter 500.0, the client's start at 500.8
+    from bench.core_steps import client_offsets
+    assert client_offsets(steps, arrivals, zero=500.0, client_start=500.8) == {"first_arrival_s": 0.2,
+                                                                               "first_step_end_s": 0.25}

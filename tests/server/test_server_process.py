@@ -263,6 +263,7 @@ def test_core_step_log_records_every_step_and_arrival(model_dir, tmp_path, monke
     prompts = ["Once upon a time", "The capital of France is", "1 2 3 4 5 6 7 8 9"]
     with ServerProcess(["--model", model_dir, *FLAGS]) as srv:
         lens = []
+        before = time.perf_counter()
         for p in prompts:          # one at a time: each request's steps are its own
             r = httpx.post(srv.base + "/v1/completions", timeout=120,
                            json={**BODY, "prompt": p, "max_tokens": 5, "stream": False})
@@ -277,3 +278,7 @@ def test_core_step_log_records_every_step_and_arrival(model_dir, tmp_path, monke
     # each request: one step with its whole prompt, then 4 one-token steps (its first token came with the prompt)
     assert steps[:, 1].tolist() == [n for n in lens for n in (n, 1, 1, 1, 1)]
     assert steps[:, 2].tolist() == [1] * 15 and np.all(np.diff(steps[:, 0]) > 0)
+    # the logs' zero is the first arrival on the host's monotonic clock, which this process reads too
+    from bench.core_steps import log_zero
+    zero = log_zero(log)
+    assert zero == log_zero(tmp_path / "steps-arrivals.csv") and before < zero < time.perf_counter()
