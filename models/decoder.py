@@ -65,7 +65,7 @@ INT4_KERNEL_MAX_ROWS = 64
 # Whether a one-row bf16/fp16 W4A16 projection takes its input's float16 operands made before the kernel
 # (int4_matmul's x_amax): from the bound the norm before it gives (q/k/v, gate/up), and for the down projection
 # from its input's maximum (INT4_PREPARE_DOWN: an XLA reduction beside the SiLU's fusion), rather than in each of
-# the kernel's programs. On the H100 (llama3-8b AWQ, one request) the GEMVs took 9-17% less (gate_up 25.4 against
+# the kernel's programs. On the H100 (llama3-8b AWQ, one request) the GEMVs took 10-16% less (gate_up 25.4 against
 # 28.2 us) and the step 1.2-1.9% less: the reductions and pairs XLA adds around them take the rest
 # (bench/results/NOTES.md). The output projection keeps the kernel's own: its input comes from attention, with
 # no reduction to share.
