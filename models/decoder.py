@@ -311,6 +311,14 @@ def _embed(cfg: DecoderConfig, dtype, name: str | None = "embed_tokens") -> nn.M
     return GGUFEmbed(cfg.vocab_size, cfg.hidden_size, qtype, dtype, name=name)
 
 
+def int4_scheme(qtype: str | None) -> tuple[int, bool] | None:
+    """An "int4-g<group>[-actorder]" scheme's (group size, 0: one group over all of K; act order), else None."""
+    if not qtype or not qtype.startswith("int4-g"):
+        return None
+    group, _, order = qtype[len("int4-g"):].partition("-")
+    return int(group), order == "actorder"
+
+
 def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bool, name: str,
             options: RuntimeOptions) -> nn.Module:
     """A linear layer: dense (Linear, kernel [in, out]) or, when the config keeps it quantized, Int4Linear
@@ -324,9 +332,9 @@ def _linear(cfg: DecoderConfig, dtype, features: int, in_features: int, bias: bo
         bits, group = gguf_form
         return Int4Linear(features, in_features, group, False, bias, dtype, options, offsets=True, bits=bits,
                           name=name)
-    if qtype.startswith("int4-g"):
-        group, _, order = qtype[len("int4-g"):].partition("-")
-        return Int4Linear(features, in_features, int(group), order == "actorder", bias, dtype, options, name=name)
+    int4 = int4_scheme(qtype)
+    if int4 is not None:
+        return Int4Linear(features, in_features, *int4, bias, dtype, options, name=name)
     if qtype.startswith("int8"):
         return Int8Linear(features, in_features, int8.parse_scheme_name(qtype), bias, dtype, name=name)
     if qtype.startswith("fp8"):
@@ -447,9 +455,8 @@ class DecoderLayer(nn.Module):
                 and norm_gemv_x_supported(c.hidden_size)):
             return False
         for name in ("qkv_proj", "gate_up_proj"):
-            qtype = c.quant_of(name) or ""
-            group = qtype[len("int4-g"):]
-            if not qtype.startswith("int4-g") or not group.isdigit() or not use_f16x2(self.dtype, int(group) or 32):
+            int4 = int4_scheme(c.quant_of(name))
+            if int4 is None or int4[1] or not use_f16x2(self.dtype, int4[0] or c.hidden_size):
                 return False
         return True
 

@@ -501,7 +501,7 @@ def prepare_gemv_x(x, group_size: int, offsets: bool, amax=None):
     scale, _ = _pow2_scale(amax)
     odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
     v = xf.reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS) * (scale * odd)                        # [slab, j, r]
-    pairs = _f16_bits(v[:, :4]) | (_f16_bits(v[:, 4:]) << 16)                              # [slab, p, r]
+    pairs = _f16_pair(v[:, :4], v[:, 4:], asm=False)                                      # [slab, p, r]
     sums = (xf.reshape(k // group_size, group_size).sum(axis=1).reshape(1, k // group_size),) if offsets else ()
     return (pairs.reshape(1, k // 2), amax.reshape(1), *sums)
 
@@ -527,7 +527,7 @@ def _norm_gemv_x_kernel(x_ref, w_ref, y_ref, p_ref, a_ref, *, eps, plus_one, fea
     scale, _ = _pow2_scale(amax)
     odd = jax.lax.broadcasted_iota(jnp.int32, ys[0].shape, 1) % 2 == 1
     factor = jnp.where(odd, scale * (1.0 / 16), scale)
-    p_ref[...] = _f16_bits(y32[0] * factor) | (_f16_bits(y32[1] * factor) << 16)
+    p_ref[...] = _f16_pair(y32[0] * factor, y32[1] * factor, asm=False)
     y_ref[:, pl.ds(0, 4), :] = ys[0]
     y_ref[:, pl.ds(4, 4), :] = ys[1]
     a_ref[...] = jnp.broadcast_to(amax, (1,))

@@ -485,8 +485,8 @@ class StepPrograms:
         (_lower_in_workers), else lowered by lowering workers where the engine has them (traced here while the
         engine serves, they would hold the GIL from its loop, whose per-layer dispatch is Python:
         bench/results/NOTES.md), and compiled on STARTUP_THREADS threads (BACKGROUND_THREADS at most in the
-        background). background: on the background thread
-        while the engine serves (its workers at BACKGROUND_NICE), else at start-up (progress: a bar)."""
+        background). background: on the background thread while the engine serves (its workers at
+        BACKGROUND_NICE), else at start-up (progress: a bar)."""
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
         cache = self._variant_cache
