@@ -73,9 +73,9 @@ INT4_PREPARED_X = True
 INT4_PREPARE_DOWN = True
 # Whether, where both projections after a norm take those operands (4-bit, zero points, no act order), the norm
 # and the operands are one Pallas kernel (rms_norm_gemv_x) instead of XLA's three (the norm's reductions, the
-# bound's scalar, the pairs): run 04-06 of session 49 put those at ~4 us a norm against 2.7 for the plain norm.
-# Off until measured on a GPU (step_kernels.py --set jaxpaged.models.decoder.INT4_NORM_KERNEL=True).
-INT4_NORM_KERNEL = False
+# bound's scalar, the pairs). On the H100 (llama3-8b AWQ, one request) the step took 3.0% less: 2,654 against
+# 2,737 us, the kernel 2.46 us a norm (bench/results/NOTES.md).
+INT4_NORM_KERNEL = True
 
 
 class RMSNorm(nn.Module):

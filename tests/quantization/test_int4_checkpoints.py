@@ -302,6 +302,7 @@ def test_the_norm_kernel_gives_a_4bit_decode_row_its_operands(checkpoints, monke
         [out] = llm.generate([prompt], params, use_tqdm=False)
         return list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.outputs[0].logprobs,
                                                                               out.outputs[0].token_ids)]
+    monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", False)
     xla_tokens, xla_lps = run()
     assert not calls
     monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", True)
