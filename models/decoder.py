@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, dequantize_int4, int4_matmul, norm_gemv_x_supported,
-                                                 rms_norm_gemv_x, slab_rows, use_f16x2)
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, choose_int4_tiling, dequantize_int4,
+                                                 int4_matmul, norm_gemv_x_supported, rms_norm_gemv_x, silu_mul_gemv_x,
+                                                 slab_rows, use_f16x2)
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 
@@ -76,6 +77,11 @@ INT4_PREPARE_DOWN = True
 # bound's scalar, the pairs). On the H100 (llama3-8b AWQ, one request) the step took 3.0% less: 2,654 against
 # 2,737 us, the kernel 2.46 us a norm (bench/results/NOTES.md).
 INT4_NORM_KERNEL = True
+# Whether a one-row SwiGLU MLP whose gate/up and down projections are both 4-bit (down with zero points, no act
+# order, in float16 pairs) makes the down GEMV's operands in one Pallas kernel (silu_mul_gemv_x) from the gate/up
+# GEMV's partial sums, instead of XLA's three (the sum with the SiLU and product, the maximum, the pairs). Off
+# until measured on a GPU.
+INT4_SILU_KERNEL = False
 
 
 class RMSNorm(nn.Module):
@@ -226,11 +232,12 @@ class Int4Linear(nn.Module):
     bits: int = 4
 
     @nn.compact
-    def __call__(self, x, x_bound=None):
+    def __call__(self, x, x_bound=None, keep_splits: bool = False):
         """x_bound f32[T]: a bound of each row's |x| (RMSNorm's, or its maximum); given, a one-row bf16/f16 x takes
         the W4A16 GEMV with its float16 operands made before the kernel (int4_matmul's x_amax). Or a tuple: those
         operands made already (RMSNorm's pairs=True, int4_matmul's x_pairs), taken by the zero-point forms
-        without act order (whose input rows are permuted), x otherwise."""
+        without act order (whose input rows are permuted), x otherwise. keep_splits (the Pallas path, no bias):
+        the kernel's partial sums over its splits, int4_matmul's keep_splits, for silu_mul_gemv_x."""
         k, n = self.in_features, self.features
         if self.offsets:
             k += -k % slab_rows(self.bits)
@@ -254,7 +261,14 @@ class Int4Linear(nn.Module):
                 prepared = False
             y = int4_matmul(x, qweight, scales, **affine, bits=self.bits,
                             x_amax=x_bound if prepared and not made else None,
-                            x_pairs=x_bound if prepared and made else None, interpret=self.options.interpret)
+                            x_pairs=x_bound if prepared and made else None, keep_splits=keep_splits,
+                            interpret=self.options.interpret)
+            if keep_splits:
+                if self.use_bias:
+                    raise ValueError("keep_splits takes a layer without a bias")
+                return y
+        elif keep_splits:
+            raise ValueError("keep_splits takes the Pallas kernels' rows")
         else:
             y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
@@ -411,15 +425,34 @@ class MLP(nn.Module):
     def __call__(self, x, x_bound=None):
         """x_bound: the norm's bound of |x| (RMSNorm), for the gate/up projection."""
         c, opts = self.cfg, self.options
-        gate_up = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)(
-            x, x_bound)
-        gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
+        gate_up_proj = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)
         down = _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj", opts)
+        splits = self._silu_kernel_splits(x)
+        if splits:      # the product and the down GEMV's operands in one kernel, from gate/up's partial sums
+            x_pairs = silu_mul_gemv_x(gate_up_proj(x, x_bound, keep_splits=True), num_splits=splits,
+                                      dtype=self.dtype, interpret=opts.interpret)
+            return down(jnp.zeros((1, c.intermediate_size), self.dtype), x_pairs)
+        gate_up = gate_up_proj(x, x_bound)
+        gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
         act = nn.silu(gate) if c.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
         hidden = act * up
         # its maximum, for a W4A16 down projection (one more reduction; unused by the others, which XLA drops)
         bound = jnp.max(jnp.abs(hidden.astype(jnp.float32)), axis=-1) if INT4_PREPARE_DOWN else None
         return down(hidden, bound)
+
+    def _silu_kernel_splits(self, x) -> int:
+        """The down GEMV's splits where this step's MLP runs silu_mul_gemv_x (INT4_SILU_KERNEL), else 0: one row
+        through the Pallas kernels, SiLU, gate/up 4-bit, down 4-bit with zero points, no act order, in float16
+        pairs (the splits int4_matmul picks for it)."""
+        c = self.cfg
+        inter = c.intermediate_size
+        if not (INT4_SILU_KERNEL and INT4_PREPARED_X and self.options.pallas and x.shape[0] == 1
+                and c.hidden_act == "silu" and inter % PACK_ROWS == 0):
+            return 0
+        gate_up, down = int4_scheme(c.quant_of("gate_up_proj")), int4_scheme(c.quant_of("down_proj"))
+        if gate_up is None or down is None or down[1] or not use_f16x2(self.dtype, down[0] or inter):
+            return 0
+        return choose_int4_tiling(1, inter, c.hidden_size, f16x2=True)[2]
 
 
 class DecoderLayer(nn.Module):

@@ -429,8 +429,8 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
     def group_scale(row):
         return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
 
-    if prepared:
-        _, unscale = _pow2_scale(a_ref[0])
+    if prepared:      # one bound for all of x, or one a split (silu_mul_gemv_x's)
+        _, unscale = _pow2_scale(a_ref[split] if a_ref.shape[0] > 1 else a_ref[0])
     else:
         # the split's power-of-two scale of x (its inverse applied to the output)
         amax = functools.reduce(jnp.maximum, [
@@ -566,6 +566,67 @@ def rms_norm_gemv_x(x, weight, *, eps: float, plus_one: bool = False, interpret:
     return y.reshape(1, k), pairs.reshape(1, k // 2), amax
 
 
+def _silu_mul_gemv_x_kernel(g_ref, p_ref, a_ref, *, parts, slabs_per_split, dtype):
+    # g_ref: [P, 2, S, 8, 16] the gate/up GEMV's output in P parts (its splits' partial sums, or P = 1 the output),
+    # gate then up, each input row 128 s + 16 j + r at [s, j, r]; p_ref: i32[S, 4, 16] the pairs (prepare_gemv_x's
+    # layout); a_ref: f32[NS], at this program's split its max |silu(gate) * up|.
+    split = pl.program_id(0)
+
+    def rounded(v):
+        return v.astype(dtype).astype(jnp.float32)
+
+    def part_sum(which, slab, j0):
+        return functools.reduce(jnp.add, [g_ref[p, which, slab, pl.ds(j0, 4), :].astype(jnp.float32)
+                                          for p in range(parts)])
+
+    hidden = []                               # per slab of the split: value positions 0-3 and 4-7, [4, 16] each
+    for t in range(slabs_per_split):
+        slab = split * slabs_per_split + t
+        halves = []
+        for j0 in (0, 4):                     # as MLP computes it: the GEMV's output, SiLU, the product, each rounded
+            gate, up = rounded(part_sum(0, slab, j0)), rounded(part_sum(1, slab, j0))
+            act = rounded(gate * rounded(1.0 / (1.0 + jnp.exp(-gate))))
+            halves.append(rounded(act * up))
+        hidden.append(halves)
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0) for h in hidden for v in h])
+    scale, _ = _pow2_scale(amax)
+    odd = jax.lax.broadcasted_iota(jnp.int32, (4, _NIBBLE_ROWS), 0) % 2 == 1
+    factor = jnp.where(odd, scale * (1.0 / 16), scale)
+    for t, (lo, hi) in enumerate(hidden):
+        p_ref[split * slabs_per_split + t, :, :] = _f16_pair(lo * factor, hi * factor, asm=False)
+    a_ref[pl.ds(split, 1)] = jnp.broadcast_to(amax, (1,))
+
+
+@functools.partial(jax.jit, static_argnames=("num_splits", "dtype", "interpret"))
+def silu_mul_gemv_x(gate_up, *, num_splits: int, dtype, interpret: bool | None = None):
+    """One row's SwiGLU product and the f16x2 GEMV's operands of it in one kernel, for the down projection:
+    gate_up f32[P, 1, 2I] (int4_matmul's keep_splits output: the gate/up GEMV's partial sums over its splits, gate
+    then up) or dtype[1, 1, 2I] -> (the float16 pairs i32[1, I/2] of silu(gate) * up as MLP computes it in dtype,
+    f32[num_splits] the max |.| of each of the down GEMV's splits of I), int4_matmul's x_pairs for a GEMV of
+    num_splits splits, each of which scales its share of the pairs by its own bound, as the GEMV does when it makes
+    them itself. What XLA makes of the same (the splits' sum with the SiLU and product, the maximum, the pairs)
+    is three kernels. One program a split."""
+    parts, m, width = gate_up.shape
+    inter = width // 2
+    if m != 1 or width % 2 or inter % PACK_ROWS or (inter // PACK_ROWS) % num_splits:
+        raise ValueError(f"silu_mul_gemv_x takes one row of gate and up, whole slabs in {num_splits} splits: "
+                         f"{gate_up.shape}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    slabs = inter // PACK_ROWS
+    pairs, amax = pl.pallas_call(
+        functools.partial(_silu_mul_gemv_x_kernel, parts=parts, slabs_per_split=slabs // num_splits,
+                          dtype=jnp.dtype(dtype)),
+        grid=(num_splits,),
+        out_shape=(jax.ShapeDtypeStruct((slabs, 4, _NIBBLE_ROWS), jnp.int32),
+                   jax.ShapeDtypeStruct((num_splits,), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="silu_mul_gemv_x",
+    )(gate_up.reshape(parts, 2, slabs, 8, _NIBBLE_ROWS))
+    return pairs.reshape(1, inter // 2), amax
+
+
 def use_f16x2(dtype, group_size: int) -> bool:
     """Whether the GEMV kernel takes the f16x2 form: half-precision x (a float32 x keeps float32 math, so a
     float32 model computes in float32) and groups of 32 rows or more."""
@@ -598,11 +659,12 @@ def choose_int4_tiling(m: int, k: int, n: int, sms: int = 132, bits: int = 4, f1
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "num_splits", "slabs_per_iter", "num_warps",
-                                             "num_stages", "gemv_math", "bits", "interpret"))
+                                             "num_stages", "gemv_math", "bits", "keep_splits", "interpret"))
 def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | None = None,
                 block_n: int | None = None, num_splits: int | None = None, slabs_per_iter: int = 1,
                 num_warps: int | None = None, num_stages: int = 3, gemv_math: str | None = None,
-                bits: int = 4, x_amax=None, x_pairs=None, interpret: bool | None = None) -> jax.Array:
+                bits: int = 4, x_amax=None, x_pairs=None, keep_splits: bool = False,
+                interpret: bool | None = None) -> jax.Array:
     """x dtype[M, K] @ W -> dtype[M, N], W given as qweight i32[K/8, N] and scales dtype[K/G, N] with either
     zero points (zeros, u8) or offsets (mins, floats) of scales' shape (the layout and both forms in the module
     docstring).
@@ -616,7 +678,9 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     it); given, x's float16 pairs are made before the kernel by prepare_gemv_x (XLA fuses them into the ops that
     produce x) rather than by each of the kernel's programs, about 10% of the kernel's time at llama3-8b's
     sizes on the H100 (bench/results/NOTES.md). x_pairs (the same GEMV, zero points): those operands made already,
-    (pairs i32[1, K/2], max |x| f32[1]) from rms_norm_gemv_x; x then gives only the shape and dtype."""
+    (pairs i32[1, K/2], and f32[1] max |x| from rms_norm_gemv_x or f32[NS] one a split from silu_mul_gemv_x); x
+    then gives only the shape and dtype. keep_splits: the output as the splits' partial sums, f32[NS, M, N] (NS = 1:
+    dtype[1, M, N]), for a consumer that sums them itself (silu_mul_gemv_x)."""
     zeros, offsets = _affine(zeros, mins)
     if bits not in BITS:
         raise ValueError(f"bits {bits}: 4 or 8")
@@ -659,6 +723,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         prepared = x_amax is not None or x_pairs is not None
         if x_pairs is not None and (offsets or x_amax is not None):
             raise ValueError("x_pairs takes the zero-point form, without x_amax (the pairs come with their maximum)")
+        if x_pairs is not None and x_pairs[1].shape not in ((1,), (num_splits,)):
+            raise ValueError(f"x_pairs' bounds {x_pairs[1].shape}: one, or one for each of the {num_splits} splits")
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,
@@ -686,9 +752,12 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         name="int4_matmul",
     )(*(tuple(x_pairs) if x_pairs is not None else prepare_gemv_x(x, group_size, offsets, x_amax) if prepared
         else (x,)), qweight, scales, zeros)
+    if keep_splits:
+        return out if num_splits > 1 else out[None]
     return out if num_splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 __all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
            "dequantize_int4", "int4_matmul", "int4_matmul_reference", "norm_gemv_x_supported", "pack_bits", "pack_int4",
-           "prepare_gemv_x", "rms_norm_gemv_x", "slab_rows", "unpack_bits", "unpack_int4", "use_f16x2"]
+           "prepare_gemv_x", "rms_norm_gemv_x", "silu_mul_gemv_x", "slab_rows", "unpack_bits", "unpack_int4",
+           "use_f16x2"]

@@ -303,6 +303,17 @@ class TestInt4Matmul:
             return op(y, w, sc, z, x_pairs=(pairs, amax))
         assert lowered_calls(normed, s((1, 4096), jnp.bfloat16), s((4096,), jnp.bfloat16), *weights) == (2,)
 
+        # the SwiGLU product's operands from the gate/up GEMV's partial sums (llama3-8b's MLP: 2 and 16 splits)
+        from jaxpaged.pallas_kernels.int4_matmul import silu_mul_gemv_x
+
+        def mlp(x, gu_w, gu_s, gu_z, w, sc, z):
+            partials = op(x, gu_w, gu_s, gu_z, keep_splits=True)
+            x_pairs = silu_mul_gemv_x(partials, num_splits=16, dtype=jnp.bfloat16, interpret=False)
+            return op(jnp.zeros((1, 14336), jnp.bfloat16), w, sc, z, x_pairs=x_pairs)
+        assert lowered_calls(mlp, s((1, 4096), jnp.bfloat16), s((512, 28672), jnp.int32), s((32, 28672), jnp.bfloat16),
+                             s((32, 28672), jnp.uint8), s((1792, 4096), jnp.int32), s((112, 4096), jnp.bfloat16),
+                             s((112, 4096), jnp.uint8)) == (3,)
+
 
 @pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norm", "gemma-norm"])
 def test_a_norms_bound_feeds_the_w4a16_decode_row(plus_one):
@@ -367,6 +378,54 @@ def test_rms_norm_gemv_x_is_the_norm_and_its_gemv_operands(plus_one, k):
         rms_norm_gemv_x(jnp.zeros((1, 384), jnp.bfloat16), jnp.ones(384, jnp.bfloat16), eps=1e-6)
     with pytest.raises(ValueError, match="x_pairs"):
         int4_matmul(y, qweight, scales, zeros=b, x_pairs=(pairs, amax), x_amax=amax, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
+    """silu_mul_gemv_x: from the gate/up GEMV's partial sums (parts of them, or its output), silu(gate) * up as MLP
+    computes it in bf16, each split's maximum of it and the float16 pairs scaled by that split's bound, which
+    int4_matmul takes as x_pairs (one bound a split) to the dequantized reference's result."""
+    from jaxpaged.pallas_kernels.int4_matmul import silu_mul_gemv_x
+    inter, splits, n, g = 896, 7, 128, 128
+    rng = np.random.default_rng(parts)
+    gate_up = rng.standard_normal((parts, 1, 2 * inter)) * 2
+    gate_up[0, 0, [5, inter + 5]] = 30.0                                                 # an outlier in one split
+    gate_up = jnp.asarray(gate_up, jnp.float32 if parts > 1 else jnp.bfloat16)
+    pairs, amax = silu_mul_gemv_x(gate_up, num_splits=splits, dtype=jnp.bfloat16, interpret=INTERPRET)
+    gate, up = jnp.split(jnp.sum(gate_up.astype(jnp.float32), axis=0).astype(jnp.bfloat16), 2, axis=-1)
+    hidden = jax.nn.silu(gate) * up                                                      # MLP's, in bf16
+    split_max = np.abs(np.asarray(hidden, np.float32)[0]).reshape(splits, -1).max(axis=1)
+    assert pairs.shape == (1, inter // 2) and amax.shape == (splits,)
+    np.testing.assert_allclose(np.asarray(amax), split_max, rtol=2 ** -6)
+    assert split_max[0] > 8 * split_max[1:].max()                                        # the splits' bounds differ
+    values = np.asarray(hidden, np.float32)[0].reshape(-1, 8, 16)                         # [slab, j, r]
+    scale = np.repeat(2.0 ** (5 - np.floor(np.log2(np.asarray(amax)))), (inter // 128) // splits)   # [slab]
+    lo, hi = _f16_pair_values(pairs.reshape(-1, 4, 16))
+    odd = np.asarray([1, 1 / 16, 1, 1 / 16])[None, :, None]
+    np.testing.assert_allclose(lo, values[:, :4] * scale[:, None, None] * odd, rtol=2 ** -6, atol=1e-3)
+    np.testing.assert_allclose(hi, values[:, 4:] * scale[:, None, None] * odd, rtol=2 ** -6, atol=1e-3)
+    q = rng.integers(0, 16, (inter, n), dtype=np.uint8)
+    w = jnp.asarray(pack_int4(q))
+    sc = jnp.asarray(rng.uniform(0.005, 0.05, (inter // g, n)), jnp.bfloat16)
+    z = jnp.asarray(rng.integers(0, 16, (inter // g, n)), jnp.uint8)
+    out = int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=splits, interpret=INTERPRET)
+    assert rel_err(out, int4_matmul_reference(hidden, w, sc, zeros=z)) <= TOL["bfloat16"]
+    with pytest.raises(ValueError, match="one for each"):
+        int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=1, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="whole slabs"):
+        silu_mul_gemv_x(gate_up, num_splits=2, dtype=jnp.bfloat16, interpret=INTERPRET)
+
+
+def test_int4_matmul_keeps_its_splits_partial_sums():
+    """keep_splits: the splits' float32 partial sums, whose sum is the output (one split: the output itself)."""
+    case = MatmulCase(1, 512, 128, 128, "bfloat16", num_splits=1)
+    x, qweight, scales, b, _ = make_inputs(case)
+    whole = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, interpret=INTERPRET)
+    one = int4_matmul(x, qweight, scales, zeros=b, num_splits=1, keep_splits=True, interpret=INTERPRET)
+    assert one.shape == (1, 1, 128) and (one[0] == whole).all()
+    parts = int4_matmul(x, qweight, scales, zeros=b, num_splits=4, keep_splits=True, interpret=INTERPRET)
+    assert parts.shape == (4, 1, 128) and parts.dtype == jnp.float32
+    assert rel_err(jnp.sum(parts, axis=0), whole) <= TOL["bfloat16"]
 
 
 def test_int4_linear_takes_the_norm_kernels_operands_where_its_rows_are_in_order():

@@ -281,35 +281,39 @@ def test_the_server_flag_reaches_the_engine_args(method):
     assert args.quantization == method
 
 
-def test_the_norm_kernel_gives_a_4bit_decode_row_its_operands(checkpoints, monkeypatch):
+def test_the_norm_and_silu_kernels_give_a_4bit_decode_row_its_operands(checkpoints, monkeypatch):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted): with INT4_NORM_KERNEL the norms before q/k/v
-    and gate/up run as rms_norm_gemv_x and hand the W4A16 GEMVs their operands, and the greedy tokens and their
-    logprobs are those of the norms computed by XLA (to half precision's tolerance)."""
+    and gate/up run as rms_norm_gemv_x, and with INT4_SILU_KERNEL too the MLP's product runs as silu_mul_gemv_x
+    (gate/up in one split, down in two), each handing the W4A16 GEMVs their operands; the greedy tokens and their
+    logprobs are those of the same computed by XLA (to half precision's tolerance)."""
     import jaxpaged.models.decoder as decoder
     case = CASES[0]                     # Llama, AWQ, groups of 32
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = {"prompt_token_ids": np.random.default_rng(2).integers(0, 320, 11).tolist()}
-    calls = []
-    kernel = decoder.rms_norm_gemv_x
-    monkeypatch.setattr(decoder, "rms_norm_gemv_x", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls: dict[str, int] = {}
+    for name in ("rms_norm_gemv_x", "silu_mul_gemv_x"):
+        kernel = getattr(decoder, name)
+        monkeypatch.setattr(decoder, name, lambda *a, _k=kernel, _n=name, **kw: calls.update({_n: 1}) or _k(*a, **kw))
 
-    def run():
-        jax.clear_caches()              # the step's programs are traced again, under the switch as set now
-        llm = LLM(model=str(path), dtype="float16", max_model_len=128, block_size=8, max_num_batched_tokens=32,
-                  attention_backend="pallas", quantization="awq", layer_dispatch="unrolled")
-        [out] = llm.generate([prompt], params, use_tqdm=False)
-        return list(out.outputs[0].token_ids), [e[t].logprob for e, t in zip(out.outputs[0].logprobs,
-                                                                              out.outputs[0].token_ids)]
-    monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", False)
-    xla_tokens, xla_lps = run()
-    assert not calls
-    monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", True)
-    try:
-        tokens, lps = run()
-    finally:
-        jax.clear_caches()              # no later test may reuse a program traced with the switch on
-    assert calls                        # traced into the decode step's program
-    assert tokens == xla_tokens
-    np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)
+    def run(norm: bool, silu: bool):
+        monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", norm)
+        monkeypatch.setattr(decoder, "INT4_SILU_KERNEL", silu)
+        calls.clear()
+        jax.clear_caches()              # the step's programs are traced again, under the switches as set now
+        try:
+            llm = LLM(model=str(path), dtype="float16", max_model_len=128, block_size=8, max_num_batched_tokens=32,
+                      attention_backend="pallas", quantization="awq", layer_dispatch="unrolled")
+            [out] = llm.generate([prompt], params, use_tqdm=False)
+        finally:
+            jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
+        return sorted(calls), list(out.outputs[0].token_ids), [
+            e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    traced, xla_tokens, xla_lps = run(False, False)
+    assert traced == []
+    for norm, silu in ((True, False), (True, True)):
+        traced, tokens, lps = run(norm, silu)
+        assert traced == ["rms_norm_gemv_x"] + (["silu_mul_gemv_x"] if silu else [])   # in the decode step's program
+        assert tokens == xla_tokens
+        np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)
