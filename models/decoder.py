@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, choose_int4_tiling, dequantize_int4,
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4,
                                                  int4_matmul, norm_gemv_x_supported, rms_norm_gemv_x, silu_mul_gemv_x,
                                                  slab_rows, use_f16x2)
 from jaxpaged.quantization import fp8, int8
@@ -427,10 +427,9 @@ class MLP(nn.Module):
         c, opts = self.cfg, self.options
         gate_up_proj = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)
         down = _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj", opts)
-        splits = self._silu_kernel_splits(x)
-        if splits:      # the product and the down GEMV's operands in one kernel, from gate/up's partial sums
-            x_pairs = silu_mul_gemv_x(gate_up_proj(x, x_bound, keep_splits=True), num_splits=splits,
-                                      dtype=self.dtype, interpret=opts.interpret)
+        if self._silu_kernel(x):    # the product and the down GEMV's operands in one kernel, from gate/up's sums
+            x_pairs = silu_mul_gemv_x(gate_up_proj(x, x_bound, keep_splits=True), dtype=self.dtype,
+                                      interpret=opts.interpret)
             return down(jnp.zeros((1, c.intermediate_size), self.dtype), x_pairs)
         gate_up = gate_up_proj(x, x_bound)
         gate, up = jnp.split(gate_up, 2, axis=-1)           # one matmul for both
@@ -440,19 +439,16 @@ class MLP(nn.Module):
         bound = jnp.max(jnp.abs(hidden.astype(jnp.float32)), axis=-1) if INT4_PREPARE_DOWN else None
         return down(hidden, bound)
 
-    def _silu_kernel_splits(self, x) -> int:
-        """The down GEMV's splits where this step's MLP runs silu_mul_gemv_x (INT4_SILU_KERNEL), else 0: one row
-        through the Pallas kernels, SiLU, gate/up 4-bit, down 4-bit with zero points, no act order, in float16
-        pairs (the splits int4_matmul picks for it)."""
+    def _silu_kernel(self, x) -> bool:
+        """Whether this step's MLP runs silu_mul_gemv_x (INT4_SILU_KERNEL): one row through the Pallas kernels,
+        SiLU, gate/up 4-bit, down 4-bit with zero points, no act order, in float16 pairs."""
         c = self.cfg
         inter = c.intermediate_size
         if not (INT4_SILU_KERNEL and INT4_PREPARED_X and self.options.pallas and x.shape[0] == 1
                 and c.hidden_act == "silu" and inter % PACK_ROWS == 0):
-            return 0
+            return False
         gate_up, down = int4_scheme(c.quant_of("gate_up_proj")), int4_scheme(c.quant_of("down_proj"))
-        if gate_up is None or down is None or down[1] or not use_f16x2(self.dtype, down[0] or inter):
-            return 0
-        return choose_int4_tiling(1, inter, c.hidden_size, f16x2=True)[2]
+        return gate_up is not None and down is not None and not down[1] and use_f16x2(self.dtype, down[0] or inter)
 
 
 class DecoderLayer(nn.Module):

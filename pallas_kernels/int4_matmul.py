@@ -407,10 +407,11 @@ def _pow2_chunks(length: int, largest: int = 2048) -> list[tuple[int, int]]:
 
 def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_per_iter, offsets, asm, prepared):
     # Not prepared: x_ref dtype[1, K] (bf16 or f16). Prepared (prepare_gemv_x's operands): xp_ref i32[1, K/2] the
-    # float16 pairs, a_ref f32[1] the bound of |x| they were scaled by, and with offsets xs_ref f32[1, K/G] x's
-    # group sums. w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with offsets mins)
-    # o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32 accumulator
-    # takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes min * sum_k x_k.
+    # float16 pairs, a_ref f32[1] the bound of |x| they were scaled by (or f32[K/128], one a slab), and with
+    # offsets xs_ref f32[1, K/G] x's group sums. w_ref: i32[K/8, N]; s_ref, z_ref: [K/G, N] (u8 zeros, or with
+    # offsets mins). o_ref: dtype[1, N] (one split) or f32[NS, 1, N]. The f16x2 form above: a [16, BN] float32
+    # accumulator takes each word's lane sums times its groups' scales; with offsets a [1, BN] one takes
+    # min * sum_k x_k.
     if prepared:
         xp_ref, a_ref, *sums, w_ref, s_ref, z_ref, o_ref = refs
         xs_ref = sums[0] if offsets else None
@@ -426,11 +427,15 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
     def group_row(slab, j):
         return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
 
-    def group_scale(row):
-        return s_ref[row, cols].astype(jnp.float32)[None, :]                             # [1, BN]
+    def group_scale(row, slab):
+        scale = s_ref[row, cols].astype(jnp.float32)[None, :]                            # [1, BN]
+        return scale * _pow2_scale(a_ref[slab])[1] if per_slab else scale
 
-    if prepared:      # one bound for all of x, or one a split (silu_mul_gemv_x's)
-        _, unscale = _pow2_scale(a_ref[split] if a_ref.shape[0] > 1 else a_ref[0])
+    per_slab = prepared and a_ref.shape[0] > 1      # one bound a slab (silu_mul_gemv_x's), else one for all of x
+    if per_slab:
+        unscale = 1.0                                  # each slab's inverse scale goes into its groups' scales
+    elif prepared:
+        _, unscale = _pow2_scale(a_ref[0])
     else:
         # the split's power-of-two scale of x (its inverse applied to the output)
         amax = functools.reduce(jnp.maximum, [
@@ -454,8 +459,8 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
             else:
                 pairs_lo, pairs_hi = _zero_pairs(z_ref[g_lo, cols], None if one_group else z_ref[g_hi, cols])
                 zlo, zhi = jnp.broadcast_to(pairs_lo[None, :], tile), jnp.broadcast_to(pairs_hi[None, :], tile)
-            s_lo = jnp.broadcast_to(group_scale(g_lo), tile)
-            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi), tile)
+            s_lo = jnp.broadcast_to(group_scale(g_lo, slab), tile)
+            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi, slab), tile)
             if asm:
                 asm_text, constraints = _f16x2_asm(pairs)
                 [acc] = plgpu.elementwise_inline_asm(asm_text, args=[acc, w, *xs, zlo, zhi, s_lo, s_hi],
@@ -566,61 +571,55 @@ def rms_norm_gemv_x(x, weight, *, eps: float, plus_one: bool = False, interpret:
     return y.reshape(1, k), pairs.reshape(1, k // 2), amax
 
 
-def _silu_mul_gemv_x_kernel(g_ref, p_ref, a_ref, *, parts, slabs_per_split, dtype):
+def _silu_mul_gemv_x_kernel(g_ref, p_ref, a_ref, *, parts, dtype):
     # g_ref: [P, 2, S, 8, 16] the gate/up GEMV's output in P parts (its splits' partial sums, or P = 1 the output),
-    # gate then up, each input row 128 s + 16 j + r at [s, j, r]; p_ref: i32[S, 4, 16] the pairs (prepare_gemv_x's
-    # layout); a_ref: f32[NS], at this program's split its max |silu(gate) * up|.
-    split = pl.program_id(0)
+    # gate then up, input row 128 s + 16 j + r at [s, j, r]; p_ref: i32[S, 4, 16] the pairs (prepare_gemv_x's
+    # layout), each slab's scaled by its own bound; a_ref: f32[S], each slab's max |silu(gate) * up|. One program a
+    # slab: a slab's pairs need only its own bound.
+    slab = pl.program_id(0)
 
     def rounded(v):
         return v.astype(dtype).astype(jnp.float32)
 
-    def part_sum(which, slab, j0):
+    def part_sum(which, j0):
         return functools.reduce(jnp.add, [g_ref[p, which, slab, pl.ds(j0, 4), :].astype(jnp.float32)
                                           for p in range(parts)])
 
-    hidden = []                               # per slab of the split: value positions 0-3 and 4-7, [4, 16] each
-    for t in range(slabs_per_split):
-        slab = split * slabs_per_split + t
-        halves = []
-        for j0 in (0, 4):                     # as MLP computes it: the GEMV's output, SiLU, the product, each rounded
-            gate, up = rounded(part_sum(0, slab, j0)), rounded(part_sum(1, slab, j0))
-            act = rounded(gate * rounded(1.0 / (1.0 + jnp.exp(-gate))))
-            halves.append(rounded(act * up))
-        hidden.append(halves)
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0) for h in hidden for v in h])
+    halves = []                           # value positions 0-3 and 4-7, [4, 16] each
+    for j0 in (0, 4):                     # as MLP computes it: the GEMV's output, the SiLU, the product, each rounded
+        gate, up = rounded(part_sum(0, j0)), rounded(part_sum(1, j0))
+        act = rounded(gate * rounded(1.0 / (1.0 + jnp.exp(-gate))))
+        halves.append(rounded(act * up))
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0) for v in halves])
     scale, _ = _pow2_scale(amax)
     odd = jax.lax.broadcasted_iota(jnp.int32, (4, _NIBBLE_ROWS), 0) % 2 == 1
     factor = jnp.where(odd, scale * (1.0 / 16), scale)
-    for t, (lo, hi) in enumerate(hidden):
-        p_ref[split * slabs_per_split + t, :, :] = _f16_pair(lo * factor, hi * factor, asm=False)
-    a_ref[pl.ds(split, 1)] = jnp.broadcast_to(amax, (1,))
+    p_ref[slab, :, :] = _f16_pair(halves[0] * factor, halves[1] * factor, asm=False)
+    a_ref[pl.ds(slab, 1)] = jnp.broadcast_to(amax, (1,))
 
 
-@functools.partial(jax.jit, static_argnames=("num_splits", "dtype", "interpret"))
-def silu_mul_gemv_x(gate_up, *, num_splits: int, dtype, interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def silu_mul_gemv_x(gate_up, *, dtype, interpret: bool | None = None):
     """One row's SwiGLU product and the f16x2 GEMV's operands of it in one kernel, for the down projection:
     gate_up f32[P, 1, 2I] (int4_matmul's keep_splits output: the gate/up GEMV's partial sums over its splits, gate
     then up) or dtype[1, 1, 2I] -> (the float16 pairs i32[1, I/2] of silu(gate) * up as MLP computes it in dtype,
-    f32[num_splits] the max |.| of each of the down GEMV's splits of I), int4_matmul's x_pairs for a GEMV of
-    num_splits splits, each of which scales its share of the pairs by its own bound, as the GEMV does when it makes
-    them itself. What XLA makes of the same (the splits' sum with the SiLU and product, the maximum, the pairs)
-    is three kernels. One program a split."""
+    f32[I/128] the max |.| of each 128-row slab), int4_matmul's x_pairs: each slab's pairs scaled by its own
+    bound, whose inverse the GEMV folds into that slab's group scales. What XLA makes of the same (the splits' sum
+    with the SiLU and product, the maximum, the pairs) is three kernels. One program a slab: with one bound for
+    all of I the pairs would wait on a reduction over every program."""
     parts, m, width = gate_up.shape
     inter = width // 2
-    if m != 1 or width % 2 or inter % PACK_ROWS or (inter // PACK_ROWS) % num_splits:
-        raise ValueError(f"silu_mul_gemv_x takes one row of gate and up, whole slabs in {num_splits} splits: "
-                         f"{gate_up.shape}")
+    if m != 1 or width % 2 or inter % PACK_ROWS:
+        raise ValueError(f"silu_mul_gemv_x takes one row of gate and up, whole slabs: {gate_up.shape}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     slabs = inter // PACK_ROWS
     pairs, amax = pl.pallas_call(
-        functools.partial(_silu_mul_gemv_x_kernel, parts=parts, slabs_per_split=slabs // num_splits,
-                          dtype=jnp.dtype(dtype)),
-        grid=(num_splits,),
+        functools.partial(_silu_mul_gemv_x_kernel, parts=parts, dtype=jnp.dtype(dtype)),
+        grid=(slabs,),
         out_shape=(jax.ShapeDtypeStruct((slabs, 4, _NIBBLE_ROWS), jnp.int32),
-                   jax.ShapeDtypeStruct((num_splits,), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                   jax.ShapeDtypeStruct((slabs,), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="silu_mul_gemv_x",
     )(gate_up.reshape(parts, 2, slabs, 8, _NIBBLE_ROWS))
@@ -678,7 +677,7 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     it); given, x's float16 pairs are made before the kernel by prepare_gemv_x (XLA fuses them into the ops that
     produce x) rather than by each of the kernel's programs, about 10% of the kernel's time at llama3-8b's
     sizes on the H100 (bench/results/NOTES.md). x_pairs (the same GEMV, zero points): those operands made already,
-    (pairs i32[1, K/2], and f32[1] max |x| from rms_norm_gemv_x or f32[NS] one a split from silu_mul_gemv_x); x
+    (pairs i32[1, K/2], and f32[1] max |x| from rms_norm_gemv_x or f32[K/128] one a slab from silu_mul_gemv_x); x
     then gives only the shape and dtype. keep_splits: the output as the splits' partial sums, f32[NS, M, N] (NS = 1:
     dtype[1, M, N]), for a consumer that sums them itself (silu_mul_gemv_x)."""
     zeros, offsets = _affine(zeros, mins)
@@ -723,8 +722,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
         prepared = x_amax is not None or x_pairs is not None
         if x_pairs is not None and (offsets or x_amax is not None):
             raise ValueError("x_pairs takes the zero-point form, without x_amax (the pairs come with their maximum)")
-        if x_pairs is not None and x_pairs[1].shape not in ((1,), (num_splits,)):
-            raise ValueError(f"x_pairs' bounds {x_pairs[1].shape}: one, or one for each of the {num_splits} splits")
+        if x_pairs is not None and x_pairs[1].shape not in ((1,), (slabs,)):
+            raise ValueError(f"x_pairs' bounds {x_pairs[1].shape}: one, or one for each of the {slabs} slabs")
         kernel = functools.partial(_int4_gemv_f16x2_kernel, group_size=group_size,
                                    slabs_per_split=slabs // num_splits, block_n=block_n,
                                    slabs_per_iter=slabs_per_iter, offsets=offsets,

@@ -308,7 +308,7 @@ class TestInt4Matmul:
 
         def mlp(x, gu_w, gu_s, gu_z, w, sc, z):
             partials = op(x, gu_w, gu_s, gu_z, keep_splits=True)
-            x_pairs = silu_mul_gemv_x(partials, num_splits=16, dtype=jnp.bfloat16, interpret=False)
+            x_pairs = silu_mul_gemv_x(partials, dtype=jnp.bfloat16, interpret=False)
             return op(jnp.zeros((1, 14336), jnp.bfloat16), w, sc, z, x_pairs=x_pairs)
         assert lowered_calls(mlp, s((1, 4096), jnp.bfloat16), s((512, 28672), jnp.int32), s((32, 28672), jnp.bfloat16),
                              s((32, 28672), jnp.uint8), s((1792, 4096), jnp.int32), s((112, 4096), jnp.bfloat16),
@@ -383,37 +383,43 @@ def test_rms_norm_gemv_x_is_the_norm_and_its_gemv_operands(plus_one, k):
 @pytest.mark.parametrize("parts", [1, 3])
 def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
     """silu_mul_gemv_x: from the gate/up GEMV's partial sums (parts of them, or its output), silu(gate) * up as MLP
-    computes it in bf16, each split's maximum of it and the float16 pairs scaled by that split's bound, which
-    int4_matmul takes as x_pairs (one bound a split) to the dequantized reference's result."""
+    computes it in bf16, each 128-row slab's maximum of it and the float16 pairs scaled by that slab's bound, which
+    int4_matmul takes as x_pairs (one bound a slab, with splits of several slabs) to the dequantized reference's
+    result."""
     from jaxpaged.pallas_kernels.int4_matmul import silu_mul_gemv_x
-    inter, splits, n, g = 896, 7, 128, 128
+    inter, n = 896, 128
+    slabs = inter // 128
     rng = np.random.default_rng(parts)
     gate_up = rng.standard_normal((parts, 1, 2 * inter)) * 2
-    gate_up[0, 0, [5, inter + 5]] = 30.0                                                 # an outlier in one split
+    gate_up[0, 0, [5, inter + 5]] = 30.0                                                 # an outlier in one slab
     gate_up = jnp.asarray(gate_up, jnp.float32 if parts > 1 else jnp.bfloat16)
-    pairs, amax = silu_mul_gemv_x(gate_up, num_splits=splits, dtype=jnp.bfloat16, interpret=INTERPRET)
+    pairs, amax = silu_mul_gemv_x(gate_up, dtype=jnp.bfloat16, interpret=INTERPRET)
     gate, up = jnp.split(jnp.sum(gate_up.astype(jnp.float32), axis=0).astype(jnp.bfloat16), 2, axis=-1)
     hidden = jax.nn.silu(gate) * up                                                      # MLP's, in bf16
-    split_max = np.abs(np.asarray(hidden, np.float32)[0]).reshape(splits, -1).max(axis=1)
-    assert pairs.shape == (1, inter // 2) and amax.shape == (splits,)
-    np.testing.assert_allclose(np.asarray(amax), split_max, rtol=2 ** -6)
-    assert split_max[0] > 8 * split_max[1:].max()                                        # the splits' bounds differ
+    slab_max = np.abs(np.asarray(hidden, np.float32)[0]).reshape(slabs, -1).max(axis=1)
+    assert pairs.shape == (1, inter // 2) and amax.shape == (slabs,)
+    np.testing.assert_allclose(np.asarray(amax), slab_max, rtol=2 ** -6)
+    assert slab_max[0] > 8 * slab_max[1:].max()                                          # the slabs' bounds differ
     values = np.asarray(hidden, np.float32)[0].reshape(-1, 8, 16)                         # [slab, j, r]
-    scale = np.repeat(2.0 ** (5 - np.floor(np.log2(np.asarray(amax)))), (inter // 128) // splits)   # [slab]
+    scale = 2.0 ** (5 - np.floor(np.log2(np.asarray(amax))))                              # [slab]
     lo, hi = _f16_pair_values(pairs.reshape(-1, 4, 16))
     odd = np.asarray([1, 1 / 16, 1, 1 / 16])[None, :, None]
     np.testing.assert_allclose(lo, values[:, :4] * scale[:, None, None] * odd, rtol=2 ** -6, atol=1e-3)
     np.testing.assert_allclose(hi, values[:, 4:] * scale[:, None, None] * odd, rtol=2 ** -6, atol=1e-3)
     q = rng.integers(0, 16, (inter, n), dtype=np.uint8)
     w = jnp.asarray(pack_int4(q))
-    sc = jnp.asarray(rng.uniform(0.005, 0.05, (inter // g, n)), jnp.bfloat16)
-    z = jnp.asarray(rng.integers(0, 16, (inter // g, n)), jnp.uint8)
-    out = int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=splits, interpret=INTERPRET)
-    assert rel_err(out, int4_matmul_reference(hidden, w, sc, zeros=z)) <= TOL["bfloat16"]
+    ref = None
+    for g in (32, 128):                                                                  # groups within a slab, or one
+        sc = jnp.asarray(rng.uniform(0.005, 0.05, (inter // g, n)), jnp.bfloat16)
+        z = jnp.asarray(rng.integers(0, 16, (inter // g, n)), jnp.uint8)
+        ref = int4_matmul_reference(hidden, w, sc, zeros=z)
+        for splits in (1, 7):
+            out = int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=splits, interpret=INTERPRET)
+            assert rel_err(out, ref) <= TOL["bfloat16"], (g, splits)
     with pytest.raises(ValueError, match="one for each"):
-        int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=1, interpret=INTERPRET)
+        int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax[:2]), interpret=INTERPRET)
     with pytest.raises(ValueError, match="whole slabs"):
-        silu_mul_gemv_x(gate_up, num_splits=2, dtype=jnp.bfloat16, interpret=INTERPRET)
+        silu_mul_gemv_x(gate_up[:, :, :200], dtype=jnp.bfloat16, interpret=INTERPRET)
 
 
 def test_int4_matmul_keeps_its_splits_partial_sums():

@@ -285,7 +285,7 @@ def test_the_norm_and_silu_kernels_give_a_4bit_decode_row_its_operands(checkpoin
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted): with INT4_NORM_KERNEL the norms before q/k/v
     and gate/up run as rms_norm_gemv_x, and with INT4_SILU_KERNEL too the MLP's product runs as silu_mul_gemv_x
-    (gate/up in one split, down in two), each handing the W4A16 GEMVs their operands; the greedy tokens and their
+    (gate/up in one split), each handing the W4A16 GEMVs their operands; the greedy tokens and their
     logprobs are those of the same computed by XLA (to half precision's tolerance)."""
     import jaxpaged.models.decoder as decoder
     case = CASES[0]                     # Llama, AWQ, groups of 32
