@@ -427,9 +427,15 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
     def group_row(slab, j):
         return (slab * PACK_ROWS + j * _NIBBLE_ROWS) // group_size
 
-    def group_scale(row, slab):
+    def group_scale(row, slab_unscale):
         scale = s_ref[row, cols].astype(jnp.float32)[None, :]                            # [1, BN]
-        return scale * _pow2_scale(a_ref[slab])[1] if per_slab else scale
+        return scale if slab_unscale is None else scale * slab_unscale
+
+    def slab_unscales(slab0):
+        # the inverse scales of slabs slab0.. (one iteration's), loaded an iteration ahead of their use: a
+        # scalar load at its use held each slab's FMAs back (the down GEMV 15.2 against 13.0 us on the H100)
+        last = first + slabs_per_split - 1
+        return tuple(_pow2_scale(a_ref[jnp.minimum(slab0 + t, last)])[1] for t in range(slabs_per_iter))
 
     per_slab = prepared and a_ref.shape[0] > 1      # one bound a slab (silu_mul_gemv_x's), else one for all of x
     if per_slab:
@@ -443,7 +449,7 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
             for start, size in _pow2_chunks(slabs_per_split * PACK_ROWS)])
         scale, unscale = _pow2_scale(amax)
 
-    def slab_step(slab, w, acc, off):
+    def slab_step(slab, w, acc, off, slab_unscale=None):
         if prepared:
             x_pairs = [xp_ref[0, pl.ds((slab * 4 + p) * _NIBBLE_ROWS, _NIBBLE_ROWS)] for p in range(4)]
         else:
@@ -459,8 +465,8 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
             else:
                 pairs_lo, pairs_hi = _zero_pairs(z_ref[g_lo, cols], None if one_group else z_ref[g_hi, cols])
                 zlo, zhi = jnp.broadcast_to(pairs_lo[None, :], tile), jnp.broadcast_to(pairs_hi[None, :], tile)
-            s_lo = jnp.broadcast_to(group_scale(g_lo, slab), tile)
-            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi, slab), tile)
+            s_lo = jnp.broadcast_to(group_scale(g_lo, slab_unscale), tile)
+            s_hi = s_lo if one_group else jnp.broadcast_to(group_scale(g_hi, slab_unscale), tile)
             if asm:
                 asm_text, constraints = _f16x2_asm(pairs)
                 [acc] = plgpu.elementwise_inline_asm(asm_text, args=[acc, w, *xs, zlo, zhi, s_lo, s_hi],
@@ -479,12 +485,15 @@ def _int4_gemv_f16x2_kernel(*refs, group_size, slabs_per_split, block_n, slabs_p
     def body(i, carry):
         slab0 = first + i * slabs_per_iter
         ws = [w_ref[pl.ds((slab0 + t) * _NIBBLE_ROWS, _NIBBLE_ROWS), cols] for t in range(slabs_per_iter)]
+        acc, off, unscales = carry
+        ahead = slab_unscales(slab0 + slabs_per_iter) if per_slab else ()
         for t, w in enumerate(ws):                                                       # [16, BN] i32 each
-            carry = slab_step(slab0 + t, w, *carry)
-        return carry
+            acc, off = slab_step(slab0 + t, w, acc, off, unscales[t] if per_slab else None)
+        return acc, off, ahead
 
-    init = (jnp.zeros(tile, jnp.float32), jnp.zeros((1, block_n), jnp.float32))
-    acc, off = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, init)
+    init = (jnp.zeros(tile, jnp.float32), jnp.zeros((1, block_n), jnp.float32),
+            slab_unscales(first) if per_slab else ())
+    acc, off, _ = jax.lax.fori_loop(0, slabs_per_split // slabs_per_iter, body, init)
     out = jnp.sum(acc, axis=0) * unscale + off[0]                                        # [BN]
     if len(o_ref.shape) == 2:
         o_ref[0, cols] = out.astype(o_ref.dtype)

@@ -413,9 +413,10 @@ def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
         sc = jnp.asarray(rng.uniform(0.005, 0.05, (inter // g, n)), jnp.bfloat16)
         z = jnp.asarray(rng.integers(0, 16, (inter // g, n)), jnp.uint8)
         ref = int4_matmul_reference(hidden, w, sc, zeros=z)
-        for splits in (1, 7):
-            out = int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=splits, interpret=INTERPRET)
-            assert rel_err(out, ref) <= TOL["bfloat16"], (g, splits)
+        for splits, per_iter in ((1, 1), (7, 1), (1, 7)):      # the bounds loaded an iteration ahead, 1 or 7 a time
+            out = int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax), num_splits=splits,
+                              slabs_per_iter=per_iter, interpret=INTERPRET)
+            assert rel_err(out, ref) <= TOL["bfloat16"], (g, splits, per_iter)
     with pytest.raises(ValueError, match="one for each"):
         int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax[:2]), interpret=INTERPRET)
     with pytest.raises(ValueError, match="whole slabs"):
