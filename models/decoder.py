@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
 from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4,
-                                                 int4_matmul, norm_gemv_x_supported, rms_norm_gemv_x, silu_mul_gemv_x,
-                                                 slab_rows, use_f16x2)
+                                                 int4_matmul, norm_gemv_x_supported, rms_norm_gemv_x, rope_qkv,
+                                                 silu_mul_gemv_x, slab_rows, use_f16x2)
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 
@@ -82,6 +82,10 @@ INT4_NORM_KERNEL = True
 # GEMV's partial sums, instead of XLA's three (the sum with the SiLU and product, the maximum, the pairs). On the
 # H100 (llama3-8b AWQ, one request) 1.6 us against 4.4, and the step 2,588 against 2,662 us (bench/results/NOTES.md).
 INT4_SILU_KERNEL = True
+# Whether a one-row 4-bit q/k/v projection (no bias, no q/k norms, RoPE over whole heads, HF's rotate_half) hands
+# its partial sums to one Pallas kernel (rope_qkv) for q, k and v with RoPE, instead of XLA's three (the sum fused
+# into q's and k's rotations and v's slice).
+INT4_ROPE_KERNEL = True
 
 
 class RMSNorm(nn.Module):
@@ -378,16 +382,20 @@ class Attention(nn.Module):
         cos, sin = cos[rope_kind], sin[rope_kind]
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)(
-            x, x_bound)
-        q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = _norm(c, self.dtype, "q_norm")(q)
-            k = _norm(c, self.dtype, "k_norm")(k)
-        if not c.alibi:
-            q, k = _rotate(q, cos, sin, c.rope_interleaved), _rotate(k, cos, sin, c.rope_interleaved)
+        qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
+        if self._rope_kernel(x, cos):   # the splits' sum and RoPE in one kernel
+            q, k, v = rope_qkv(qkv_proj(x, x_bound, keep_splits=True), cos, sin, q_heads=c.num_heads,
+                               kv_heads=c.num_kv_heads, dtype=self.dtype, interpret=self.options.interpret)
+        else:
+            qkv = qkv_proj(x, x_bound)
+            q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = _norm(c, self.dtype, "q_norm")(q)
+                k = _norm(c, self.dtype, "k_norm")(k)
+            if not c.alibi:
+                q, k = _rotate(q, cos, sin, c.rope_interleaved), _rotate(k, cos, sin, c.rope_interleaved)
         slopes = c.alibi_slopes()
         backend = self.options.attn_backend
         opts = self.options
@@ -414,6 +422,16 @@ class Attention(nn.Module):
             o = jax.lax.switch(kind, [lambda w=w: attend(w) for w in windows])
         o = o.reshape(-1, c.num_heads * c.head_dim)
         return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
+
+    def _rope_kernel(self, x, cos) -> bool:
+        """Whether this step's q, k and v come from rope_qkv (INT4_ROPE_KERNEL): one row through the Pallas
+        kernels, q/k/v 4-bit without a bias, no q/k norms, RoPE (not ALiBi) as HF's rotate_half over whole heads
+        of a power-of-two size."""
+        c = self.cfg
+        return (INT4_ROPE_KERNEL and self.options.pallas and x.shape[0] == 1
+                and int4_scheme(c.quant_of("qkv_proj")) is not None and not c.qkv_bias and not c.qk_norm
+                and not c.alibi and not c.rope_interleaved and cos.shape == (1, c.head_dim // 2)
+                and c.head_dim & (c.head_dim - 1) == 0)
 
 
 class MLP(nn.Module):

@@ -635,6 +635,71 @@ def silu_mul_gemv_x(gate_up, *, dtype, interpret: bool | None = None):
     return pairs.reshape(1, inter // 2), amax
 
 
+def _rope_qkv_kernel(parts_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, parts, q_heads, kv_heads, dtype):
+    # parts_ref: [P, (q_heads + 2 kv_heads) * 2, D/2] the q/k/v GEMV's output in P parts, each head's two halves;
+    # cos_ref, sin_ref: f32[1, D/2]; q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h
+    # of q, then of k (both rotated), then of v (copied).
+    h = pl.program_id(0)
+    half = cos_ref.shape[1]
+
+    def rounded(v):
+        return v.astype(dtype).astype(jnp.float32)
+
+    def head_half(which):
+        return rounded(functools.reduce(jnp.add, [parts_ref[p, pl.ds(2 * h + which, 1), pl.ds(0, half)].astype(
+            jnp.float32) for p in range(parts)]))                                        # [1, D/2]
+
+    x1, x2 = head_half(0), head_half(1)
+    cos, sin = rounded(cos_ref[...]), rounded(sin_ref[...])
+    # HF's rotate_half, as models/decoder.py's _rotate computes it in x's dtype
+    r1 = rounded(rounded(x1 * cos) - rounded(x2 * sin)).astype(dtype)
+    r2 = rounded(rounded(x2 * cos) + rounded(x1 * sin)).astype(dtype)
+
+    @pl.when(h < q_heads)
+    def _():
+        q_ref[pl.ds(h, 1), 0, :] = r1
+        q_ref[pl.ds(h, 1), 1, :] = r2
+
+    @pl.when((h >= q_heads) & (h < q_heads + kv_heads))
+    def _():
+        k_ref[pl.ds(h - q_heads, 1), 0, :] = r1
+        k_ref[pl.ds(h - q_heads, 1), 1, :] = r2
+
+    @pl.when(h >= q_heads + kv_heads)
+    def _():
+        v_ref[pl.ds(h - q_heads - kv_heads, 1), 0, :] = x1.astype(dtype)
+        v_ref[pl.ds(h - q_heads - kv_heads, 1), 1, :] = x2.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "dtype", "interpret"))
+def rope_qkv(qkv, cos, sin, *, q_heads: int, kv_heads: int, dtype, interpret: bool | None = None):
+    """One row's q, k and v from the q/k/v GEMV's partial sums, with RoPE (HF's rotate_half over the whole head)
+    on q and k, in one kernel: qkv f32[P, 1, (q_heads + 2 kv_heads) D] (int4_matmul's keep_splits output) or
+    dtype[1, 1, ...], cos, sin f32[1, D/2] -> q dtype[1, q_heads, D], k, v dtype[1, kv_heads, D], as
+    models/decoder.py's Attention computes them in dtype. What XLA makes of the same (the splits' sum fused into
+    each of q's and k's rotation and v's slice) is three kernels. One program a head. D: a power of two."""
+    parts, m, width = qkv.shape
+    heads = q_heads + 2 * kv_heads
+    head_dim = width // heads
+    if m != 1 or width % heads or head_dim & (head_dim - 1) or cos.shape != (1, head_dim // 2) or \
+            sin.shape != cos.shape:
+        raise ValueError(f"rope_qkv takes one row of {heads} heads of a power-of-two size and cos/sin of half a "
+                         f"head: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    half = head_dim // 2
+    q, k, v = pl.pallas_call(
+        functools.partial(_rope_qkv_kernel, parts=parts, q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.dtype(dtype)),
+        grid=(heads,),
+        out_shape=(jax.ShapeDtypeStruct((q_heads, 2, half), dtype), jax.ShapeDtypeStruct((kv_heads, 2, half), dtype),
+                   jax.ShapeDtypeStruct((kv_heads, 2, half), dtype)),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="rope_qkv",
+    )(qkv.reshape(parts, heads * 2, half), cos.astype(jnp.float32), sin.astype(jnp.float32))
+    return q.reshape(1, q_heads, head_dim), k.reshape(1, kv_heads, head_dim), v.reshape(1, kv_heads, head_dim)
+
+
 def use_f16x2(dtype, group_size: int) -> bool:
     """Whether the GEMV kernel takes the f16x2 form: half-precision x (a float32 x keeps float32 math, so a
     float32 model computes in float32) and groups of 32 rows or more."""
@@ -767,5 +832,5 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
 
 __all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
            "dequantize_int4", "int4_matmul", "int4_matmul_reference", "norm_gemv_x_supported", "pack_bits", "pack_int4",
-           "prepare_gemv_x", "rms_norm_gemv_x", "silu_mul_gemv_x", "slab_rows", "unpack_bits", "unpack_int4",
-           "use_f16x2"]
+           "prepare_gemv_x", "rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x", "slab_rows", "unpack_bits",
+           "unpack_int4", "use_f16x2"]

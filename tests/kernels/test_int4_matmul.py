@@ -310,6 +310,13 @@ class TestInt4Matmul:
             partials = op(x, gu_w, gu_s, gu_z, keep_splits=True)
             x_pairs = silu_mul_gemv_x(partials, dtype=jnp.bfloat16, interpret=False)
             return op(jnp.zeros((1, 14336), jnp.bfloat16), w, sc, z, x_pairs=x_pairs)
+        from jaxpaged.pallas_kernels.int4_matmul import rope_qkv
+
+        def qkv(x, w, sc, z, cos, sin):
+            return rope_qkv(op(x, w, sc, z, keep_splits=True), cos, sin, q_heads=32, kv_heads=8, dtype=jnp.bfloat16,
+                            interpret=False)
+        assert lowered_calls(qkv, s((1, 4096), jnp.bfloat16), *weights, s((1, 64), jnp.float32),
+                             s((1, 64), jnp.float32)) == (2,)
         assert lowered_calls(mlp, s((1, 4096), jnp.bfloat16), s((512, 28672), jnp.int32), s((32, 28672), jnp.bfloat16),
                              s((32, 28672), jnp.uint8), s((1792, 4096), jnp.int32), s((112, 4096), jnp.bfloat16),
                              s((112, 4096), jnp.uint8)) == (3,)
@@ -421,6 +428,31 @@ def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
         int4_matmul(hidden, w, sc, zeros=z, x_pairs=(pairs, amax[:2]), interpret=INTERPRET)
     with pytest.raises(ValueError, match="whole slabs"):
         silu_mul_gemv_x(gate_up[:, :, :200], dtype=jnp.bfloat16, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("parts,dtype", [(1, "bfloat16"), (3, "bfloat16"), (2, "float16")])
+def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype):
+    """rope_qkv: from the q/k/v GEMV's partial sums (parts of them, or its output), q and k rotated and v as
+    models/decoder.py's Attention computes them in half precision (the splits' sum rounded, then _rotate)."""
+    from jaxpaged.models.decoder import _rotate
+    from jaxpaged.pallas_kernels.int4_matmul import rope_qkv
+    hq, hk, d = 4, 2, 128
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(parts)
+    qkv_parts = jnp.asarray(rng.standard_normal((parts, 1, (hq + 2 * hk) * d)) * 3,
+                            jnp.float32 if parts > 1 else dt)
+    angles = rng.uniform(0, 100, (1, d // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    q, k, v = rope_qkv(qkv_parts, cos, sin, q_heads=hq, kv_heads=hk, dtype=dt, interpret=INTERPRET)
+    qkv = jnp.sum(qkv_parts.astype(jnp.float32), axis=0).astype(dt)
+    want = (_rotate(qkv[:, :hq * d].reshape(1, hq, d), cos, sin),
+            _rotate(qkv[:, hq * d:(hq + hk) * d].reshape(1, hk, d), cos, sin), qkv[:, (hq + hk) * d:].reshape(1, hk, d))
+    for got, ref in zip((q, k, v), want):
+        assert got.dtype == dt and got.shape == ref.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2 ** -7, atol=2 ** -7)
+    with pytest.raises(ValueError, match="power-of-two"):
+        rope_qkv(qkv_parts[:, :, :(hq + 2 * hk) * 96], cos[:, :48], sin[:, :48], q_heads=hq, kv_heads=hk, dtype=dt,
+                 interpret=INTERPRET)
 
 
 def test_int4_matmul_keeps_its_splits_partial_sums():

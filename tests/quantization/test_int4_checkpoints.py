@@ -281,25 +281,27 @@ def test_the_server_flag_reaches_the_engine_args(method):
     assert args.quantization == method
 
 
-def test_the_norm_and_silu_kernels_give_a_4bit_decode_row_its_operands(checkpoints, monkeypatch):
+def test_the_norm_silu_and_rope_kernels_give_a_4bit_decode_row_its_operands(checkpoints, monkeypatch):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted): with INT4_NORM_KERNEL the norms before q/k/v
-    and gate/up run as rms_norm_gemv_x, and with INT4_SILU_KERNEL too the MLP's product runs as silu_mul_gemv_x
-    (gate/up in one split), each handing the W4A16 GEMVs their operands; the greedy tokens and their
-    logprobs are those of the same computed by XLA (to half precision's tolerance)."""
+    and gate/up run as rms_norm_gemv_x, with INT4_SILU_KERNEL too the MLP's product runs as silu_mul_gemv_x
+    (gate/up in one split), each handing the W4A16 GEMVs their operands, and with INT4_ROPE_KERNEL too q, k and v
+    come from rope_qkv; the greedy tokens and their logprobs are those of the same computed by XLA (to half
+    precision's tolerance)."""
     import jaxpaged.models.decoder as decoder
     case = CASES[0]                     # Llama, AWQ, groups of 32
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = {"prompt_token_ids": np.random.default_rng(2).integers(0, 320, 11).tolist()}
     calls: dict[str, int] = {}
-    for name in ("rms_norm_gemv_x", "silu_mul_gemv_x"):
+    for name in ("rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"):
         kernel = getattr(decoder, name)
         monkeypatch.setattr(decoder, name, lambda *a, _k=kernel, _n=name, **kw: calls.update({_n: 1}) or _k(*a, **kw))
 
-    def run(norm: bool, silu: bool):
+    def run(norm: bool, silu: bool, rope: bool):
         monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", norm)
         monkeypatch.setattr(decoder, "INT4_SILU_KERNEL", silu)
+        monkeypatch.setattr(decoder, "INT4_ROPE_KERNEL", rope)
         calls.clear()
         jax.clear_caches()              # the step's programs are traced again, under the switches as set now
         try:
@@ -310,10 +312,10 @@ def test_the_norm_and_silu_kernels_give_a_4bit_decode_row_its_operands(checkpoin
             jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
         return sorted(calls), list(out.outputs[0].token_ids), [
             e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-    traced, xla_tokens, xla_lps = run(False, False)
+    traced, xla_tokens, xla_lps = run(False, False, False)
     assert traced == []
-    for norm, silu in ((True, False), (True, True)):
-        traced, tokens, lps = run(norm, silu)
-        assert traced == ["rms_norm_gemv_x"] + (["silu_mul_gemv_x"] if silu else [])   # in the decode step's program
+    for norm, silu, rope in ((True, False, False), (True, True, True)):
+        traced, tokens, lps = run(norm, silu, rope)
+        assert traced == ["rms_norm_gemv_x"] + ["rope_qkv"] * rope + ["silu_mul_gemv_x"] * silu   # in the step
         assert tokens == xla_tokens
         np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)
