@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4,
-                                                 int4_matmul, norm_gemv_x_supported, rms_norm_gemv_x, rope_qkv,
-                                                 silu_mul_gemv_x, slab_rows, use_f16x2)
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4, int4_matmul,
+                                                 norm_gemv_x_supported, rms_norm_gemv_x, rope_qkv, silu_mul_gemv_x,
+                                                 slab_rows, use_f16x2)
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 
@@ -241,8 +241,9 @@ class Int4Linear(nn.Module):
         """x_bound f32[T]: a bound of each row's |x| (RMSNorm's, or its maximum); given, a one-row bf16/f16 x takes
         the W4A16 GEMV with its float16 operands made before the kernel (int4_matmul's x_amax). Or a tuple: those
         operands made already (RMSNorm's pairs=True, int4_matmul's x_pairs), taken by the zero-point forms
-        without act order (whose input rows are permuted), x otherwise. keep_splits (the Pallas path, no bias):
-        the kernel's partial sums over its splits, int4_matmul's keep_splits, for silu_mul_gemv_x."""
+        without act order (whose input rows are permuted), x otherwise. keep_splits (the Pallas path): the
+        kernel's partial sums over its splits (int4_matmul's keep_splits) and the bias or None, not added, for
+        silu_mul_gemv_x and rope_qkv."""
         k, n = self.in_features, self.features
         if self.offsets:
             k += -k % slab_rows(self.bits)
@@ -269,9 +270,7 @@ class Int4Linear(nn.Module):
                             x_pairs=x_bound if prepared and made else None, keep_splits=keep_splits,
                             interpret=self.options.interpret)
             if keep_splits:
-                if self.use_bias:
-                    raise ValueError("keep_splits takes a layer without a bias")
-                return y
+                return y, (self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else None)
         elif keep_splits:
             raise ValueError("keep_splits takes the Pallas kernels' rows")
         else:
@@ -385,8 +384,9 @@ class Attention(nn.Module):
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
         if self._rope_kernel(x, cos):   # the splits' sum and RoPE in one kernel
-            q, k, v = rope_qkv(qkv_proj(x, x_bound, keep_splits=True), cos, sin, q_heads=c.num_heads,
-                               kv_heads=c.num_kv_heads, dtype=self.dtype, interpret=self.options.interpret)
+            partial_sums, bias = qkv_proj(x, x_bound, keep_splits=True)
+            q, k, v = rope_qkv(partial_sums, cos, sin, bias, q_heads=c.num_heads, kv_heads=c.num_kv_heads,
+                               dtype=self.dtype, interpret=self.options.interpret)
         else:
             qkv = qkv_proj(x, x_bound)
             q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
@@ -426,11 +426,11 @@ class Attention(nn.Module):
 
     def _rope_kernel(self, x, cos) -> bool:
         """Whether this step's q, k and v come from rope_qkv (INT4_ROPE_KERNEL): one row through the Pallas
-        kernels, q/k/v 4-bit without a bias, no q/k norms, RoPE (not ALiBi) as HF's rotate_half over whole heads
-        of a power-of-two size."""
+        kernels, q/k/v 4-bit (with or without a bias), no q/k norms, RoPE (not ALiBi) as HF's rotate_half over
+        whole heads of a power-of-two size."""
         c = self.cfg
         return (INT4_ROPE_KERNEL and self.options.pallas and x.shape[0] == 1
-                and int4_scheme(c.quant_of("qkv_proj")) is not None and not c.qkv_bias and not c.qk_norm
+                and int4_scheme(c.quant_of("qkv_proj")) is not None and not c.qk_norm
                 and not c.alibi and not c.rope_interleaved and cos.shape == (1, c.head_dim // 2)
                 and c.head_dim & (c.head_dim - 1) == 0)
 
@@ -447,7 +447,7 @@ class MLP(nn.Module):
         gate_up_proj = _linear(c, self.dtype, 2 * c.intermediate_size, c.hidden_size, False, "gate_up_proj", opts)
         down = _linear(c, self.dtype, c.hidden_size, c.intermediate_size, False, "down_proj", opts)
         if self._silu_kernel(x):    # the product and the down GEMV's operands in one kernel, from gate/up's sums
-            x_pairs = silu_mul_gemv_x(gate_up_proj(x, x_bound, keep_splits=True), dtype=self.dtype,
+            x_pairs = silu_mul_gemv_x(gate_up_proj(x, x_bound, keep_splits=True)[0], dtype=self.dtype,
                                       interpret=opts.interpret)
             return down(jnp.zeros((1, c.intermediate_size), self.dtype), x_pairs)
         gate_up = gate_up_proj(x, x_bound)

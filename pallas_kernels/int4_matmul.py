@@ -635,19 +635,26 @@ def silu_mul_gemv_x(gate_up, *, dtype, interpret: bool | None = None):
     return pairs.reshape(1, inter // 2), amax
 
 
-def _rope_qkv_kernel(parts_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, parts, q_heads, kv_heads, dtype):
+def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias):
     # parts_ref: [P, (q_heads + 2 kv_heads) * 2, D/2] the q/k/v GEMV's output in P parts, each head's two halves;
-    # cos_ref, sin_ref: f32[1, D/2]; q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h
-    # of q, then of k (both rotated), then of v (copied).
+    # with bias, b_ref: dtype[(q_heads + 2 kv_heads) * 2, D/2] the projection's bias; cos_ref, sin_ref: f32[1, D/2];
+    # q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h of q, then of k (both
+    # rotated), then of v (copied).
+    if bias:
+        parts_ref, b_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
+    else:
+        parts_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
     h = pl.program_id(0)
     half = cos_ref.shape[1]
 
     def rounded(v):
         return v.astype(dtype).astype(jnp.float32)
 
-    def head_half(which):
-        return rounded(functools.reduce(jnp.add, [parts_ref[p, pl.ds(2 * h + which, 1), pl.ds(0, half)].astype(
-            jnp.float32) for p in range(parts)]))                                        # [1, D/2]
+    def head_half(which):       # the projection's output as Int4Linear rounds it: the sum, then the bias added
+        row = pl.ds(2 * h + which, 1)
+        y = rounded(functools.reduce(jnp.add, [parts_ref[p, row, pl.ds(0, half)].astype(jnp.float32)
+                                               for p in range(parts)]))                 # [1, D/2]
+        return rounded(y + b_ref[row, :].astype(jnp.float32)) if bias else y
 
     x1, x2 = head_half(0), head_half(1)
     cos, sin = rounded(cos_ref[...]), rounded(sin_ref[...])
@@ -672,31 +679,35 @@ def _rope_qkv_kernel(parts_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, parts,
 
 
 @functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "dtype", "interpret"))
-def rope_qkv(qkv, cos, sin, *, q_heads: int, kv_heads: int, dtype, interpret: bool | None = None):
+def rope_qkv(qkv, cos, sin, bias=None, *, q_heads: int, kv_heads: int, dtype, interpret: bool | None = None):
     """One row's q, k and v from the q/k/v GEMV's partial sums, with RoPE (HF's rotate_half over the whole head)
     on q and k, in one kernel: qkv f32[P, 1, (q_heads + 2 kv_heads) D] (int4_matmul's keep_splits output) or
-    dtype[1, 1, ...], cos, sin f32[1, D/2] -> q dtype[1, q_heads, D], k, v dtype[1, kv_heads, D], as
+    dtype[1, 1, ...], cos, sin f32[1, D/2], bias None or dtype[(q_heads + 2 kv_heads) D] (Qwen2's) -> q
+    dtype[1, q_heads, D], k, v dtype[1, kv_heads, D], as
     models/decoder.py's Attention computes them in dtype. What XLA makes of the same (the splits' sum fused into
     each of q's and k's rotation and v's slice) is three kernels. One program a head. D: a power of two."""
     parts, m, width = qkv.shape
     heads = q_heads + 2 * kv_heads
     head_dim = width // heads
     if m != 1 or width % heads or head_dim & (head_dim - 1) or cos.shape != (1, head_dim // 2) or \
-            sin.shape != cos.shape:
-        raise ValueError(f"rope_qkv takes one row of {heads} heads of a power-of-two size and cos/sin of half a "
-                         f"head: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}")
+            sin.shape != cos.shape or (bias is not None and bias.shape != (width,)):
+        raise ValueError(f"rope_qkv takes one row of {heads} heads of a power-of-two size, cos/sin of half a head "
+                         f"and a bias of the row's size: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}, bias "
+                         f"{None if bias is None else bias.shape}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     half = head_dim // 2
     q, k, v = pl.pallas_call(
-        functools.partial(_rope_qkv_kernel, parts=parts, q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.dtype(dtype)),
+        functools.partial(_rope_qkv_kernel, parts=parts, q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.dtype(dtype),
+                          bias=bias is not None),
         grid=(heads,),
         out_shape=(jax.ShapeDtypeStruct((q_heads, 2, half), dtype), jax.ShapeDtypeStruct((kv_heads, 2, half), dtype),
                    jax.ShapeDtypeStruct((kv_heads, 2, half), dtype)),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="rope_qkv",
-    )(qkv.reshape(parts, heads * 2, half), cos.astype(jnp.float32), sin.astype(jnp.float32))
+    )(qkv.reshape(parts, heads * 2, half), *(() if bias is None else (bias.astype(dtype).reshape(heads * 2, half),)),
+      cos.astype(jnp.float32), sin.astype(jnp.float32))
     return q.reshape(1, q_heads, head_dim), k.reshape(1, kv_heads, head_dim), v.reshape(1, kv_heads, head_dim)
 
 

@@ -430,10 +430,12 @@ def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
         silu_mul_gemv_x(gate_up[:, :, :200], dtype=jnp.bfloat16, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("parts,dtype", [(1, "bfloat16"), (3, "bfloat16"), (2, "float16")])
-def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype):
-    """rope_qkv: from the q/k/v GEMV's partial sums (parts of them, or its output), q and k rotated and v as
-    models/decoder.py's Attention computes them in half precision (the splits' sum rounded, then _rotate)."""
+@pytest.mark.parametrize("parts,dtype,bias", [(1, "bfloat16", False), (3, "bfloat16", False), (2, "float16", False),
+                                              (2, "bfloat16", True)])
+def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype, bias):
+    """rope_qkv: from the q/k/v GEMV's partial sums (parts of them, or its output) and a bias (Qwen2's), q and k
+    rotated and v as models/decoder.py's Attention computes them in half precision (the splits' sum rounded, the
+    bias added, then _rotate)."""
     from jaxpaged.models.decoder import _rotate
     from jaxpaged.pallas_kernels.int4_matmul import rope_qkv
     hq, hk, d = 4, 2, 128
@@ -443,8 +445,10 @@ def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype):
                             jnp.float32 if parts > 1 else dt)
     angles = rng.uniform(0, 100, (1, d // 2))
     cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
-    q, k, v = rope_qkv(qkv_parts, cos, sin, q_heads=hq, kv_heads=hk, dtype=dt, interpret=INTERPRET)
+    b = jnp.asarray(rng.standard_normal((hq + 2 * hk) * d), dt) if bias else None
+    q, k, v = rope_qkv(qkv_parts, cos, sin, b, q_heads=hq, kv_heads=hk, dtype=dt, interpret=INTERPRET)
     qkv = jnp.sum(qkv_parts.astype(jnp.float32), axis=0).astype(dt)
+    qkv = qkv + b if bias else qkv
     want = (_rotate(qkv[:, :hq * d].reshape(1, hq, d), cos, sin),
             _rotate(qkv[:, hq * d:(hq + hk) * d].reshape(1, hk, d), cos, sin), qkv[:, (hq + hk) * d:].reshape(1, hk, d))
     for got, ref in zip((q, k, v), want):

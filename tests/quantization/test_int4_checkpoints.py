@@ -281,15 +281,15 @@ def test_the_server_flag_reaches_the_engine_args(method):
     assert args.quantization == method
 
 
-def test_the_norm_silu_and_rope_kernels_give_a_4bit_decode_row_its_operands(checkpoints, monkeypatch):
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["llama-awq-g32", "qwen2-awq-g128"])
+def test_the_norm_silu_and_rope_kernels_give_a_4bit_decode_row_its_operands(checkpoints, monkeypatch, case):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted): with INT4_NORM_KERNEL the norms before q/k/v
     and gate/up run as rms_norm_gemv_x, with INT4_SILU_KERNEL too the MLP's product runs as silu_mul_gemv_x
     (gate/up in one split), each handing the W4A16 GEMVs their operands, and with INT4_ROPE_KERNEL too q, k and v
-    come from rope_qkv; the greedy tokens and their logprobs are those of the same computed by XLA (to half
-    precision's tolerance)."""
+    come from rope_qkv (Qwen2's with q/k/v's bias); the greedy tokens and their logprobs are those of the same
+    computed by XLA (to half precision's tolerance)."""
     import jaxpaged.models.decoder as decoder
-    case = CASES[0]                     # Llama, AWQ, groups of 32
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = {"prompt_token_ids": np.random.default_rng(2).integers(0, 320, 11).tolist()}
@@ -306,7 +306,7 @@ def test_the_norm_silu_and_rope_kernels_give_a_4bit_decode_row_its_operands(chec
         jax.clear_caches()              # the step's programs are traced again, under the switches as set now
         try:
             llm = LLM(model=str(path), dtype="float16", max_model_len=128, block_size=8, max_num_batched_tokens=32,
-                      attention_backend="pallas", quantization="awq", layer_dispatch="unrolled")
+                      attention_backend="pallas", quantization=case.method, layer_dispatch="unrolled")
             [out] = llm.generate([prompt], params, use_tqdm=False)
         finally:
             jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
