@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
-from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4, int4_matmul,
-                                                 norm_gemv_x_supported, rms_norm_gemv_x, rope_qkv, silu_mul_gemv_x,
-                                                 slab_rows, use_f16x2)
+from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4, int4_matmul, slab_rows,
+                                                 use_f16x2)
+from jaxpaged.pallas_kernels.int4_operands import norm_gemv_x_supported, rms_norm_gemv_x, rope_qkv, silu_mul_gemv_x
 from jaxpaged.quantization import fp8, int8
 from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_form
 

@@ -520,197 +520,6 @@ def prepare_gemv_x(x, group_size: int, offsets: bool, amax=None):
     return (pairs.reshape(1, k // 2), amax.reshape(1), *sums)
 
 
-def _norm_gemv_x_kernel(x_ref, w_ref, y_ref, p_ref, a_ref, *, eps, plus_one, features):
-    # x_ref, w_ref, y_ref: [S, 8, 16] (slab, value position j, row r: input row 128 s + 16 j + r), x's dtype
-    # p_ref: i32[S, 4, 16], pair p of slab s and row r (prepare_gemv_x's layout); a_ref: f32[1], max |y|
-    # Positions j < 4 and j >= 4 are loaded apart: they are each pair's low and high halves.
-    def total(v, reduce):                     # over every axis, one at a time (Triton reduces one axis a call)
-        while v.ndim:
-            v = reduce(v, axis=-1)
-        return v
-
-    xs = [x_ref[:, pl.ds(j0, 4), :].astype(jnp.float32) for j0 in (0, 4)]
-    ws = [w_ref[:, pl.ds(j0, 4), :] for j0 in (0, 4)]
-    inv_rms = jax.lax.rsqrt((total(xs[0] * xs[0], jnp.sum) + total(xs[1] * xs[1], jnp.sum)) / features + eps)
-    if plus_one:        # RMSNorm's two forms (models/decoder.py), rounded where it rounds
-        ys = [(x * inv_rms * (1.0 + w.astype(jnp.float32))).astype(y_ref.dtype) for x, w in zip(xs, ws)]
-    else:
-        ys = [w * (x * inv_rms).astype(y_ref.dtype) for x, w in zip(xs, ws)]
-    y32 = [y.astype(jnp.float32) for y in ys]
-    amax = jnp.maximum(total(jnp.abs(y32[0]), jnp.max), total(jnp.abs(y32[1]), jnp.max))
-    scale, _ = _pow2_scale(amax)
-    odd = jax.lax.broadcasted_iota(jnp.int32, ys[0].shape, 1) % 2 == 1
-    factor = jnp.where(odd, scale * (1.0 / 16), scale)
-    p_ref[...] = _f16_pair(y32[0] * factor, y32[1] * factor, asm=False)
-    y_ref[:, pl.ds(0, 4), :] = ys[0]
-    y_ref[:, pl.ds(4, 4), :] = ys[1]
-    a_ref[...] = jnp.broadcast_to(amax, (1,))
-
-
-def norm_gemv_x_supported(features: int) -> bool:
-    """Whether rms_norm_gemv_x takes rows of this many features: whole slabs, a power of two of them (one
-    Triton block)."""
-    slabs = features // PACK_ROWS
-    return features % PACK_ROWS == 0 and slabs > 0 and slabs & (slabs - 1) == 0
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "plus_one", "interpret"))
-def rms_norm_gemv_x(x, weight, *, eps: float, plus_one: bool = False, interpret: bool | None = None):
-    """One row's RMSNorm and the f16x2 GEMV's operands of its output in one kernel: x dtype[1, K], weight
-    dtype[K] -> (y dtype[1, K] as models/decoder.py's RMSNorm computes it, its float16 pairs i32[1, K/2] as
-    prepare_gemv_x makes them, max |y| f32[1]: int4_matmul's x_pairs). What XLA makes of the same (the norm's
-    reduction, a kernel for the scalar both the pairs and the GEMV read, the pairs) is three kernels.
-    plus_one: Gemma's form, scaled by (1 + w). K: norm_gemv_x_supported."""
-    m, k = x.shape
-    if m != 1 or weight.shape != (k,) or not norm_gemv_x_supported(k):
-        raise ValueError(f"rms_norm_gemv_x takes one row of whole slabs, a power of two of them: x {x.shape}, "
-                         f"weight {weight.shape}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    slabs = k // PACK_ROWS
-    y, pairs, amax = pl.pallas_call(
-        functools.partial(_norm_gemv_x_kernel, eps=eps, plus_one=plus_one, features=k),
-        out_shape=(jax.ShapeDtypeStruct((slabs, 8, _NIBBLE_ROWS), x.dtype),
-                   jax.ShapeDtypeStruct((slabs, 4, _NIBBLE_ROWS), jnp.int32),
-                   jax.ShapeDtypeStruct((1,), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="rms_norm_gemv_x",
-    )(x.reshape(slabs, 8, _NIBBLE_ROWS), weight.astype(x.dtype).reshape(slabs, 8, _NIBBLE_ROWS))
-    return y.reshape(1, k), pairs.reshape(1, k // 2), amax
-
-
-def _silu_mul_gemv_x_kernel(g_ref, p_ref, a_ref, *, parts, dtype):
-    # g_ref: [P, 2, S, 8, 16] the gate/up GEMV's output in P parts (its splits' partial sums, or P = 1 the output),
-    # gate then up, input row 128 s + 16 j + r at [s, j, r]; p_ref: i32[S, 4, 16] the pairs (prepare_gemv_x's
-    # layout), each slab's scaled by its own bound; a_ref: f32[S], each slab's max |silu(gate) * up|. One program a
-    # slab: a slab's pairs need only its own bound.
-    slab = pl.program_id(0)
-
-    def rounded(v):
-        return v.astype(dtype).astype(jnp.float32)
-
-    def part_sum(which, j0):
-        return functools.reduce(jnp.add, [g_ref[p, which, slab, pl.ds(j0, 4), :].astype(jnp.float32)
-                                          for p in range(parts)])
-
-    halves = []                           # value positions 0-3 and 4-7, [4, 16] each
-    for j0 in (0, 4):                     # as MLP computes it: the GEMV's output, the SiLU, the product, each rounded
-        gate, up = rounded(part_sum(0, j0)), rounded(part_sum(1, j0))
-        act = rounded(gate * rounded(1.0 / (1.0 + jnp.exp(-gate))))
-        halves.append(rounded(act * up))
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.max(jnp.abs(v), axis=1), axis=0) for v in halves])
-    scale, _ = _pow2_scale(amax)
-    odd = jax.lax.broadcasted_iota(jnp.int32, (4, _NIBBLE_ROWS), 0) % 2 == 1
-    factor = jnp.where(odd, scale * (1.0 / 16), scale)
-    p_ref[slab, :, :] = _f16_pair(halves[0] * factor, halves[1] * factor, asm=False)
-    a_ref[pl.ds(slab, 1)] = jnp.broadcast_to(amax, (1,))
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def silu_mul_gemv_x(gate_up, *, dtype, interpret: bool | None = None):
-    """One row's SwiGLU product and the f16x2 GEMV's operands of it in one kernel, for the down projection:
-    gate_up f32[P, 1, 2I] (int4_matmul's keep_splits output: the gate/up GEMV's partial sums over its splits, gate
-    then up) or dtype[1, 1, 2I] -> (the float16 pairs i32[1, I/2] of silu(gate) * up as MLP computes it in dtype,
-    f32[I/128] the max |.| of each 128-row slab), int4_matmul's x_pairs: each slab's pairs scaled by its own
-    bound, whose inverse the GEMV folds into that slab's group scales. What XLA makes of the same (the splits' sum
-    with the SiLU and product, the maximum, the pairs) is three kernels. One program a slab: with one bound for
-    all of I the pairs would wait on a reduction over every program."""
-    parts, m, width = gate_up.shape
-    inter = width // 2
-    if m != 1 or width % 2 or inter % PACK_ROWS:
-        raise ValueError(f"silu_mul_gemv_x takes one row of gate and up, whole slabs: {gate_up.shape}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    slabs = inter // PACK_ROWS
-    pairs, amax = pl.pallas_call(
-        functools.partial(_silu_mul_gemv_x_kernel, parts=parts, dtype=jnp.dtype(dtype)),
-        grid=(slabs,),
-        out_shape=(jax.ShapeDtypeStruct((slabs, 4, _NIBBLE_ROWS), jnp.int32),
-                   jax.ShapeDtypeStruct((slabs,), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-        name="silu_mul_gemv_x",
-    )(gate_up.reshape(parts, 2, slabs, 8, _NIBBLE_ROWS))
-    return pairs.reshape(1, inter // 2), amax
-
-
-def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias):
-    # parts_ref: [P, (q_heads + 2 kv_heads) * 2, D/2] the q/k/v GEMV's output in P parts, each head's two halves;
-    # with bias, b_ref: dtype[(q_heads + 2 kv_heads) * 2, D/2] the projection's bias; cos_ref, sin_ref: f32[1, D/2];
-    # q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h of q, then of k (both
-    # rotated), then of v (copied).
-    if bias:
-        parts_ref, b_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
-    else:
-        parts_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
-    h = pl.program_id(0)
-    half = cos_ref.shape[1]
-
-    def rounded(v):
-        return v.astype(dtype).astype(jnp.float32)
-
-    def head_half(which):       # the projection's output as Int4Linear rounds it: the sum, then the bias added
-        row = pl.ds(2 * h + which, 1)
-        y = rounded(functools.reduce(jnp.add, [parts_ref[p, row, pl.ds(0, half)].astype(jnp.float32)
-                                               for p in range(parts)]))                 # [1, D/2]
-        return rounded(y + b_ref[row, :].astype(jnp.float32)) if bias else y
-
-    x1, x2 = head_half(0), head_half(1)
-    cos, sin = rounded(cos_ref[...]), rounded(sin_ref[...])
-    # HF's rotate_half, as models/decoder.py's _rotate computes it in x's dtype
-    r1 = rounded(rounded(x1 * cos) - rounded(x2 * sin)).astype(dtype)
-    r2 = rounded(rounded(x2 * cos) + rounded(x1 * sin)).astype(dtype)
-
-    @pl.when(h < q_heads)
-    def _():
-        q_ref[pl.ds(h, 1), 0, :] = r1
-        q_ref[pl.ds(h, 1), 1, :] = r2
-
-    @pl.when((h >= q_heads) & (h < q_heads + kv_heads))
-    def _():
-        k_ref[pl.ds(h - q_heads, 1), 0, :] = r1
-        k_ref[pl.ds(h - q_heads, 1), 1, :] = r2
-
-    @pl.when(h >= q_heads + kv_heads)
-    def _():
-        v_ref[pl.ds(h - q_heads - kv_heads, 1), 0, :] = x1.astype(dtype)
-        v_ref[pl.ds(h - q_heads - kv_heads, 1), 1, :] = x2.astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "dtype", "interpret"))
-def rope_qkv(qkv, cos, sin, bias=None, *, q_heads: int, kv_heads: int, dtype, interpret: bool | None = None):
-    """One row's q, k and v from the q/k/v GEMV's partial sums, with RoPE (HF's rotate_half over the whole head)
-    on q and k, in one kernel: qkv f32[P, 1, (q_heads + 2 kv_heads) D] (int4_matmul's keep_splits output) or
-    dtype[1, 1, ...], cos, sin f32[1, D/2], bias None or dtype[(q_heads + 2 kv_heads) D] (Qwen2's) -> q
-    dtype[1, q_heads, D], k, v dtype[1, kv_heads, D], as
-    models/decoder.py's Attention computes them in dtype. What XLA makes of the same (the splits' sum fused into
-    each of q's and k's rotation and v's slice) is three kernels. One program a head. D: a power of two."""
-    parts, m, width = qkv.shape
-    heads = q_heads + 2 * kv_heads
-    head_dim = width // heads
-    if m != 1 or width % heads or head_dim & (head_dim - 1) or cos.shape != (1, head_dim // 2) or \
-            sin.shape != cos.shape or (bias is not None and bias.shape != (width,)):
-        raise ValueError(f"rope_qkv takes one row of {heads} heads of a power-of-two size, cos/sin of half a head "
-                         f"and a bias of the row's size: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}, bias "
-                         f"{None if bias is None else bias.shape}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    half = head_dim // 2
-    q, k, v = pl.pallas_call(
-        functools.partial(_rope_qkv_kernel, parts=parts, q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.dtype(dtype),
-                          bias=bias is not None),
-        grid=(heads,),
-        out_shape=(jax.ShapeDtypeStruct((q_heads, 2, half), dtype), jax.ShapeDtypeStruct((kv_heads, 2, half), dtype),
-                   jax.ShapeDtypeStruct((kv_heads, 2, half), dtype)),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-        name="rope_qkv",
-    )(qkv.reshape(parts, heads * 2, half), *(() if bias is None else (bias.astype(dtype).reshape(heads * 2, half),)),
-      cos.astype(jnp.float32), sin.astype(jnp.float32))
-    return q.reshape(1, q_heads, head_dim), k.reshape(1, kv_heads, head_dim), v.reshape(1, kv_heads, head_dim)
-
-
 def use_f16x2(dtype, group_size: int) -> bool:
     """Whether the GEMV kernel takes the f16x2 form: half-precision x (a float32 x keeps float32 math, so a
     float32 model computes in float32) and groups of 32 rows or more."""
@@ -762,7 +571,8 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
     it); given, x's float16 pairs are made before the kernel by prepare_gemv_x (XLA fuses them into the ops that
     produce x) rather than by each of the kernel's programs, about 10% of the kernel's time at llama3-8b's
     sizes on the H100 (bench/results/NOTES.md). x_pairs (the same GEMV, zero points): those operands made already,
-    (pairs i32[1, K/2], and f32[1] max |x| from rms_norm_gemv_x or f32[K/128] one a slab from silu_mul_gemv_x); x
+    (pairs i32[1, K/2], and f32[1] max |x| from int4_operands.rms_norm_gemv_x or f32[K/128] one a slab from its
+    silu_mul_gemv_x); x
     then gives only the shape and dtype. keep_splits: the output as the splits' partial sums, f32[NS, M, N] (NS = 1:
     dtype[1, M, N]), for a consumer that sums them itself (silu_mul_gemv_x)."""
     zeros, offsets = _affine(zeros, mins)
@@ -842,6 +652,5 @@ def int4_matmul(x, qweight, scales, zeros=None, *, mins=None, block_m: int | Non
 
 
 __all__ = ["BITS", "F16X2_MIN_GROUP", "GEMV_MAX_ROWS", "PACK_ROWS", "check_group_size", "choose_int4_tiling",
-           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "norm_gemv_x_supported", "pack_bits", "pack_int4",
-           "prepare_gemv_x", "rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x", "slab_rows", "unpack_bits",
-           "unpack_int4", "use_f16x2"]
+           "dequantize_int4", "int4_matmul", "int4_matmul_reference", "pack_bits", "pack_int4", "prepare_gemv_x",
+           "slab_rows", "unpack_bits", "unpack_int4", "use_f16x2"]

@@ -293,7 +293,7 @@ class TestInt4Matmul:
             assert lowered_calls(bytes_, s((rows, 4096), jnp.bfloat16), s((1024, 6144), jnp.int32),
                                  s((256, 6144), jnp.float32), s((256, 6144), jnp.float32)) == (1,)
         # x's operands made before the GEMV: by XLA from a bound (x_amax), or by the norm's kernel (x_pairs)
-        from jaxpaged.pallas_kernels.int4_matmul import rms_norm_gemv_x
+        from jaxpaged.pallas_kernels.int4_operands import rms_norm_gemv_x
         weights = (s((512, 6144), jnp.int32), s((32, 6144), jnp.bfloat16), s((32, 6144), jnp.uint8))
         bound = lambda x, w, sc, z: op(x, w, sc, z, x_amax=jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1))  # noqa
         assert lowered_calls(bound, s((1, 4096), jnp.bfloat16), *weights) == (1,)
@@ -304,13 +304,13 @@ class TestInt4Matmul:
         assert lowered_calls(normed, s((1, 4096), jnp.bfloat16), s((4096,), jnp.bfloat16), *weights) == (2,)
 
         # the SwiGLU product's operands from the gate/up GEMV's partial sums (llama3-8b's MLP: 2 and 16 splits)
-        from jaxpaged.pallas_kernels.int4_matmul import silu_mul_gemv_x
+        from jaxpaged.pallas_kernels.int4_operands import silu_mul_gemv_x
 
         def mlp(x, gu_w, gu_s, gu_z, w, sc, z):
             partials = op(x, gu_w, gu_s, gu_z, keep_splits=True)
             x_pairs = silu_mul_gemv_x(partials, dtype=jnp.bfloat16, interpret=False)
             return op(jnp.zeros((1, 14336), jnp.bfloat16), w, sc, z, x_pairs=x_pairs)
-        from jaxpaged.pallas_kernels.int4_matmul import rope_qkv
+        from jaxpaged.pallas_kernels.int4_operands import rope_qkv
 
         def qkv(x, w, sc, z, cos, sin):
             return rope_qkv(op(x, w, sc, z, keep_splits=True), cos, sin, q_heads=32, kv_heads=8, dtype=jnp.bfloat16,
@@ -364,7 +364,8 @@ def test_rms_norm_gemv_x_is_the_norm_and_its_gemv_operands(plus_one, k):
     """rms_norm_gemv_x: one kernel for RMSNorm's output (as models/decoder.py computes it), its maximum, and the f16x2
     GEMV's float16 pairs of it (prepare_gemv_x's), which int4_matmul takes as x_pairs to the same result."""
     from jaxpaged.models.decoder import RMSNorm
-    from jaxpaged.pallas_kernels.int4_matmul import norm_gemv_x_supported, prepare_gemv_x, rms_norm_gemv_x
+    from jaxpaged.pallas_kernels.int4_matmul import prepare_gemv_x
+    from jaxpaged.pallas_kernels.int4_operands import norm_gemv_x_supported, rms_norm_gemv_x
     rng = np.random.default_rng(k + plus_one)
     x = jnp.asarray(rng.standard_normal((1, k)) * 3, jnp.bfloat16).at[0, 3].set(150.0)
     w = jnp.asarray(rng.uniform(-2, 2, k), jnp.bfloat16)
@@ -393,7 +394,7 @@ def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
     computes it in bf16, each 128-row slab's maximum of it and the float16 pairs scaled by that slab's bound, which
     int4_matmul takes as x_pairs (one bound a slab, with splits of several slabs) to the dequantized reference's
     result."""
-    from jaxpaged.pallas_kernels.int4_matmul import silu_mul_gemv_x
+    from jaxpaged.pallas_kernels.int4_operands import silu_mul_gemv_x
     inter, n = 896, 128
     slabs = inter // 128
     rng = np.random.default_rng(parts)
@@ -437,7 +438,7 @@ def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype, bias):
     rotated and v as models/decoder.py's Attention computes them in half precision (the splits' sum rounded, the
     bias added, then _rotate)."""
     from jaxpaged.models.decoder import _rotate
-    from jaxpaged.pallas_kernels.int4_matmul import rope_qkv
+    from jaxpaged.pallas_kernels.int4_operands import rope_qkv
     hq, hk, d = 4, 2, 128
     dt = jnp.dtype(dtype)
     rng = np.random.default_rng(parts)
@@ -475,7 +476,7 @@ def test_int4_linear_takes_the_norm_kernels_operands_where_its_rows_are_in_order
     """Int4Linear given rms_norm_gemv_x's operands (the tuple hint) runs the GEMV on them; with act order, whose
     packed rows follow a permutation of x's, it takes x itself: both equal the dequantized reference."""
     from jaxpaged.models.decoder import Int4Linear, RuntimeOptions
-    from jaxpaged.pallas_kernels.int4_matmul import rms_norm_gemv_x
+    from jaxpaged.pallas_kernels.int4_operands import rms_norm_gemv_x
     k, n, g = 256, 128, 128
     rng = np.random.default_rng(3)
     y, pairs, amax = rms_norm_gemv_x(jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16),
