@@ -87,6 +87,9 @@ INT4_SILU_KERNEL = True
 # into q's and k's rotations and v's slice). On the H100 (llama3-8b AWQ, one request) 1.4 us against 3.7, and the
 # step 2,535 against 2,595 us (bench/results/NOTES.md).
 INT4_ROPE_KERNEL = True
+# Whether rope_qkv also takes Qwen3's q/k norms (RMSNorm over each head before RoPE). Off until compiled and
+# measured on a GPU.
+INT4_ROPE_QK_NORM = False
 
 
 class RMSNorm(nn.Module):
@@ -102,9 +105,13 @@ class RMSNorm(nn.Module):
     plus_one: bool = False
 
     @nn.compact
-    def __call__(self, x, bound: bool = False, pairs: bool = False, interpret: bool | None = None):
+    def __call__(self, x, bound: bool = False, pairs: bool = False, interpret: bool | None = None,
+                 weight_only: bool = False):
+        """weight_only: the scale parameter itself (x gives its size), for a kernel that norms in itself."""
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
+        if weight_only:
+            return scale
         if pairs:
             y, x_pairs, amax = rms_norm_gemv_x(x, scale, eps=self.eps, plus_one=self.plus_one, interpret=interpret)
             return y, (x_pairs, amax)
@@ -385,8 +392,12 @@ class Attention(nn.Module):
         qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
         if self._rope_kernel(x, cos):   # the splits' sum and RoPE in one kernel
             partial_sums, bias = qkv_proj(x, x_bound, keep_splits=True)
-            q, k, v = rope_qkv(partial_sums, cos, sin, bias, q_heads=c.num_heads, kv_heads=c.num_kv_heads,
-                               dtype=self.dtype, interpret=self.options.interpret)
+            head = jnp.zeros((c.head_dim,), self.dtype)         # (the norms' weights only)
+            qk_norm = (tuple(_norm(c, self.dtype, name)(head, weight_only=True) for name in ("q_norm", "k_norm"))
+                       if c.qk_norm else None)
+            q, k, v = rope_qkv(partial_sums, cos, sin, bias, qk_norm, q_heads=c.num_heads, kv_heads=c.num_kv_heads,
+                               dtype=self.dtype, eps=c.rms_norm_eps if c.qk_norm else None,
+                               interpret=self.options.interpret)
         else:
             qkv = qkv_proj(x, x_bound)
             q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
@@ -426,11 +437,12 @@ class Attention(nn.Module):
 
     def _rope_kernel(self, x, cos) -> bool:
         """Whether this step's q, k and v come from rope_qkv (INT4_ROPE_KERNEL): one row through the Pallas
-        kernels, q/k/v 4-bit (with or without a bias), no q/k norms, RoPE (not ALiBi) as HF's rotate_half over
-        whole heads of a power-of-two size."""
+        kernels, q/k/v 4-bit (with or without a bias), q/k norms of Llama's form only with INT4_ROPE_QK_NORM, RoPE
+        (not ALiBi) as HF's rotate_half over whole heads of a power-of-two size."""
         c = self.cfg
         return (INT4_ROPE_KERNEL and self.options.pallas and x.shape[0] == 1
-                and int4_scheme(c.quant_of("qkv_proj")) is not None and not c.qk_norm
+                and int4_scheme(c.quant_of("qkv_proj")) is not None
+                and (not c.qk_norm or (INT4_ROPE_QK_NORM and not c.norm_plus_one))
                 and not c.alibi and not c.rope_interleaved and cos.shape == (1, c.head_dim // 2)
                 and c.head_dim & (c.head_dim - 1) == 0)
 

@@ -140,15 +140,17 @@ def silu_mul_gemv_x(gate_up, *, dtype, interpret: bool | None = None):
     return pairs.reshape(1, inter // 2), amax
 
 
-def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias):
+def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias, eps):
     # parts_ref: [P, (q_heads + 2 kv_heads) * 2, D/2] the q/k/v GEMV's output in P parts, each head's two halves;
-    # with bias, b_ref: dtype[(q_heads + 2 kv_heads) * 2, D/2] the projection's bias; cos_ref, sin_ref: f32[1, D/2];
-    # q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h of q, then of k (both
-    # rotated), then of v (copied).
-    if bias:
-        parts_ref, b_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
-    else:
-        parts_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
+    # with bias, b_ref: dtype[(q_heads + 2 kv_heads) * 2, D/2] the projection's bias; with q/k norms (eps not
+    # None), n_ref: dtype[2, 2, D/2] q_norm's and k_norm's weights, each in halves; cos_ref, sin_ref: f32[1, D/2];
+    # q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h of q, then of k (both normed
+    # if so, then rotated), then of v (copied).
+    refs = list(refs)
+    parts_ref = refs.pop(0)
+    b_ref = refs.pop(0) if bias else None
+    n_ref = refs.pop(0) if eps is not None else None
+    cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
     h = pl.program_id(0)
     half = cos_ref.shape[1]
 
@@ -159,13 +161,21 @@ def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias):
         row = pl.ds(2 * h + which, 1)
         y = rounded(functools.reduce(jnp.add, [parts_ref[p, row, pl.ds(0, half)].astype(jnp.float32)
                                                for p in range(parts)]))                 # [1, D/2]
-        return rounded(y + b_ref[row, :].astype(jnp.float32)) if bias else y
+        return rounded(y + b_ref[row, :].astype(jnp.float32)) if b_ref is not None else y
 
     x1, x2 = head_half(0), head_half(1)
+    y1, y2 = x1, x2
+    if n_ref is not None:       # Qwen3's q_norm / k_norm over the head, RMSNorm's Llama form (models/decoder.py)
+        def total(v):
+            return jnp.sum(jnp.sum(v, axis=1), axis=0)
+        inv_rms = jax.lax.rsqrt((total(x1 * x1) + total(x2 * x2)) / (2 * half) + eps)
+        weights = [jnp.where(h < q_heads, n_ref[0, pl.ds(i, 1), :], n_ref[1, pl.ds(i, 1), :]).astype(jnp.float32)
+                   for i in (0, 1)]
+        y1, y2 = (rounded(w * rounded(x * inv_rms)) for w, x in zip(weights, (x1, x2)))
     cos, sin = rounded(cos_ref[...]), rounded(sin_ref[...])
     # HF's rotate_half, as models/decoder.py's _rotate computes it in x's dtype
-    r1 = rounded(rounded(x1 * cos) - rounded(x2 * sin)).astype(dtype)
-    r2 = rounded(rounded(x2 * cos) + rounded(x1 * sin)).astype(dtype)
+    r1 = rounded(rounded(y1 * cos) - rounded(y2 * sin)).astype(dtype)
+    r2 = rounded(rounded(y2 * cos) + rounded(y1 * sin)).astype(dtype)
 
     @pl.when(h < q_heads)
     def _():
@@ -183,28 +193,32 @@ def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias):
         v_ref[pl.ds(h - q_heads - kv_heads, 1), 1, :] = x2.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "dtype", "interpret"))
-def rope_qkv(qkv, cos, sin, bias=None, *, q_heads: int, kv_heads: int, dtype, interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "dtype", "eps", "interpret"))
+def rope_qkv(qkv, cos, sin, bias=None, qk_norm=None, *, q_heads: int, kv_heads: int, dtype, eps: float | None = None,
+             interpret: bool | None = None):
     """One row's q, k and v from the q/k/v GEMV's partial sums, with RoPE (HF's rotate_half over the whole head)
     on q and k, in one kernel: qkv f32[P, 1, (q_heads + 2 kv_heads) D] (int4_matmul's keep_splits output) or
-    dtype[1, 1, ...], cos, sin f32[1, D/2], bias None or dtype[(q_heads + 2 kv_heads) D] (Qwen2's) -> q
-    dtype[1, q_heads, D], k, v dtype[1, kv_heads, D], as
-    models/decoder.py's Attention computes them in dtype. What XLA makes of the same (the splits' sum fused into
-    each of q's and k's rotation and v's slice) is three kernels. One program a head. D: a power of two."""
+    dtype[1, 1, ...], cos, sin f32[1, D/2], bias None or dtype[(q_heads + 2 kv_heads) D] (Qwen2's), qk_norm None
+    or (q_norm's, k_norm's weights dtype[D]) with their eps (Qwen3's, before RoPE) -> q dtype[1, q_heads, D], k, v
+    dtype[1, kv_heads, D], as models/decoder.py's Attention computes them in dtype. What XLA makes of the same
+    (the splits' sum fused into each of q's and k's rotation and v's slice) is three kernels or more. One program
+    a head. D: a power of two."""
     parts, m, width = qkv.shape
     heads = q_heads + 2 * kv_heads
     head_dim = width // heads
     if m != 1 or width % heads or head_dim & (head_dim - 1) or cos.shape != (1, head_dim // 2) or \
-            sin.shape != cos.shape or (bias is not None and bias.shape != (width,)):
-        raise ValueError(f"rope_qkv takes one row of {heads} heads of a power-of-two size, cos/sin of half a head "
-                         f"and a bias of the row's size: qkv {qkv.shape}, cos {cos.shape}, sin {sin.shape}, bias "
-                         f"{None if bias is None else bias.shape}")
+            sin.shape != cos.shape or (bias is not None and bias.shape != (width,)) or \
+            (qk_norm is not None and (eps is None or [w.shape for w in qk_norm] != [(head_dim,)] * 2)):
+        raise ValueError(f"rope_qkv takes one row of {heads} heads of a power-of-two size, cos/sin of half a head, "
+                         f"a bias of the row's size and two norms' weights of a head's size with their eps: qkv "
+                         f"{qkv.shape}, cos {cos.shape}, sin {sin.shape}, bias {None if bias is None else bias.shape}, "
+                         f"qk_norm {None if qk_norm is None else [w.shape for w in qk_norm]}, eps {eps}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     half = head_dim // 2
     q, k, v = pl.pallas_call(
         functools.partial(_rope_qkv_kernel, parts=parts, q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.dtype(dtype),
-                          bias=bias is not None),
+                          bias=bias is not None, eps=None if qk_norm is None else eps),
         grid=(heads,),
         out_shape=(jax.ShapeDtypeStruct((q_heads, 2, half), dtype), jax.ShapeDtypeStruct((kv_heads, 2, half), dtype),
                    jax.ShapeDtypeStruct((kv_heads, 2, half), dtype)),
@@ -212,6 +226,7 @@ def rope_qkv(qkv, cos, sin, bias=None, *, q_heads: int, kv_heads: int, dtype, in
         interpret=interpret,
         name="rope_qkv",
     )(qkv.reshape(parts, heads * 2, half), *(() if bias is None else (bias.astype(dtype).reshape(heads * 2, half),)),
+      *(() if qk_norm is None else (jnp.stack(qk_norm).astype(dtype).reshape(2, 2, half),)),
       cos.astype(jnp.float32), sin.astype(jnp.float32))
     return q.reshape(1, q_heads, head_dim), k.reshape(1, kv_heads, head_dim), v.reshape(1, kv_heads, head_dim)
 

@@ -317,6 +317,13 @@ class TestInt4Matmul:
                             interpret=False)
         assert lowered_calls(qkv, s((1, 4096), jnp.bfloat16), *weights, s((1, 64), jnp.float32),
                              s((1, 64), jnp.float32)) == (2,)
+
+        def qkv_normed(x, w, sc, z, cos, sin, bias, qn, kn):                # Qwen2's bias, Qwen3's norms
+            return rope_qkv(op(x, w, sc, z, keep_splits=True), cos, sin, bias, (qn, kn), q_heads=32, kv_heads=8,
+                            dtype=jnp.bfloat16, eps=1e-6, interpret=False)
+        assert lowered_calls(qkv_normed, s((1, 4096), jnp.bfloat16), *weights, s((1, 64), jnp.float32),
+                             s((1, 64), jnp.float32), s((6144,), jnp.bfloat16), s((128,), jnp.bfloat16),
+                             s((128,), jnp.bfloat16)) == (2,)
         assert lowered_calls(mlp, s((1, 4096), jnp.bfloat16), s((512, 28672), jnp.int32), s((32, 28672), jnp.bfloat16),
                              s((32, 28672), jnp.uint8), s((1792, 4096), jnp.int32), s((112, 4096), jnp.bfloat16),
                              s((112, 4096), jnp.uint8)) == (3,)
@@ -431,13 +438,14 @@ def test_silu_mul_gemv_x_is_the_swiglu_product_and_its_gemv_operands(parts):
         silu_mul_gemv_x(gate_up[:, :, :200], dtype=jnp.bfloat16, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("parts,dtype,bias", [(1, "bfloat16", False), (3, "bfloat16", False), (2, "float16", False),
-                                              (2, "bfloat16", True)])
-def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype, bias):
-    """rope_qkv: from the q/k/v GEMV's partial sums (parts of them, or its output) and a bias (Qwen2's), q and k
-    rotated and v as models/decoder.py's Attention computes them in half precision (the splits' sum rounded, the
-    bias added, then _rotate)."""
-    from jaxpaged.models.decoder import _rotate
+@pytest.mark.parametrize("parts,dtype,bias,qk_norm", [(1, "bfloat16", False, False), (3, "bfloat16", False, False),
+                                                      (2, "float16", False, False), (2, "bfloat16", True, False),
+                                                      (2, "bfloat16", False, True)])
+def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype, bias, qk_norm):
+    """rope_qkv: from the q/k/v GEMV's partial sums (parts of them, or its output), a bias (Qwen2's) and q/k norms
+    (Qwen3's), q and k rotated and v as models/decoder.py's Attention computes them in half precision (the splits'
+    sum rounded, the bias added, each head normed, then _rotate)."""
+    from jaxpaged.models.decoder import RMSNorm, _rotate
     from jaxpaged.pallas_kernels.int4_operands import rope_qkv
     hq, hk, d = 4, 2, 128
     dt = jnp.dtype(dtype)
@@ -447,11 +455,15 @@ def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype, bias):
     angles = rng.uniform(0, 100, (1, d // 2))
     cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
     b = jnp.asarray(rng.standard_normal((hq + 2 * hk) * d), dt) if bias else None
-    q, k, v = rope_qkv(qkv_parts, cos, sin, b, q_heads=hq, kv_heads=hk, dtype=dt, interpret=INTERPRET)
+    norms = tuple(jnp.asarray(rng.uniform(0.5, 2, d), dt) for _ in range(2)) if qk_norm else None
+    q, k, v = rope_qkv(qkv_parts, cos, sin, b, norms, q_heads=hq, kv_heads=hk, dtype=dt, eps=1e-6 if qk_norm else None,
+                       interpret=INTERPRET)
     qkv = jnp.sum(qkv_parts.astype(jnp.float32), axis=0).astype(dt)
     qkv = qkv + b if bias else qkv
-    want = (_rotate(qkv[:, :hq * d].reshape(1, hq, d), cos, sin),
-            _rotate(qkv[:, hq * d:(hq + hk) * d].reshape(1, hk, d), cos, sin), qkv[:, (hq + hk) * d:].reshape(1, hk, d))
+    q_in, k_in = qkv[:, :hq * d].reshape(1, hq, d), qkv[:, hq * d:(hq + hk) * d].reshape(1, hk, d)
+    if qk_norm:
+        q_in, k_in = (RMSNorm(1e-6, dt).apply({"params": {"scale": w}}, x) for w, x in zip(norms, (q_in, k_in)))
+    want = (_rotate(q_in, cos, sin), _rotate(k_in, cos, sin), qkv[:, (hq + hk) * d:].reshape(1, hk, d))
     for got, ref in zip((q, k, v), want):
         assert got.dtype == dt and got.shape == ref.shape
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2 ** -7, atol=2 ** -7)

@@ -281,27 +281,31 @@ def test_the_server_flag_reaches_the_engine_args(method):
     assert args.quantization == method
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["llama-awq-g32", "qwen2-awq-g128"])
-def test_the_norm_silu_and_rope_kernels_give_a_4bit_decode_row_its_operands(checkpoints, monkeypatch, case):
+ALL_KERNELS = ["rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"]
+
+
+@pytest.mark.parametrize("case,kernels", [(CASES[0], ALL_KERNELS), (CASES[1], ALL_KERNELS), (CASES[3], ["rope_qkv"])],
+                         ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder"])
+def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, monkeypatch, case, kernels):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
-    request's decode steps through the Pallas kernels (interpreted): with INT4_NORM_KERNEL the norms before q/k/v
-    and gate/up run as rms_norm_gemv_x, with INT4_SILU_KERNEL too the MLP's product runs as silu_mul_gemv_x
-    (gate/up in one split), each handing the W4A16 GEMVs their operands, and with INT4_ROPE_KERNEL too q, k and v
-    come from rope_qkv (Qwen2's with q/k/v's bias); the greedy tokens and their logprobs are those of the same
-    computed by XLA (to half precision's tolerance)."""
+    request's decode steps through the Pallas kernels (interpreted), with the kernels around the W4A16 GEMVs
+    (pallas_kernels/int4_operands.py) on against all off: the greedy tokens and their logprobs are those XLA
+    computes (to half precision's tolerance). Llama's and Qwen2's (q/k/v's bias) take all three: the norms before
+    q/k/v and gate/up as rms_norm_gemv_x, the MLP's product as silu_mul_gemv_x (gate/up in one split), q, k and v
+    as rope_qkv; Qwen3's with act order only rope_qkv, with its q/k norms (INT4_ROPE_QK_NORM): act order permutes
+    x's rows, so its norms and product keep XLA's."""
     import jaxpaged.models.decoder as decoder
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = {"prompt_token_ids": np.random.default_rng(2).integers(0, 320, 11).tolist()}
     calls: dict[str, int] = {}
-    for name in ("rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"):
+    for name in ALL_KERNELS:
         kernel = getattr(decoder, name)
         monkeypatch.setattr(decoder, name, lambda *a, _k=kernel, _n=name, **kw: calls.update({_n: 1}) or _k(*a, **kw))
 
-    def run(norm: bool, silu: bool, rope: bool):
-        monkeypatch.setattr(decoder, "INT4_NORM_KERNEL", norm)
-        monkeypatch.setattr(decoder, "INT4_SILU_KERNEL", silu)
-        monkeypatch.setattr(decoder, "INT4_ROPE_KERNEL", rope)
+    def run(on: bool):
+        for switch in ("INT4_NORM_KERNEL", "INT4_SILU_KERNEL", "INT4_ROPE_KERNEL", "INT4_ROPE_QK_NORM"):
+            monkeypatch.setattr(decoder, switch, on)
         calls.clear()
         jax.clear_caches()              # the step's programs are traced again, under the switches as set now
         try:
@@ -312,10 +316,9 @@ def test_the_norm_silu_and_rope_kernels_give_a_4bit_decode_row_its_operands(chec
             jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
         return sorted(calls), list(out.outputs[0].token_ids), [
             e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-    traced, xla_tokens, xla_lps = run(False, False, False)
+    traced, xla_tokens, xla_lps = run(False)
     assert traced == []
-    for norm, silu, rope in ((True, False, False), (True, True, True)):
-        traced, tokens, lps = run(norm, silu, rope)
-        assert traced == ["rms_norm_gemv_x"] + ["rope_qkv"] * rope + ["silu_mul_gemv_x"] * silu   # in the step
-        assert tokens == xla_tokens
-        np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)
+    traced, tokens, lps = run(True)
+    assert traced == kernels            # traced into the decode step's program
+    assert tokens == xla_tokens
+    np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)
