@@ -90,6 +90,10 @@ INT4_ROPE_KERNEL = True
 # Whether rope_qkv also takes Qwen3's q/k norms (RMSNorm over each head before RoPE). Off until compiled and
 # measured on a GPU.
 INT4_ROPE_QK_NORM = False
+# Whether a one-row dense (bf16/fp16) q/k/v projection's output goes through rope_qkv too (as one part), where XLA
+# makes three kernels of q's and k's rotations and v's slice (3.5 us a layer of llama3-8b's bf16 step on the
+# H100). Off until measured on a GPU.
+DENSE_ROPE_KERNEL = False
 
 
 class RMSNorm(nn.Module):
@@ -391,7 +395,10 @@ class Attention(nn.Module):
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
         if self._rope_kernel(x, cos):   # the splits' sum and RoPE in one kernel
-            partial_sums, bias = qkv_proj(x, x_bound, keep_splits=True)
+            if c.quant_of("qkv_proj") is None:
+                partial_sums, bias = qkv_proj(x)[None], None        # one part, its bias added
+            else:
+                partial_sums, bias = qkv_proj(x, x_bound, keep_splits=True)
             head = jnp.zeros((c.head_dim,), self.dtype)         # (the norms' weights only)
             qk_norm = (tuple(_norm(c, self.dtype, name)(head, weight_only=True) for name in ("q_norm", "k_norm"))
                        if c.qk_norm else None)
@@ -436,12 +443,13 @@ class Attention(nn.Module):
         return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
 
     def _rope_kernel(self, x, cos) -> bool:
-        """Whether this step's q, k and v come from rope_qkv (INT4_ROPE_KERNEL): one row through the Pallas
-        kernels, q/k/v 4-bit (with or without a bias), q/k norms of Llama's form only with INT4_ROPE_QK_NORM, RoPE
-        (not ALiBi) as HF's rotate_half over whole heads of a power-of-two size."""
+        """Whether this step's q, k and v come from rope_qkv: one row through the Pallas kernels, q/k/v 4-bit
+        (INT4_ROPE_KERNEL) or dense (DENSE_ROPE_KERNEL), with or without a bias, q/k norms of Llama's form only
+        with INT4_ROPE_QK_NORM, RoPE (not ALiBi) as HF's rotate_half over whole heads of a power-of-two size."""
         c = self.cfg
-        return (INT4_ROPE_KERNEL and self.options.pallas and x.shape[0] == 1
-                and int4_scheme(c.quant_of("qkv_proj")) is not None
+        qtype = c.quant_of("qkv_proj")
+        kind = DENSE_ROPE_KERNEL if qtype is None else INT4_ROPE_KERNEL and int4_scheme(qtype) is not None
+        return (kind and self.options.pallas and x.shape[0] == 1
                 and (not c.qk_norm or (INT4_ROPE_QK_NORM and not c.norm_plus_one))
                 and not c.alibi and not c.rope_interleaved and cos.shape == (1, c.head_dim // 2)
                 and c.head_dim & (c.head_dim - 1) == 0)

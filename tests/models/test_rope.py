@@ -64,3 +64,47 @@ def test_unsupported_rope_is_refused():
         decoder_config_from_hf({**base, "rope_scaling": {"rope_type": "mrope"}})
     with pytest.raises(UnsupportedRopeError, match="partial_rotary_factor"):
         decoder_config_from_hf({**base, "partial_rotary_factor": 0.5})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])           # (Llama's is Qwen2's without the bias)
+def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_path, monkeypatch):
+    """DENSE_ROPE_KERNEL: one request's decode steps through the Pallas kernels (interpreted, float16: the CPU's
+    Pallas attention holds a bf16 pool as uint16) take q, k and v from rope_qkv (Qwen2's q/k/v bias added by the
+    dense projection, Qwen3's q/k norms in the kernel with INT4_ROPE_QK_NORM); the greedy tokens and their
+    logprobs are those of XLA's rotation (to half precision's tolerance)."""
+    import shutil
+    from pathlib import Path
+
+    import jax
+
+    import jaxpaged.models.decoder as decoder
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.engine.llm_engine import resolve_model_path
+    save_tiny_model(family, tmp_path, initializer_range=0.2, hidden_size=128, intermediate_size=256,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(resolve_model_path(None)) / f, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = {"prompt_token_ids": np.random.default_rng(5).integers(0, 320, 11).tolist()}
+    calls = []
+    kernel = decoder.rope_qkv
+    monkeypatch.setattr(decoder, "rope_qkv", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+
+    def run(on: bool):
+        monkeypatch.setattr(decoder, "DENSE_ROPE_KERNEL", on)
+        monkeypatch.setattr(decoder, "INT4_ROPE_QK_NORM", on)
+        calls.clear()
+        jax.clear_caches()              # the step's programs are traced again, under the switches as set now
+        try:
+            llm = LLM(model=str(tmp_path), dtype="float16", max_model_len=128, block_size=8,
+                      max_num_batched_tokens=32, attention_backend="pallas", layer_dispatch="unrolled")
+            [out] = llm.generate([prompt], params, use_tqdm=False)
+        finally:
+            jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
+        return bool(calls), list(out.outputs[0].token_ids), [
+            e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    traced, xla_tokens, xla_lps = run(False)
+    assert not traced
+    traced, tokens, lps = run(True)
+    assert traced and tokens == xla_tokens
+    np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)
