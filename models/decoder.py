@@ -9,6 +9,7 @@ writes its new K/V into it in place before attending (the kernels index the laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -94,6 +95,9 @@ INT4_ROPE_QK_NORM = False
 # makes three kernels of q's and k's rotations and v's slice (3.5 us a layer of llama3-8b's bf16 step on the
 # H100). Off until measured on a GPU.
 DENSE_ROPE_KERNEL = False
+# Whether rope_qkv also stores the row's k and v into the pool (its kv_write), where write_kv is a kernel of its
+# own (1.5 us a layer of llama3-8b's 4-bit step on the H100). Off until measured on a GPU.
+ROPE_WRITES_KV = False
 
 
 class RMSNorm(nn.Module):
@@ -394,6 +398,11 @@ class Attention(nn.Module):
         # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
+        kv_scales = None
+        if c.kv_cache_dtype == "fp8":    # the pool holds k / k_scale and v / v_scale in e4m3
+            kv_scales = (self.param("k_scale", nn.initializers.ones, (), jnp.float32),
+                         self.param("v_scale", nn.initializers.ones, (), jnp.float32))
+        written = False                 # k and v in the pool already (rope_qkv's kv_write)
         if self._rope_kernel(x, cos):   # the splits' sum and RoPE in one kernel
             if c.quant_of("qkv_proj") is None:
                 partial_sums, bias = qkv_proj(x)[None], None        # one part, its bias added
@@ -402,9 +411,14 @@ class Attention(nn.Module):
             head = jnp.zeros((c.head_dim,), self.dtype)         # (the norms' weights only)
             qk_norm = (tuple(_norm(c, self.dtype, name)(head, weight_only=True) for name in ("q_norm", "k_norm"))
                        if c.qk_norm else None)
-            q, k, v = rope_qkv(partial_sums, cos, sin, bias, qk_norm, q_heads=c.num_heads, kv_heads=c.num_kv_heads,
-                               dtype=self.dtype, eps=c.rms_norm_eps if c.qk_norm else None,
-                               interpret=self.options.interpret)
+            rope = functools.partial(rope_qkv, partial_sums, cos, sin, bias, qk_norm, q_heads=c.num_heads,
+                                     kv_heads=c.num_kv_heads, dtype=self.dtype,
+                                     eps=c.rms_norm_eps if c.qk_norm else None, interpret=self.options.interpret)
+            if ROPE_WRITES_KV:
+                q, kv_cache = rope(kv_write=(kv_cache, layer_idx, meta.slot_mapping, kv_scales))
+                written = True
+            else:
+                q, k, v = rope()
         else:
             qkv = qkv_proj(x, x_bound)
             q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
@@ -418,12 +432,9 @@ class Attention(nn.Module):
         slopes = c.alibi_slopes()
         backend = self.options.attn_backend
         opts = self.options
-        kv_scales = None
-        if c.kv_cache_dtype == "fp8":    # the pool holds k / k_scale and v / v_scale in e4m3
-            kv_scales = (self.param("k_scale", nn.initializers.ones, (), jnp.float32),
-                         self.param("v_scale", nn.initializers.ones, (), jnp.float32))
-        kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
-                                           interpret=opts.interpret, kv_scales=kv_scales)
+        if not written:
+            kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
+                                               interpret=opts.interpret, kv_scales=kv_scales)
 
         def attend(window):
             return pallas_kernels.attention(q, kv_cache, layer_idx, meta.block_tables, meta.seq_lens,

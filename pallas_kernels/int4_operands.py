@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ._checks import check_triton_offsets, to_cache
 from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_scale
 
 
@@ -140,17 +141,25 @@ def silu_mul_gemv_x(gate_up, *, dtype, interpret: bool | None = None):
     return pairs.reshape(1, inter // 2), amax
 
 
-def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias, eps):
+def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias, eps, kv_write, kv_scaled):
     # parts_ref: [P, (q_heads + 2 kv_heads) * 2, D/2] the q/k/v GEMV's output in P parts, each head's two halves;
     # with bias, b_ref: dtype[(q_heads + 2 kv_heads) * 2, D/2] the projection's bias; with q/k norms (eps not
     # None), n_ref: dtype[2, 2, D/2] q_norm's and k_norm's weights, each in halves; cos_ref, sin_ref: f32[1, D/2];
-    # q_ref: [q_heads, 2, D/2], k_ref, v_ref: [kv_heads, 2, D/2]. Program h: head h of q, then of k (both normed
-    # if so, then rotated), then of v (copied).
+    # with kv_write: layer_ref i32[1], slot_ref i32[1], (kv_scaled) scale_ref f32[2] k's and v's scales, the
+    # pool [L, 2, B, K, S, D] (in, aliased to out); q_ref: [q_heads, 2, D/2], and without kv_write k_ref, v_ref:
+    # [kv_heads, 2, D/2]. Program h: head h of q, then of k (both normed if so, then rotated), then of v (copied);
+    # with kv_write k's and v's heads go into the pool (write_kv's store) instead of out.
     refs = list(refs)
     parts_ref = refs.pop(0)
     b_ref = refs.pop(0) if bias else None
     n_ref = refs.pop(0) if eps is not None else None
-    cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
+    cos_ref, sin_ref = refs.pop(0), refs.pop(0)
+    if kv_write:
+        layer_ref, slot_ref = refs.pop(0), refs.pop(0)
+        scale_ref = refs.pop(0) if kv_scaled else None
+        _, q_ref, cache_ref = refs
+    else:
+        q_ref, k_ref, v_ref = refs
     h = pl.program_id(0)
     half = cos_ref.shape[1]
 
@@ -182,27 +191,41 @@ def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias, eps):
         q_ref[pl.ds(h, 1), 0, :] = r1
         q_ref[pl.ds(h, 1), 1, :] = r2
 
+    def store(which, head, lo, hi):     # k (which 0) or v (1) of kv head `head`, its halves dtype[1, D/2]
+        if not kv_write:
+            out = k_ref if which == 0 else v_ref
+            out[pl.ds(head, 1), 0, :] = lo
+            out[pl.ds(head, 1), 1, :] = hi
+            return
+        block_size = cache_ref.shape[4]
+        slot, layer = slot_ref[0], layer_ref[0]
+        for start, part in ((0, lo), (half, hi)):       # as write_kv: divided by the scale in float32, one rounding
+            value = part.astype(jnp.float32) / scale_ref[which] if kv_scaled else part
+            cache_ref[layer, which, slot // block_size, head, slot % block_size, pl.ds(start, half)] = to_cache(
+                value.reshape(half), cache_ref.dtype)
+
     @pl.when((h >= q_heads) & (h < q_heads + kv_heads))
     def _():
-        k_ref[pl.ds(h - q_heads, 1), 0, :] = r1
-        k_ref[pl.ds(h - q_heads, 1), 1, :] = r2
+        store(0, h - q_heads, r1, r2)
 
     @pl.when(h >= q_heads + kv_heads)
     def _():
-        v_ref[pl.ds(h - q_heads - kv_heads, 1), 0, :] = x1.astype(dtype)
-        v_ref[pl.ds(h - q_heads - kv_heads, 1), 1, :] = x2.astype(dtype)
+        store(1, h - q_heads - kv_heads, x1.astype(dtype), x2.astype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("q_heads", "kv_heads", "dtype", "eps", "interpret"))
-def rope_qkv(qkv, cos, sin, bias=None, qk_norm=None, *, q_heads: int, kv_heads: int, dtype, eps: float | None = None,
-             interpret: bool | None = None):
+def rope_qkv(qkv, cos, sin, bias=None, qk_norm=None, kv_write=None, *, q_heads: int, kv_heads: int, dtype,
+             eps: float | None = None, interpret: bool | None = None):
     """One row's q, k and v from the q/k/v GEMV's partial sums, with RoPE (HF's rotate_half over the whole head)
     on q and k, in one kernel: qkv f32[P, 1, (q_heads + 2 kv_heads) D] (int4_matmul's keep_splits output) or
     dtype[1, 1, ...], cos, sin f32[1, D/2], bias None or dtype[(q_heads + 2 kv_heads) D] (Qwen2's), qk_norm None
     or (q_norm's, k_norm's weights dtype[D]) with their eps (Qwen3's, before RoPE) -> q dtype[1, q_heads, D], k, v
     dtype[1, kv_heads, D], as models/decoder.py's Attention computes them in dtype. What XLA makes of the same
     (the splits' sum fused into each of q's and k's rotation and v's slice) is three kernels or more. One program
-    a head. D: a power of two."""
+    a head. D: a power of two.
+    kv_write (kv_cache [L, 2, B, K, S, D], layer_idx, slot_mapping i32[1], kv_scales None or (k_scale, v_scale)):
+    k and v go into the pool at the row's slot as kv_write.write_kv stores them (the pool updated in place), and
+    the result is (q, the pool): one kernel fewer."""
     parts, m, width = qkv.shape
     heads = q_heads + 2 * kv_heads
     head_dim = width // heads
@@ -216,19 +239,49 @@ def rope_qkv(qkv, cos, sin, bias=None, qk_norm=None, *, q_heads: int, kv_heads: 
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     half = head_dim // 2
-    q, k, v = pl.pallas_call(
+    operands = [qkv.reshape(parts, heads * 2, half)]
+    if bias is not None:
+        operands.append(bias.astype(dtype).reshape(heads * 2, half))
+    if qk_norm is not None:
+        operands.append(jnp.stack(qk_norm).astype(dtype).reshape(2, 2, half))
+    operands += [cos.astype(jnp.float32), sin.astype(jnp.float32)]
+    q_shape = jax.ShapeDtypeStruct((q_heads, 2, half), dtype)
+    kv_shape = jax.ShapeDtypeStruct((kv_heads, 2, half), dtype)
+    aliases = {}
+    kv_scaled = False
+    out_shape: tuple[jax.ShapeDtypeStruct, ...]
+    if kv_write is not None:
+        kv_cache, layer_idx, slot_mapping, kv_scales = kv_write
+        if kv_cache.ndim != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != kv_heads or \
+                kv_cache.shape[5] != head_dim:
+            raise ValueError(f"kv_write's pool must be [L, 2, B, {kv_heads}, S, {head_dim}]; got {kv_cache.shape}")
+        if slot_mapping.shape != (1,):
+            raise ValueError(f"kv_write's slot_mapping must be i32[1]; got {slot_mapping.shape}")
+        check_triton_offsets(kv_cache)
+        operands += [jnp.asarray(layer_idx, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32)]
+        kv_scaled = kv_scales is not None
+        if kv_scaled:
+            operands.append(jnp.stack([jnp.asarray(x, jnp.float32).reshape(()) for x in kv_scales]))
+        aliases = {len(operands): 1}
+        operands.append(kv_cache)
+        out_shape = (q_shape, jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype))
+    else:
+        out_shape = (q_shape, kv_shape, kv_shape)
+    outs = pl.pallas_call(
         functools.partial(_rope_qkv_kernel, parts=parts, q_heads=q_heads, kv_heads=kv_heads, dtype=jnp.dtype(dtype),
-                          bias=bias is not None, eps=None if qk_norm is None else eps),
+                          bias=bias is not None, eps=None if qk_norm is None else eps, kv_write=kv_write is not None,
+                          kv_scaled=kv_scaled),
         grid=(heads,),
-        out_shape=(jax.ShapeDtypeStruct((q_heads, 2, half), dtype), jax.ShapeDtypeStruct((kv_heads, 2, half), dtype),
-                   jax.ShapeDtypeStruct((kv_heads, 2, half), dtype)),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="rope_qkv",
-    )(qkv.reshape(parts, heads * 2, half), *(() if bias is None else (bias.astype(dtype).reshape(heads * 2, half),)),
-      *(() if qk_norm is None else (jnp.stack(qk_norm).astype(dtype).reshape(2, 2, half),)),
-      cos.astype(jnp.float32), sin.astype(jnp.float32))
-    return q.reshape(1, q_heads, head_dim), k.reshape(1, kv_heads, head_dim), v.reshape(1, kv_heads, head_dim)
+    )(*operands)
+    q = outs[0].reshape(1, q_heads, head_dim)
+    if kv_write is not None:
+        return q, outs[1]
+    return q, outs[1].reshape(1, kv_heads, head_dim), outs[2].reshape(1, kv_heads, head_dim)
 
 
 __all__ = ["norm_gemv_x_supported", "rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"]

@@ -321,6 +321,12 @@ class TestInt4Matmul:
         def qkv_normed(x, w, sc, z, cos, sin, bias, qn, kn):                # Qwen2's bias, Qwen3's norms
             return rope_qkv(op(x, w, sc, z, keep_splits=True), cos, sin, bias, (qn, kn), q_heads=32, kv_heads=8,
                             dtype=jnp.bfloat16, eps=1e-6, interpret=False)
+        def qkv_written(x, w, sc, z, cos, sin, pool, slot):              # k and v stored into the pool
+            return rope_qkv(op(x, w, sc, z, keep_splits=True), cos, sin, kv_write=(pool, 3, slot, None), q_heads=32,
+                            kv_heads=8, dtype=jnp.bfloat16, interpret=False)
+        assert lowered_calls(qkv_written, s((1, 4096), jnp.bfloat16), *weights, s((1, 64), jnp.float32),
+                             s((1, 64), jnp.float32), s((4, 2, 64, 8, 16, 128), jnp.bfloat16),
+                             s((1,), jnp.int32)) == (2,)
         assert lowered_calls(qkv_normed, s((1, 4096), jnp.bfloat16), *weights, s((1, 64), jnp.float32),
                              s((1, 64), jnp.float32), s((6144,), jnp.bfloat16), s((128,), jnp.bfloat16),
                              s((128,), jnp.bfloat16)) == (2,)
@@ -470,6 +476,33 @@ def test_rope_qkv_is_the_attention_layers_q_k_v(parts, dtype, bias, qk_norm):
     with pytest.raises(ValueError, match="power-of-two"):
         rope_qkv(qkv_parts[:, :, :(hq + 2 * hk) * 96], cos[:, :48], sin[:, :48], q_heads=hq, kv_heads=hk, dtype=dt,
                  interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("dtype,cache,scales", [("float16", "float16", None), ("bfloat16", "bf16-bits", None),
+                                                ("bfloat16", "e4m3", (0.5, 2.0))])
+def test_rope_qkv_writes_k_and_v_as_write_kv_does(dtype, cache, scales):
+    """rope_qkv's kv_write: k and v stored at the row's slot as write_kv stores them (the CPU's bf16 pool as its
+    bits, an e4m3 pool divided by its scales), nothing else in the pool touched, and q as without it."""
+    from jaxpaged.pallas_kernels import write_kv
+    from jaxpaged.pallas_kernels._checks import CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE
+    from jaxpaged.pallas_kernels.int4_operands import rope_qkv
+    hq, hk, d = 4, 2, 64
+    dt = jnp.dtype(dtype)
+    cache_dtype = {"float16": jnp.float16, "bf16-bits": CPU_BF16_CACHE_DTYPE, "e4m3": FP8_CACHE_DTYPE}[cache]
+    rng = np.random.default_rng(11)
+    parts = jnp.asarray(rng.standard_normal((2, 1, (hq + 2 * hk) * d)), jnp.float32)
+    angles = rng.uniform(0, 6, (1, d // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    pool = jnp.asarray(rng.integers(0, 100, (3, 2, 5, hk, 8, d)), cache_dtype)           # [L, 2, B, K, S, D]
+    slot = jnp.asarray([2 * 8 + 3], jnp.int32)
+    kv_scales = None if scales is None else tuple(jnp.float32(x) for x in scales)
+    q, k, v = rope_qkv(parts, cos, sin, q_heads=hq, kv_heads=hk, dtype=dt, interpret=INTERPRET)
+    want = write_kv(pool, 1, k, v, slot, backend="pallas", interpret=INTERPRET, kv_scales=kv_scales)
+    q_w, got = rope_qkv(parts, cos, sin, kv_write=(pool, 1, slot, kv_scales), q_heads=hq, kv_heads=hk, dtype=dt,
+                        interpret=INTERPRET)
+    assert (q_w == q).all() and got.dtype == pool.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int((np.asarray(got) != np.asarray(pool)).sum()) <= 2 * hk * d                # only the one slot
 
 
 def test_int4_matmul_keeps_its_splits_partial_sums():

@@ -70,7 +70,8 @@ def test_unsupported_rope_is_refused():
 def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_path, monkeypatch):
     """DENSE_ROPE_KERNEL: one request's decode steps through the Pallas kernels (interpreted, float16: the CPU's
     Pallas attention holds a bf16 pool as uint16) take q, k and v from rope_qkv (Qwen2's q/k/v bias added by the
-    dense projection, Qwen3's q/k norms in the kernel with INT4_ROPE_QK_NORM); the greedy tokens and their
+    dense projection, Qwen3's q/k norms in the kernel with INT4_ROPE_QK_NORM, k and v stored into the pool with
+    ROPE_WRITES_KV); the greedy tokens and their
     logprobs are those of XLA's rotation (to half precision's tolerance)."""
     import shutil
     from pathlib import Path
@@ -88,11 +89,13 @@ def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_pat
     prompt = {"prompt_token_ids": np.random.default_rng(5).integers(0, 320, 11).tolist()}
     calls = []
     kernel = decoder.rope_qkv
-    monkeypatch.setattr(decoder, "rope_qkv", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(decoder, "rope_qkv", lambda *a, **k: calls.append(k.get("kv_write") is not None) or kernel(
+        *a, **k))
 
     def run(on: bool):
         monkeypatch.setattr(decoder, "DENSE_ROPE_KERNEL", on)
         monkeypatch.setattr(decoder, "INT4_ROPE_QK_NORM", on)
+        monkeypatch.setattr(decoder, "ROPE_WRITES_KV", on)
         calls.clear()
         jax.clear_caches()              # the step's programs are traced again, under the switches as set now
         try:
@@ -101,10 +104,10 @@ def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_pat
             [out] = llm.generate([prompt], params, use_tqdm=False)
         finally:
             jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
-        return bool(calls), list(out.outputs[0].token_ids), [
+        return list(calls), list(out.outputs[0].token_ids), [
             e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
     traced, xla_tokens, xla_lps = run(False)
     assert not traced
     traced, tokens, lps = run(True)
-    assert traced and tokens == xla_tokens
+    assert traced and all(calls) and tokens == xla_tokens          # (each call stored k and v)
     np.testing.assert_allclose(lps, xla_lps, rtol=0, atol=0.05)

@@ -282,9 +282,10 @@ def test_the_server_flag_reaches_the_engine_args(method):
 
 
 ALL_KERNELS = ["rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"]
+TRACED = ["rms_norm_gemv_x", "rope_qkv+kv_write", "silu_mul_gemv_x"]
 
 
-@pytest.mark.parametrize("case,kernels", [(CASES[0], ALL_KERNELS), (CASES[1], ALL_KERNELS), (CASES[3], ["rope_qkv"])],
+@pytest.mark.parametrize("case,kernels", [(CASES[0], TRACED), (CASES[1], TRACED), (CASES[3], ["rope_qkv+kv_write"])],
                          ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder"])
 def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, monkeypatch, case, kernels):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
@@ -292,8 +293,8 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
     (pallas_kernels/int4_operands.py) on against all off: the greedy tokens and their logprobs are those XLA
     computes (to half precision's tolerance). Llama's and Qwen2's (q/k/v's bias) take all three: the norms before
     q/k/v and gate/up as rms_norm_gemv_x, the MLP's product as silu_mul_gemv_x (gate/up in one split), q, k and v
-    as rope_qkv; Qwen3's with act order only rope_qkv, with its q/k norms (INT4_ROPE_QK_NORM): act order permutes
-    x's rows, so its norms and product keep XLA's."""
+    as rope_qkv, which also stores k and v into the pool (ROPE_WRITES_KV); Qwen3's with act order only rope_qkv,
+    with its q/k norms (INT4_ROPE_QK_NORM): act order permutes x's rows, so its norms and product keep XLA's."""
     import jaxpaged.models.decoder as decoder
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -301,10 +302,12 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
     calls: dict[str, int] = {}
     for name in ALL_KERNELS:
         kernel = getattr(decoder, name)
-        monkeypatch.setattr(decoder, name, lambda *a, _k=kernel, _n=name, **kw: calls.update({_n: 1}) or _k(*a, **kw))
+        monkeypatch.setattr(decoder, name, lambda *a, _k=kernel, _n=name, **kw: calls.update(
+            {_n + ("+kv_write" if kw.get("kv_write") is not None else ""): 1}) or _k(*a, **kw))
 
     def run(on: bool):
-        for switch in ("INT4_NORM_KERNEL", "INT4_SILU_KERNEL", "INT4_ROPE_KERNEL", "INT4_ROPE_QK_NORM"):
+        for switch in ("INT4_NORM_KERNEL", "INT4_SILU_KERNEL", "INT4_ROPE_KERNEL", "INT4_ROPE_QK_NORM",
+                       "ROPE_WRITES_KV"):
             monkeypatch.setattr(decoder, switch, on)
         calls.clear()
         jax.clear_caches()              # the step's programs are traced again, under the switches as set now
