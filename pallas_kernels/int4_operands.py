@@ -11,7 +11,7 @@ A decode layer of one request is ~25 us of small kernels beside its ~52 us of 4-
 H100), each near a launch's floor, so the count of kernels is what these save: 2.5, 1.6 and 1.4 us where XLA's
 three took ~4, 4.4 and 3.7 (bench/results/NOTES.md). Each computes what models/decoder.py computes in the
 model's dtype, rounded where it rounds, and the pairs as prepare_gemv_x makes them (pallas_kernels/int4_matmul.py:
-layout and scaling).
+layout and scaling); each has a plain-jnp `*_reference` that computes the same.
 """
 from __future__ import annotations
 
@@ -23,7 +23,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._checks import check_triton_offsets, to_cache
-from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_scale
+from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_scale, prepare_gemv_x
+from .kv_write import write_kv_reference
+
+
+def _rounded(v, dtype):
+    """v's float32 value rounded to dtype (the model's rounding of a step it computes in dtype)."""
+    return v.astype(dtype).astype(jnp.float32)
+
+
+def _slab_pairs(values, amax):
+    """values f32[S, 8, 16] ([slab, j, r]) -> prepare_gemv_x's pairs i32[S, 4, 16], slab s scaled by amax[s]'s
+    power of two (and 1/16 for odd j)."""
+    scale, _ = _pow2_scale(amax)
+    odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
+    v = values * scale[:, None, None] * odd
+    return _f16_pair(v[:, :4], v[:, 4:], asm=False)
 
 
 def _norm_gemv_x_kernel(x_ref, w_ref, y_ref, p_ref, a_ref, *, eps, plus_one, features):
@@ -284,4 +299,58 @@ def rope_qkv(qkv, cos, sin, bias=None, qk_norm=None, kv_write=None, *, q_heads: 
     return q, outs[1].reshape(1, kv_heads, head_dim), outs[2].reshape(1, kv_heads, head_dim)
 
 
-__all__ = ["norm_gemv_x_supported", "rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"]
+def rms_norm_gemv_x_reference(x, weight, *, eps: float, plus_one: bool = False):
+    """rms_norm_gemv_x in plain jnp: (y, pairs, max |y|)."""
+    x32 = x.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        y = (x32 * inv_rms * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    else:
+        y = weight.astype(x.dtype) * (x32 * inv_rms).astype(x.dtype)
+    amax = jnp.max(jnp.abs(y.astype(jnp.float32))).reshape(1)
+    pairs, _ = prepare_gemv_x(y, PACK_ROWS, False, amax)
+    return y, pairs, amax
+
+
+def silu_mul_gemv_x_reference(gate_up, *, dtype):
+    """silu_mul_gemv_x in plain jnp: (pairs, each slab's max |silu(gate) * up|)."""
+    total = jnp.sum(gate_up.astype(jnp.float32), axis=0)[0]                              # [2I]
+    gate, up = jnp.split(_rounded(total, dtype), 2)
+    act = _rounded(gate * _rounded(1.0 / (1.0 + jnp.exp(-gate)), dtype), dtype)
+    hidden = _rounded(act * up, dtype).reshape(-1, 8, _NIBBLE_ROWS)                     # [slab, j, r]
+    amax = jnp.max(jnp.abs(hidden), axis=(1, 2))
+    return _slab_pairs(hidden, amax).reshape(1, -1), amax
+
+
+def rope_qkv_reference(qkv, cos, sin, bias=None, qk_norm=None, kv_write=None, *, q_heads: int, kv_heads: int, dtype,
+                       eps: float | None = None):
+    """rope_qkv in plain jnp: (q, k, v), or with kv_write (q, the pool with k and v written)."""
+    heads = q_heads + 2 * kv_heads
+    y = _rounded(jnp.sum(qkv.astype(jnp.float32), axis=0)[0], dtype)                    # [heads * D]
+    if bias is not None:
+        y = _rounded(y + bias.astype(jnp.float32), dtype)
+    y = y.reshape(heads, 2, -1)                                                          # [head, half, D/2]
+    q, k, v = y[:q_heads], y[q_heads:q_heads + kv_heads], y[q_heads + kv_heads:]
+    if qk_norm is not None:
+        def norm(x, w):
+            inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=(1, 2), keepdims=True) + eps)
+            return _rounded(w.astype(jnp.float32).reshape(1, 2, -1) * _rounded(x * inv_rms, dtype), dtype)
+        q, k = norm(q, qk_norm[0]), norm(k, qk_norm[1])
+    c, s_ = _rounded(cos.astype(jnp.float32), dtype), _rounded(sin.astype(jnp.float32), dtype)   # [1, D/2]
+
+    def rotate(x):
+        x1, x2 = x[:, 0], x[:, 1]
+        return jnp.stack([_rounded(_rounded(x1 * c, dtype) - _rounded(x2 * s_, dtype), dtype),
+                          _rounded(_rounded(x2 * c, dtype) + _rounded(x1 * s_, dtype), dtype)], axis=1)
+    q, k = rotate(q).astype(dtype).reshape(1, q_heads, -1), rotate(k).astype(dtype).reshape(1, kv_heads, -1)
+    v = v.astype(dtype).reshape(1, kv_heads, -1)
+    if kv_write is None:
+        return q, k, v
+    kv_cache, layer_idx, slot_mapping, kv_scales = kv_write
+    if kv_scales is not None:
+        k, v = k.astype(jnp.float32) / kv_scales[0], v.astype(jnp.float32) / kv_scales[1]
+    return q, write_kv_reference(kv_cache, layer_idx, k, v, slot_mapping)
+
+
+__all__ = ["norm_gemv_x_supported", "rms_norm_gemv_x", "rms_norm_gemv_x_reference", "rope_qkv", "rope_qkv_reference",
+           "silu_mul_gemv_x", "silu_mul_gemv_x_reference"]

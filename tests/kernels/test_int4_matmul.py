@@ -505,6 +505,45 @@ def test_rope_qkv_writes_k_and_v_as_write_kv_does(dtype, cache, scales):
     assert int((np.asarray(got) != np.asarray(pool)).sum()) <= 2 * hk * d                # only the one slot
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_operand_kernels_equal_their_references(dtype):
+    """pallas_kernels/int4_operands.py: each kernel against its plain-jnp reference on random inputs (outputs in
+    dtype to one rounding step of it, float16 pairs to float16's, bounds to float32's)."""
+    from jaxpaged.pallas_kernels import int4_operands as ops
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(21)
+    tol = dict(rtol=2 ** -7, atol=1e-3)
+
+    def close(got, want):
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            if g.dtype == jnp.int32:                     # float16 pairs
+                for a, b in zip(_f16_pair_values(g), _f16_pair_values(w)):
+                    np.testing.assert_allclose(a, b, **tol)
+            else:
+                np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)
+
+    x = jnp.asarray(rng.standard_normal((1, 512)) * 3, dt)
+    w = jnp.asarray(rng.uniform(-2, 2, 512), dt)
+    for plus_one in (False, True):
+        close(ops.rms_norm_gemv_x(x, w, eps=1e-6, plus_one=plus_one, interpret=INTERPRET),
+              ops.rms_norm_gemv_x_reference(x, w, eps=1e-6, plus_one=plus_one))
+    gate_up = jnp.asarray(rng.standard_normal((3, 1, 2 * 384)) * 2, jnp.float32)
+    close(ops.silu_mul_gemv_x(gate_up, dtype=dt, interpret=INTERPRET), ops.silu_mul_gemv_x_reference(gate_up, dtype=dt))
+    hq, hk, d = 4, 2, 64
+    qkv = jnp.asarray(rng.standard_normal((2, 1, (hq + 2 * hk) * d)) * 3, jnp.float32)
+    angles = rng.uniform(0, 50, (1, d // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((hq + 2 * hk) * d), dt)
+    norms = tuple(jnp.asarray(rng.uniform(0.5, 2, d), dt) for _ in range(2))
+    pool = jnp.zeros((2, 2, 4, hk, 8, d), dt)
+    write = (pool, 1, jnp.asarray([13], jnp.int32), None)
+    for args in ((), (bias,), (bias, norms), (None, norms, write)):
+        kw = dict(q_heads=hq, kv_heads=hk, dtype=dt, eps=1e-6 if len(args) > 1 else None)
+        close(ops.rope_qkv(qkv, cos, sin, *args, interpret=INTERPRET, **kw),
+              ops.rope_qkv_reference(qkv, cos, sin, *args, **kw))
+
+
 def test_int4_matmul_keeps_its_splits_partial_sums():
     """keep_splits: the splits' float32 partial sums, whose sum is the output (one split: the output itself)."""
     case = MatmulCase(1, 512, 128, 128, "bfloat16", num_splits=1)
