@@ -395,44 +395,16 @@ class Attention(nn.Module):
         kind = self.kind if self.kind is not None else jnp.asarray(kinds, jnp.int32)[layer_idx] if kinds else 0
         rope_kind = kind if c.local_rope is not None else 0      # (local_rope only when layers differ)
         cos, sin = cos[rope_kind], sin[rope_kind]
-        # q, k and v in one matmul (HF's three weights are concatenated at load time): fewer launches
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
+        q_size = c.num_heads * c.head_dim
         kv_scales = None
         if c.kv_cache_dtype == "fp8":    # the pool holds k / k_scale and v / v_scale in e4m3
             kv_scales = (self.param("k_scale", nn.initializers.ones, (), jnp.float32),
                          self.param("v_scale", nn.initializers.ones, (), jnp.float32))
-        written = False                 # k and v in the pool already (rope_qkv's kv_write)
-        if self._rope_kernel(x, cos):   # the splits' sum and RoPE in one kernel
-            if c.quant_of("qkv_proj") is None:
-                partial_sums, bias = qkv_proj(x)[None], None        # one part, its bias added
-            else:
-                partial_sums, bias = qkv_proj(x, x_bound, keep_splits=True)
-            head = jnp.zeros((c.head_dim,), self.dtype)         # (the norms' weights only)
-            qk_norm = (tuple(_norm(c, self.dtype, name)(head, weight_only=True) for name in ("q_norm", "k_norm"))
-                       if c.qk_norm else None)
-            rope = functools.partial(rope_qkv, partial_sums, cos, sin, bias, qk_norm, q_heads=c.num_heads,
-                                     kv_heads=c.num_kv_heads, dtype=self.dtype,
-                                     eps=c.rms_norm_eps if c.qk_norm else None, interpret=self.options.interpret)
-            if ROPE_WRITES_KV:
-                q, kv_cache = rope(kv_write=(kv_cache, layer_idx, meta.slot_mapping, kv_scales))
-                written = True
-            else:
-                q, k, v = rope()
-        else:
-            qkv = qkv_proj(x, x_bound)
-            q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
-            if c.qk_norm:
-                q = _norm(c, self.dtype, "q_norm")(q)
-                k = _norm(c, self.dtype, "k_norm")(k)
-            if not c.alibi:
-                q, k = _rotate(q, cos, sin, c.rope_interleaved), _rotate(k, cos, sin, c.rope_interleaved)
+        q, k, v, kv_cache = self._q_k_v(x, x_bound, cos, sin, kv_cache, layer_idx, meta.slot_mapping, kv_scales)
         slopes = c.alibi_slopes()
         backend = self.options.attn_backend
         opts = self.options
-        if not written:
+        if k is not None:               # (None: rope_qkv stored k and v in the pool)
             kv_cache = pallas_kernels.write_kv(kv_cache, layer_idx, k, v, meta.slot_mapping, backend=backend,
                                                interpret=opts.interpret, kv_scales=kv_scales)
 
@@ -452,6 +424,40 @@ class Attention(nn.Module):
             o = jax.lax.switch(kind, [lambda w=w: attend(w) for w in windows])
         o = o.reshape(-1, c.num_heads * c.head_dim)
         return _linear(c, self.dtype, c.hidden_size, q_size, False, "o_proj", opts)(o), kv_cache
+
+    def _q_k_v(self, x, x_bound, cos, sin, kv_cache, layer_idx, slot_mapping, kv_scales):
+        """(q, k, v, the pool): the q/k/v projection (HF's three weights concatenated at load time: one matmul),
+        q/k norms and RoPE, each dtype[T, heads, D]. Where _rope_kernel says so, after the projection one kernel
+        (rope_qkv) makes them, and with ROPE_WRITES_KV stores k and v into the pool (k, v then None); else XLA."""
+        c = self.cfg
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv_proj = _linear(c, self.dtype, q_size + 2 * kv_size, c.hidden_size, c.qkv_bias, "qkv_proj", self.options)
+        if self._rope_kernel(x, cos):
+            if c.quant_of("qkv_proj") is None:
+                partial_sums, bias = qkv_proj(x)[None], None        # one part, its bias added
+            else:
+                partial_sums, bias = qkv_proj(x, x_bound, keep_splits=True)
+            head = jnp.zeros((c.head_dim,), self.dtype)             # (the norms' weights only)
+            qk_norm = (tuple(_norm(c, self.dtype, name)(head, weight_only=True) for name in ("q_norm", "k_norm"))
+                       if c.qk_norm else None)
+            rope = functools.partial(rope_qkv, partial_sums, cos, sin, bias, qk_norm, q_heads=c.num_heads,
+                                     kv_heads=c.num_kv_heads, dtype=self.dtype,
+                                     eps=c.rms_norm_eps if c.qk_norm else None, interpret=self.options.interpret)
+            if ROPE_WRITES_KV:
+                q, kv_cache = rope(kv_write=(kv_cache, layer_idx, slot_mapping, kv_scales))
+                return q, None, None, kv_cache
+            q, k, v = rope()
+            return q, k, v, kv_cache
+        qkv = qkv_proj(x, x_bound)
+        q = qkv[:, :q_size].reshape(-1, c.num_heads, c.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = _norm(c, self.dtype, "q_norm")(q)
+            k = _norm(c, self.dtype, "k_norm")(k)
+        if not c.alibi:
+            q, k = _rotate(q, cos, sin, c.rope_interleaved), _rotate(k, cos, sin, c.rope_interleaved)
+        return q, k, v, kv_cache
 
     def _rope_kernel(self, x, cos) -> bool:
         """Whether this step's q, k and v come from rope_qkv: one row through the Pallas kernels, q/k/v 4-bit
