@@ -108,8 +108,7 @@ def _silu_mul_gemv_x_kernel(g_ref, p_ref, a_ref, *, parts, dtype):
     # slab: a slab's pairs need only its own bound.
     slab = pl.program_id(0)
 
-    def rounded(v):
-        return v.astype(dtype).astype(jnp.float32)
+    rounded = functools.partial(_rounded, dtype=dtype)
 
     def part_sum(which, j0):
         return functools.reduce(jnp.add, [g_ref[p, which, slab, pl.ds(j0, 4), :].astype(jnp.float32)
@@ -178,8 +177,7 @@ def _rope_qkv_kernel(*refs, parts, q_heads, kv_heads, dtype, bias, eps, kv_write
     h = pl.program_id(0)
     half = cos_ref.shape[1]
 
-    def rounded(v):
-        return v.astype(dtype).astype(jnp.float32)
+    rounded = functools.partial(_rounded, dtype=dtype)
 
     def head_half(which):       # the projection's output as Int4Linear rounds it: the sum, then the bias added
         row = pl.ds(2 * h + which, 1)
