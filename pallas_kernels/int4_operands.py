@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._checks import check_triton_offsets, to_cache
-from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_scale, prepare_gemv_x
+from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_chunks, _pow2_scale, prepare_gemv_x
 from .kv_write import write_kv_reference
 
 
@@ -44,35 +44,41 @@ def _slab_pairs(values, amax):
 def _norm_gemv_x_kernel(x_ref, w_ref, y_ref, p_ref, a_ref, *, eps, plus_one, features):
     # x_ref, w_ref, y_ref: [S, 8, 16] (slab, value position j, row r: input row 128 s + 16 j + r), x's dtype
     # p_ref: i32[S, 4, 16], pair p of slab s and row r (prepare_gemv_x's layout); a_ref: f32[1], max |y|
-    # Positions j < 4 and j >= 4 are loaded apart: they are each pair's low and high halves.
+    # Positions j < 4 and j >= 4 are loaded apart: they are each pair's low and high halves. S slabs are taken in
+    # chunks of a power of two of them (a Triton block's shape).
     def total(v, reduce):                     # over every axis, one at a time (Triton reduces one axis a call)
         while v.ndim:
             v = reduce(v, axis=-1)
         return v
 
-    xs = [x_ref[:, pl.ds(j0, 4), :].astype(jnp.float32) for j0 in (0, 4)]
-    ws = [w_ref[:, pl.ds(j0, 4), :] for j0 in (0, 4)]
-    inv_rms = jax.lax.rsqrt((total(xs[0] * xs[0], jnp.sum) + total(xs[1] * xs[1], jnp.sum)) / features + eps)
+    chunks = [pl.ds(start, size) for start, size in _pow2_chunks(features // PACK_ROWS)]
+    xs = [[x_ref[c, pl.ds(j0, 4), :].astype(jnp.float32) for j0 in (0, 4)] for c in chunks]
+    ws = [[w_ref[c, pl.ds(j0, 4), :] for j0 in (0, 4)] for c in chunks]
+    inv_rms = jax.lax.rsqrt(functools.reduce(jnp.add, [total(x * x, jnp.sum) for xc in xs for x in xc]) / features
+                            + eps)
     if plus_one:        # RMSNorm's two forms (models/decoder.py), rounded where it rounds
-        ys = [(x * inv_rms * (1.0 + w.astype(jnp.float32))).astype(y_ref.dtype) for x, w in zip(xs, ws)]
+        ys = [[(x * inv_rms * (1.0 + w.astype(jnp.float32))).astype(y_ref.dtype) for x, w in zip(xc, wc)]
+              for xc, wc in zip(xs, ws)]
     else:
-        ys = [w * (x * inv_rms).astype(y_ref.dtype) for x, w in zip(xs, ws)]
-    y32 = [y.astype(jnp.float32) for y in ys]
-    amax = jnp.maximum(total(jnp.abs(y32[0]), jnp.max), total(jnp.abs(y32[1]), jnp.max))
+        ys = [[w * (x * inv_rms).astype(y_ref.dtype) for x, w in zip(xc, wc)] for xc, wc in zip(xs, ws)]
+    y32 = [[y.astype(jnp.float32) for y in yc] for yc in ys]
+    amax = functools.reduce(jnp.maximum, [total(jnp.abs(y), jnp.max) for yc in y32 for y in yc])
     scale, _ = _pow2_scale(amax)
-    odd = jax.lax.broadcasted_iota(jnp.int32, ys[0].shape, 1) % 2 == 1
-    factor = jnp.where(odd, scale * (1.0 / 16), scale)
-    p_ref[...] = _f16_pair(y32[0] * factor, y32[1] * factor, asm=False)
-    y_ref[:, pl.ds(0, 4), :] = ys[0]
-    y_ref[:, pl.ds(4, 4), :] = ys[1]
+    for c, yc, y32c in zip(chunks, ys, y32):
+        odd = jax.lax.broadcasted_iota(jnp.int32, yc[0].shape, 1) % 2 == 1
+        factor = jnp.where(odd, scale * (1.0 / 16), scale)
+        p_ref[c, :, :] = _f16_pair(y32c[0] * factor, y32c[1] * factor, asm=False)
+        y_ref[c, pl.ds(0, 4), :] = yc[0]
+        y_ref[c, pl.ds(4, 4), :] = yc[1]
     a_ref[...] = jnp.broadcast_to(amax, (1,))
 
 
+NORM_MAX_SLABS = 128        # rows of up to 16,384 features: one program holds a row
+
+
 def norm_gemv_x_supported(features: int) -> bool:
-    """Whether rms_norm_gemv_x takes rows of this many features: whole slabs, a power of two of them (one
-    Triton block)."""
-    slabs = features // PACK_ROWS
-    return features % PACK_ROWS == 0 and slabs > 0 and slabs & (slabs - 1) == 0
+    """Whether rms_norm_gemv_x takes rows of this many features: whole slabs, up to NORM_MAX_SLABS of them."""
+    return features % PACK_ROWS == 0 and 0 < features // PACK_ROWS <= NORM_MAX_SLABS
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "interpret"))
@@ -84,8 +90,8 @@ def rms_norm_gemv_x(x, weight, *, eps: float, plus_one: bool = False, interpret:
     plus_one: Gemma's form, scaled by (1 + w). K: norm_gemv_x_supported."""
     m, k = x.shape
     if m != 1 or weight.shape != (k,) or not norm_gemv_x_supported(k):
-        raise ValueError(f"rms_norm_gemv_x takes one row of whole slabs, a power of two of them: x {x.shape}, "
-                         f"weight {weight.shape}")
+        raise ValueError(f"rms_norm_gemv_x takes one row of whole slabs, up to {NORM_MAX_SLABS} of them: x "
+                         f"{x.shape}, weight {weight.shape}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     slabs = k // PACK_ROWS
@@ -94,7 +100,8 @@ def rms_norm_gemv_x(x, weight, *, eps: float, plus_one: bool = False, interpret:
         out_shape=(jax.ShapeDtypeStruct((slabs, 8, _NIBBLE_ROWS), x.dtype),
                    jax.ShapeDtypeStruct((slabs, 4, _NIBBLE_ROWS), jnp.int32),
                    jax.ShapeDtypeStruct((1,), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        # 4 warps up to 32 slabs (measured at llama3-8b's 4096 features), more for wider rows' registers
+        compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, slabs // 8)), num_stages=1),
         interpret=interpret,
         name="rms_norm_gemv_x",
     )(x.reshape(slabs, 8, _NIBBLE_ROWS), weight.astype(x.dtype).reshape(slabs, 8, _NIBBLE_ROWS))

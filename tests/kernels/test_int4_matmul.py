@@ -302,6 +302,8 @@ class TestInt4Matmul:
             y, pairs, amax = rms_norm_gemv_x(h, g, eps=1e-6, interpret=False)
             return op(y, w, sc, z, x_pairs=(pairs, amax))
         assert lowered_calls(normed, s((1, 4096), jnp.bfloat16), s((4096,), jnp.bfloat16), *weights) == (2,)
+        qwen2_7b = (s((448, 4608), jnp.int32), s((28, 4608), jnp.bfloat16), s((28, 4608), jnp.uint8))
+        assert lowered_calls(normed, s((1, 3584), jnp.bfloat16), s((3584,), jnp.bfloat16), *qwen2_7b) == (2,)
 
         # the SwiGLU product's operands from the gate/up GEMV's partial sums (llama3-8b's MLP: 2 and 16 splits)
         from jaxpaged.pallas_kernels.int4_operands import silu_mul_gemv_x
@@ -371,7 +373,7 @@ def _f16_pair_values(pairs):
             (words >> 16).astype(np.uint16).view(np.float16).astype(np.float32))
 
 
-@pytest.mark.parametrize("k", [128, 512])
+@pytest.mark.parametrize("k", [128, 512, 896])               # 896: 7 slabs, in chunks of 4, 2 and 1 (Qwen2-7B's 28)
 @pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norm", "gemma-norm"])
 def test_rms_norm_gemv_x_is_the_norm_and_its_gemv_operands(plus_one, k):
     """rms_norm_gemv_x: one kernel for RMSNorm's output (as models/decoder.py computes it), its maximum, and the f16x2
@@ -394,9 +396,10 @@ def test_rms_norm_gemv_x_is_the_norm_and_its_gemv_operands(plus_one, k):
     _, qweight, scales, b, _ = make_inputs(case)
     out = int4_matmul(y, qweight, scales, zeros=b, x_pairs=(pairs, amax), interpret=INTERPRET)
     assert rel_err(out, int4_matmul_reference(y, qweight, scales, zeros=b)) <= TOL["bfloat16"]
-    assert norm_gemv_x_supported(4096) and not norm_gemv_x_supported(3584) and not norm_gemv_x_supported(64)
-    with pytest.raises(ValueError, match="power of two"):
-        rms_norm_gemv_x(jnp.zeros((1, 384), jnp.bfloat16), jnp.ones(384, jnp.bfloat16), eps=1e-6)
+    assert norm_gemv_x_supported(4096) and norm_gemv_x_supported(3584) and not norm_gemv_x_supported(64)
+    assert not norm_gemv_x_supported(128 * 129)
+    with pytest.raises(ValueError, match="whole slabs"):
+        rms_norm_gemv_x(jnp.zeros((1, 320), jnp.bfloat16), jnp.ones(320, jnp.bfloat16), eps=1e-6)
     with pytest.raises(ValueError, match="x_pairs"):
         int4_matmul(y, qweight, scales, zeros=b, x_pairs=(pairs, amax), x_amax=amax, interpret=INTERPRET)
 
