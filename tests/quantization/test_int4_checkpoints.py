@@ -285,8 +285,11 @@ ALL_KERNELS = ["rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"]
 TRACED = ["rms_norm_gemv_x", "rope_qkv+kv_write", "silu_mul_gemv_x"]
 
 
-@pytest.mark.parametrize("case,kernels", [(CASES[0], TRACED), (CASES[1], TRACED), (CASES[3], ["rope_qkv+kv_write"])],
-                         ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder"])
+@pytest.mark.parametrize("case,kernels", [(CASES[0], TRACED), (CASES[1], TRACED), (CASES[3], ["rope_qkv+kv_write"]),
+                                          (CASES[8], ["rms_norm_gemv_x", "silu_mul_gemv_x"]),
+                                          (CASES[9], ["rope_qkv+kv_write"])],
+                         ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder", "glm-awq-g64",
+                              "phi3-gptq-actorder"])
 def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, monkeypatch, case, kernels):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted), with the kernels around the W4A16 GEMVs
@@ -294,7 +297,9 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
     computes (to half precision's tolerance). Llama's and Qwen2's (q/k/v's bias) take all three: the norms before
     q/k/v and gate/up as rms_norm_gemv_x, the MLP's product as silu_mul_gemv_x (gate/up in one split), q, k and v
     as rope_qkv, which also stores k and v into the pool (ROPE_WRITES_KV); Qwen3's with act order only rope_qkv,
-    with its q/k norms (INT4_ROPE_QK_NORM): act order permutes x's rows, so its norms and product keep XLA's."""
+    with its q/k norms (INT4_ROPE_QK_NORM): act order permutes x's rows, so its norms and product keep XLA's; so
+    do Phi-3's (LongRoPE through rope_qkv); GLM's norms and product take the kernels, its RoPE (on half of each
+    head, adjacent pairs) XLA's."""
     import jaxpaged.models.decoder as decoder
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
