@@ -287,9 +287,10 @@ TRACED = ["rms_norm_gemv_x", "rope_qkv+kv_write", "silu_mul_gemv_x"]
 
 @pytest.mark.parametrize("case,kernels", [(CASES[0], TRACED), (CASES[1], TRACED), (CASES[3], ["rope_qkv+kv_write"]),
                                           (CASES[8], ["rms_norm_gemv_x", "silu_mul_gemv_x"]),
-                                          (CASES[9], ["rope_qkv+kv_write"])],
+                                          (CASES[9], ["rope_qkv+kv_write"]),
+                                          (Int4Case("gemma2", "awq", 64), TRACED[:2])],
                          ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder", "glm-awq-g64",
-                              "phi3-gptq-actorder"])
+                              "phi3-gptq-actorder", "gemma2-awq-g64"])
 def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, monkeypatch, case, kernels):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted), with the kernels around the W4A16 GEMVs
@@ -299,7 +300,8 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
     as rope_qkv, which also stores k and v into the pool (ROPE_WRITES_KV); Qwen3's with act order only rope_qkv,
     with its q/k norms (INT4_ROPE_QK_NORM): act order permutes x's rows, so its norms and product keep XLA's; so
     do Phi-3's (LongRoPE through rope_qkv); GLM's norms and product take the kernels, its RoPE (on half of each
-    head, adjacent pairs) XLA's."""
+    head, adjacent pairs) XLA's; Gemma 2's norms ((1 + w), four a layer) and RoPE take them, its GELU product
+    XLA's."""
     import jaxpaged.models.decoder as decoder
     path, _ = checkpoints(case)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
