@@ -5,7 +5,8 @@ its float16 pairs of x (int4_matmul's x_pairs), with whatever else the layer nee
     rms_norm_gemv_x    the norm before q/k/v and gate/up: RMSNorm's output, its maximum, its pairs
     silu_mul_gemv_x    the SwiGLU product before down, from the gate/up GEMV's partial sums: its pairs and a
                        bound a slab
-    rope_qkv           q, k and v with RoPE, from the q/k/v GEMV's partial sums
+    rope_qkv           q, k and v with RoPE, from the q/k/v GEMV's partial sums (or a dense projection's output),
+                       with its bias and Qwen3's q/k norms; it can store k and v into the pool (write_kv's store)
 
 A decode layer of one request is ~25 us of small kernels beside its ~52 us of 4-bit GEMVs (llama3-8b on the
 H100), each near a launch's floor, so the count of kernels is what these save: 2.5, 1.6 and 1.4 us where XLA's
