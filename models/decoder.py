@@ -83,10 +83,10 @@ INT4_NORM_KERNEL = True
 # GEMV's partial sums, instead of XLA's three (the sum with the SiLU and product, the maximum, the pairs). On the
 # H100 (llama3-8b AWQ, one request) 1.6 us against 4.4, and the step 2,588 against 2,662 us (bench/results/NOTES.md).
 INT4_SILU_KERNEL = True
-# Whether a one-row 4-bit q/k/v projection (no bias, no q/k norms, RoPE over whole heads, HF's rotate_half) hands
-# its partial sums to one Pallas kernel (rope_qkv) for q, k and v with RoPE, instead of XLA's three (the sum fused
-# into q's and k's rotations and v's slice). On the H100 (llama3-8b AWQ, one request) 1.4 us against 3.7, and the
-# step 2,535 against 2,595 us (bench/results/NOTES.md).
+# Whether a one-row 4-bit q/k/v projection (RoPE over whole heads, HF's rotate_half; its bias, if any, added in
+# the kernel) hands its partial sums to one Pallas kernel (rope_qkv) for q, k and v with RoPE, instead of XLA's
+# three (the sum fused into q's and k's rotations and v's slice). On the H100 (llama3-8b AWQ, one request) 1.4 us
+# against 3.7, and the step 2,535 against 2,595 us (bench/results/NOTES.md).
 INT4_ROPE_KERNEL = True
 # Whether rope_qkv also takes Qwen3's q/k norms (RMSNorm over each head before RoPE). Off until compiled and
 # measured on a GPU.
