@@ -3,7 +3,7 @@
 # MODEL:SWITCH, bench/step_kernels.py with the switch False, then True, then False again (one process each, the
 # compile caches off in every arm), and a table of the untraced step and the kernels that changed.
 #   bash bench/kernel_ab.sh MODEL:SWITCH [MODEL:SWITCH ...] [--ctx N] [--deadline-s S]
-#   bash bench/kernel_ab.sh llama3-8b-awq:ROPE_WRITES_KV qwen3-8b-awq:INT4_ROPE_QK_NORM llama3-8b:DENSE_ROPE_KERNEL
+#   bash bench/kernel_ab.sh llama3-8b-awq:ROPE_WRITES_KV qwen3-8b-awq:ROPE_QK_NORM llama3-8b:DENSE_ROPE_KERNEL
 # carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Each arm's kernels.txt goes to
 # $OUT/MODEL-SWITCH/ARM/ (or /tmp/kernel_ab). Stops starting arms past --deadline-s (default 540).
 set -u

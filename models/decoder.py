@@ -90,7 +90,7 @@ INT4_SILU_KERNEL = True
 INT4_ROPE_KERNEL = True
 # Whether rope_qkv also takes Qwen3's q/k norms (RMSNorm over each head before RoPE). Off until compiled and
 # measured on a GPU.
-INT4_ROPE_QK_NORM = False
+ROPE_QK_NORM = False
 # Whether a one-row dense (bf16/fp16) q/k/v projection's output goes through rope_qkv too (as one part), where XLA
 # makes three kernels of q's and k's rotations and v's slice (3.5 us a layer of llama3-8b's bf16 step on the
 # H100). Off until measured on a GPU.
@@ -462,12 +462,12 @@ class Attention(nn.Module):
     def _rope_kernel(self, x, cos) -> bool:
         """Whether this step's q, k and v come from rope_qkv: one row through the Pallas kernels, q/k/v 4-bit
         (INT4_ROPE_KERNEL) or dense (DENSE_ROPE_KERNEL), with or without a bias, q/k norms of Llama's form only
-        with INT4_ROPE_QK_NORM, RoPE (not ALiBi) as HF's rotate_half over whole heads of a power-of-two size."""
+        with ROPE_QK_NORM, RoPE (not ALiBi) as HF's rotate_half over whole heads of a power-of-two size."""
         c = self.cfg
         qtype = c.quant_of("qkv_proj")
         kind = DENSE_ROPE_KERNEL if qtype is None else INT4_ROPE_KERNEL and int4_scheme(qtype) is not None
         return (kind and self.options.pallas and x.shape[0] == 1
-                and (not c.qk_norm or (INT4_ROPE_QK_NORM and not c.norm_plus_one))
+                and (not c.qk_norm or (ROPE_QK_NORM and not c.norm_plus_one))
                 and not c.alibi and not c.rope_interleaved and cos.shape == (1, c.head_dim // 2)
                 and c.head_dim & (c.head_dim - 1) == 0)
 

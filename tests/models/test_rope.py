@@ -70,7 +70,7 @@ def test_unsupported_rope_is_refused():
 def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_path, monkeypatch):
     """DENSE_ROPE_KERNEL: one request's decode steps through the Pallas kernels (interpreted, float16: the CPU's
     Pallas attention holds a bf16 pool as uint16) take q, k and v from rope_qkv (Qwen2's q/k/v bias added by the
-    dense projection, Qwen3's q/k norms in the kernel with INT4_ROPE_QK_NORM, k and v stored into the pool with
+    dense projection, Qwen3's q/k norms in the kernel with ROPE_QK_NORM, k and v stored into the pool with
     ROPE_WRITES_KV); the greedy tokens and their
     logprobs are those of XLA's rotation (to half precision's tolerance)."""
     import shutil
@@ -94,7 +94,7 @@ def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_pat
 
     def run(on: bool):
         monkeypatch.setattr(decoder, "DENSE_ROPE_KERNEL", on)
-        monkeypatch.setattr(decoder, "INT4_ROPE_QK_NORM", on)
+        monkeypatch.setattr(decoder, "ROPE_QK_NORM", on)
         monkeypatch.setattr(decoder, "ROPE_WRITES_KV", on)
         calls.clear()
         jax.clear_caches()              # the step's programs are traced again, under the switches as set now

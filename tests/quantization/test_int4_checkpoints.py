@@ -298,7 +298,7 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
     computes (to half precision's tolerance). Llama's and Qwen2's (q/k/v's bias) take all three: the norms before
     q/k/v and gate/up as rms_norm_gemv_x, the MLP's product as silu_mul_gemv_x (gate/up in one split), q, k and v
     as rope_qkv, which also stores k and v into the pool (ROPE_WRITES_KV); Qwen3's with act order only rope_qkv,
-    with its q/k norms (INT4_ROPE_QK_NORM): act order permutes x's rows, so its norms and product keep XLA's; so
+    with its q/k norms (ROPE_QK_NORM): act order permutes x's rows, so its norms and product keep XLA's; so
     do Phi-3's (LongRoPE through rope_qkv); GLM's norms and product take the kernels, its RoPE (on half of each
     head, adjacent pairs) XLA's; Gemma 2's norms ((1 + w), four a layer) and RoPE take them, its GELU product
     XLA's."""
@@ -313,7 +313,7 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
             {_n + ("+kv_write" if kw.get("kv_write") is not None else ""): 1}) or _k(*a, **kw))
 
     def run(on: bool):
-        for switch in ("INT4_NORM_KERNEL", "INT4_SILU_KERNEL", "INT4_ROPE_KERNEL", "INT4_ROPE_QK_NORM",
+        for switch in ("INT4_NORM_KERNEL", "INT4_SILU_KERNEL", "INT4_ROPE_KERNEL", "ROPE_QK_NORM",
                        "ROPE_WRITES_KV"):
             monkeypatch.setattr(decoder, switch, on)
         calls.clear()
