@@ -60,10 +60,9 @@ LLAMA3_8B_CONFIG: dict[str, Any] = {
 }
 # Llama-3-8B as an AWQ checkpoint (GEMM packing, group 128, zero points) would declare it: with
 # --load-format dummy the engine builds its int4 layers from this alone.
-LLAMA3_8B_AWQ_CONFIG: dict[str, Any] = dict(
-    LLAMA3_8B_CONFIG,
-    quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                         "version": "gemm"})
+AWQ_G128: dict[str, Any] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": "gemm"}
+LLAMA3_8B_AWQ_CONFIG: dict[str, Any] = dict(LLAMA3_8B_CONFIG, quantization_config=AWQ_G128)
 # Qwen3-8B's config.json as an AWQ checkpoint (q/k norms over each head; for the 4-bit decode kernels' Qwen3 path).
 QWEN3_8B_AWQ_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
@@ -72,21 +71,13 @@ QWEN3_8B_AWQ_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 40960, "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36,
     "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1000000.0,
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
-    "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                            "version": "gemm"},
+    "use_sliding_window": False, "vocab_size": 151936, "quantization_config": AWQ_G128,
 }
 # Qwen2.5-7B-Instruct's config.json as an AWQ checkpoint (q/k/v bias; 3,584 features: 28 slabs, no power of two).
-QWEN2_5_7B_AWQ_CONFIG: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
-    "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
-    "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
-    "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                            "version": "gemm"},
-}
+QWEN2_5_7B_AWQ_CONFIG: dict[str, Any] = dict(
+    QWEN2_0_5B_CONFIG, eos_token_id=151645, hidden_size=3584, intermediate_size=18944, max_window_layers=28,
+    num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4, sliding_window=131072,
+    tie_word_embeddings=False, vocab_size=152064, quantization_config=AWQ_G128)
 TINY_LLAMA_CONFIG: dict[str, Any] = dict(
     LLAMA3_8B_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, torch_dtype="float32")

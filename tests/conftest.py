@@ -405,6 +405,24 @@ def hf_default_gguf_model():
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
+def decode_traced_anew(model_path, prompt, max_tokens: int = 8, **llm_kwargs) -> tuple[list[int], list[float]]:
+    """One request's greedy tokens and their logprobs through a fresh LLM whose step programs are traced anew: JAX
+    caches a jitted step across LLM instances of the same options, so a module switch the caller set (e.g.
+    models/decoder.py's kernel switches) is seen only after jax.clear_caches(), and it is cleared again after so
+    that no later test reuses a program traced under the switch."""
+    import jax
+
+    from jaxpaged import LLM, SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    jax.clear_caches()
+    try:
+        [out] = LLM(model=str(model_path), **llm_kwargs).generate([prompt], params, use_tqdm=False)
+    finally:
+        jax.clear_caches()
+    sample = out.outputs[0]
+    return list(sample.token_ids), [e[t].logprob for e, t in zip(sample.logprobs, sample.token_ids)]
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

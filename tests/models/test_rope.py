@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import decode_traced_anew, save_tiny_model
 from jaxpaged.models import load_model
 from test_models import PagedRunner
 
@@ -76,16 +76,12 @@ def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_pat
     import shutil
     from pathlib import Path
 
-    import jax
-
     import jaxpaged.models.decoder as decoder
-    from jaxpaged import LLM, SamplingParams
     from jaxpaged.engine.llm_engine import resolve_model_path
     save_tiny_model(family, tmp_path, initializer_range=0.2, hidden_size=128, intermediate_size=256,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(resolve_model_path(None)) / f, tmp_path)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = {"prompt_token_ids": np.random.default_rng(5).integers(0, 320, 11).tolist()}
     calls = []
     kernel = decoder.rope_qkv
@@ -97,15 +93,10 @@ def test_the_rope_kernel_gives_a_dense_decode_row_what_xla_gives(family, tmp_pat
         monkeypatch.setattr(decoder, "ROPE_QK_NORM", on)
         monkeypatch.setattr(decoder, "ROPE_WRITES_KV", on)
         calls.clear()
-        jax.clear_caches()              # the step's programs are traced again, under the switches as set now
-        try:
-            llm = LLM(model=str(tmp_path), dtype="float16", max_model_len=128, block_size=8,
-                      max_num_batched_tokens=32, attention_backend="pallas", layer_dispatch="unrolled")
-            [out] = llm.generate([prompt], params, use_tqdm=False)
-        finally:
-            jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
-        return list(calls), list(out.outputs[0].token_ids), [
-            e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        tokens, logprobs = decode_traced_anew(tmp_path, prompt, dtype="float16", max_model_len=128, block_size=8,
+                                              max_num_batched_tokens=32, attention_backend="pallas",
+                                              layer_dispatch="unrolled")
+        return list(calls), tokens, logprobs
     traced, xla_tokens, xla_lps = run(False)
     assert not traced
     traced, tokens, lps = run(True)

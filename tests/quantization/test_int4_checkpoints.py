@@ -8,12 +8,12 @@ import json
 import zlib
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import torch
 
-from jaxpaged import LLM, SamplingParams
+from conftest import decode_traced_anew
+from jaxpaged import LLM
 from jaxpaged.quantization.int4_formats import AWQ_ORDER
 from quant_cases import (SIZES, built_once, check_against_hf, declare_quantization, linear_weight_names,
                          save_tiny, with_quant_config)
@@ -304,7 +304,6 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
     XLA's."""
     import jaxpaged.models.decoder as decoder
     path, _ = checkpoints(case)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     prompt = {"prompt_token_ids": np.random.default_rng(2).integers(0, 320, 11).tolist()}
     calls: dict[str, int] = {}
     for name in ALL_KERNELS:
@@ -317,15 +316,10 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
                        "ROPE_WRITES_KV"):
             monkeypatch.setattr(decoder, switch, on)
         calls.clear()
-        jax.clear_caches()              # the step's programs are traced again, under the switches as set now
-        try:
-            llm = LLM(model=str(path), dtype="float16", max_model_len=128, block_size=8, max_num_batched_tokens=32,
-                      attention_backend="pallas", quantization=case.method, layer_dispatch="unrolled")
-            [out] = llm.generate([prompt], params, use_tqdm=False)
-        finally:
-            jax.clear_caches()          # no later test may reuse a program traced with the switches as set here
-        return sorted(calls), list(out.outputs[0].token_ids), [
-            e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        tokens, logprobs = decode_traced_anew(path, prompt, dtype="float16", max_model_len=128, block_size=8,
+                                              max_num_batched_tokens=32, attention_backend="pallas",
+                                              quantization=case.method, layer_dispatch="unrolled")
+        return sorted(calls), tokens, logprobs
     traced, xla_tokens, xla_lps = run(False)
     assert traced == []
     traced, tokens, lps = run(True)
