@@ -269,6 +269,7 @@ class Int4Linear(nn.Module):
             affine = {"mins": self.param("mins", nn.initializers.zeros, (groups, n), jnp.float32)}
         else:
             affine = {"zeros": self.param("zeros", nn.initializers.zeros, (groups, n), jnp.uint8)}
+        bias = self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else None
         x = x.astype(self.dtype)
         if self.act_order:
             x = x[:, self.param("perm", lambda _, s: jnp.arange(s[0], dtype=jnp.int32), (k,))]
@@ -285,12 +286,12 @@ class Int4Linear(nn.Module):
                             x_pairs=x_bound if prepared and made else None, keep_splits=keep_splits,
                             interpret=self.options.interpret)
             if keep_splits:
-                return y, (self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else None)
+                return y, bias
         elif keep_splits:
             raise ValueError("keep_splits takes the Pallas kernels' rows")
         else:
             y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
-        return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
+        return y if bias is None else y + bias
 
 
 class Fp8Linear(nn.Module):

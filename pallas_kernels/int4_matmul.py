@@ -512,12 +512,18 @@ def prepare_gemv_x(x, group_size: int, offsets: bool, amax=None):
     xf = x.astype(jnp.float32)[0]
     k = xf.shape[0]
     amax = jnp.max(jnp.abs(xf)) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
-    scale, _ = _pow2_scale(amax)
-    odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
-    v = xf.reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS) * (scale * odd)                        # [slab, j, r]
-    pairs = _f16_pair(v[:, :4], v[:, 4:], asm=False)                                      # [slab, p, r]
+    pairs = slab_pairs(xf.reshape(k // PACK_ROWS, 8, _NIBBLE_ROWS), jnp.broadcast_to(amax, (k // PACK_ROWS,)))
     sums = (xf.reshape(k // group_size, group_size).sum(axis=1).reshape(1, k // group_size),) if offsets else ()
     return (pairs.reshape(1, k // 2), amax.reshape(1), *sums)
+
+
+def slab_pairs(values, amax):
+    """values f32[S, 8, 16] ([slab, j, r]) -> the float16 pairs i32[S, 4, 16] ([slab, p, r]) the f16x2 GEMV takes,
+    slab s scaled by the power of two of its bound amax[s] (and 1/16 for odd j)."""
+    scale, _ = _pow2_scale(amax)
+    odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
+    v = values * scale[:, None, None] * odd
+    return _f16_pair(v[:, :4], v[:, 4:], asm=False)
 
 
 def use_f16x2(dtype, group_size: int) -> bool:

@@ -24,22 +24,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ._checks import check_triton_offsets, to_cache
-from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_chunks, _pow2_scale, prepare_gemv_x
+from .int4_matmul import _NIBBLE_ROWS, PACK_ROWS, _f16_pair, _pow2_chunks, _pow2_scale, prepare_gemv_x, slab_pairs
 from .kv_write import write_kv_reference
 
 
 def _rounded(v, dtype):
     """v's float32 value rounded to dtype (the model's rounding of a step it computes in dtype)."""
     return v.astype(dtype).astype(jnp.float32)
-
-
-def _slab_pairs(values, amax):
-    """values f32[S, 8, 16] ([slab, j, r]) -> prepare_gemv_x's pairs i32[S, 4, 16], slab s scaled by amax[s]'s
-    power of two (and 1/16 for odd j)."""
-    scale, _ = _pow2_scale(amax)
-    odd = jnp.asarray([1.0, 1.0 / 16] * 4, jnp.float32)[None, :, None]
-    v = values * scale[:, None, None] * odd
-    return _f16_pair(v[:, :4], v[:, 4:], asm=False)
 
 
 def _norm_gemv_x_kernel(x_ref, w_ref, y_ref, p_ref, a_ref, *, eps, plus_one, features):
@@ -325,7 +316,7 @@ def silu_mul_gemv_x_reference(gate_up, *, dtype):
     act = _rounded(gate * _rounded(1.0 / (1.0 + jnp.exp(-gate)), dtype), dtype)
     hidden = _rounded(act * up, dtype).reshape(-1, 8, _NIBBLE_ROWS)                     # [slab, j, r]
     amax = jnp.max(jnp.abs(hidden), axis=(1, 2))
-    return _slab_pairs(hidden, amax).reshape(1, -1), amax
+    return slab_pairs(hidden, amax).reshape(1, -1), amax
 
 
 def rope_qkv_reference(qkv, cos, sin, bias=None, qk_norm=None, kv_write=None, *, q_heads: int, kv_heads: int, dtype,
