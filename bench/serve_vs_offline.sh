@@ -102,7 +102,7 @@ STEPS_CSV=/tmp/core-steps$SUFFIX$LSUFFIX.csv
 "${SPY[@]}" $PY -m jaxpaged.server --port $PORT --model "$path" --load-format dummy --disable-log-requests \
   --uvicorn-log-level warning $APIFLAG $SERVER_ARGS > /tmp/server.log 2>&1 &
 SRV=$!
-wait_health /tmp/server.log || exit 1
+wait_health /tmp/server.log || { [ -n "${OUT:-}" ] && cp /tmp/server.log "$OUT/server-$MODEL-failed.log"; exit 1; }
 echo "   /health 200 after $(secs $t0) s ($([ $COLD = 1 ] && echo cold || echo warm))"
 grep -E "Run config|Compiled|engine core ready|API server processes" /tmp/server.log | sed 's/^/   /'
 if [ $SOAK = 1 ]; then

@@ -181,6 +181,7 @@ class StepPrograms:
         self._later: set = set()        # sampler variants queued for the background thread (_compile_later)
         self._background: _BackgroundCompiler | None = None
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
+        self.temp_bytes: dict[tuple, int] = {}   # program key -> its compiled temporaries (XLA's memory analysis)
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
             groups = None if self.layer_groups is None else [g[:2] for g in self.layer_groups]   # the arrays
@@ -445,6 +446,9 @@ class StepPrograms:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            if (largest := self.largest_temporaries()) is not None:    # (also when a step ran out of memory)
+                logger.info("Largest temporaries of a compiled step program: %.2f GiB (%s)", largest[1] / 2**30,
+                            " ".join(map(str, largest[0][:3])))
         if self.run.warm_sampler_variants:
             self._warm_resamplers(state, heads, progress)
         if self.compile_seconds:
@@ -566,7 +570,22 @@ class StepPrograms:
                                str(e).splitlines()[0], attempt + 1, COMPILE_ATTEMPTS)
                 time.sleep(COMPILE_RETRY_S)
         self.compile_seconds.setdefault(key[0], []).append(time.perf_counter() - t0)
+        self._note_temporaries(key, compiled)
         return compiled
+
+    def _note_temporaries(self, key: tuple, compiled) -> None:
+        """Keep the program's temporary bytes (XLA's memory analysis), which must fit beside the pool: the start-up
+        log names the largest (largest_temporaries), for the activation reserve of engine/core.py."""
+        try:
+            temp = compiled.memory_analysis().temp_size_in_bytes
+        except Exception:       # (a backend without the analysis)
+            return
+        if temp:
+            self.temp_bytes[key] = int(temp)
+
+    def largest_temporaries(self) -> tuple[tuple, int] | None:
+        """(key, bytes) of the compiled program with the most temporary bytes, or None."""
+        return max(self.temp_bytes.items(), key=lambda kv: kv[1], default=None)
 
     def _lower_in_workers(self, state, missing: list, flags: SamplerFlags, pool, compiling: dict,
                           progress: bool, heads: dict) -> None:
@@ -686,6 +705,7 @@ class StepPrograms:
             compiled = cache.load(key)
             if compiled is not None:
                 from_disk.append(key)
+                self._note_temporaries(key, compiled)
             else:
                 future = compiling.pop(key, None)
                 if future is not None:
