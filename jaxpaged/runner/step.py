@@ -182,6 +182,7 @@ class StepPrograms:
         self._background: _BackgroundCompiler | None = None
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
         self.temp_bytes: dict[tuple, int] = {}   # program key -> its compiled temporaries (XLA's memory analysis)
+        self._bucket_of: dict[tuple, str] = {}   # program key -> the warm-up bucket it was compiled for
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
             groups = None if self.layer_groups is None else [g[:2] for g in self.layer_groups]   # the arrays
@@ -446,9 +447,9 @@ class StepPrograms:
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-            if (largest := self.largest_temporaries()) is not None:    # (also when a step ran out of memory)
-                logger.info("Largest temporaries of a compiled step program: %.2f GiB (%s)", largest[1] / 2**30,
-                            " ".join(map(str, largest[0][:3])))
+            if largest := self.largest_temporaries():      # (also when a step ran out of memory)
+                logger.info("Largest temporaries of the compiled step programs: %s", ", ".join(
+                    f"{temp / 2**30:.2f} GiB ({bucket})" for bucket, temp in largest))
         if self.run.warm_sampler_variants:
             self._warm_resamplers(state, heads, progress)
         if self.compile_seconds:
@@ -583,9 +584,10 @@ class StepPrograms:
         if temp:
             self.temp_bytes[key] = int(temp)
 
-    def largest_temporaries(self) -> tuple[tuple, int] | None:
-        """(key, bytes) of the compiled program with the most temporary bytes, or None."""
-        return max(self.temp_bytes.items(), key=lambda kv: kv[1], default=None)
+    def largest_temporaries(self, count: int = 3) -> list[tuple[str, int]]:
+        """(the program's bucket, bytes) of the count compiled programs with the most temporary bytes."""
+        top = sorted(self.temp_bytes.items(), key=lambda kv: -kv[1])[:count]
+        return [(self._bucket_of.get(key, str(key[0])), temp) for key, temp in top]
 
     def _lower_in_workers(self, state, missing: list, flags: SamplerFlags, pool, compiling: dict,
                           progress: bool, heads: dict) -> None:
@@ -656,6 +658,9 @@ class StepPrograms:
         decode steps)."""
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
+        for key in self._program_keys(self._layout(mi, si), options, flags):      # (for the start-up log)
+            self._bucket_of.setdefault(key, f"{bucket.padded_num_tokens} tokens, {bucket.padded_num_reqs} rows, "
+                                            f"{steps} step{'s' if steps > 1 else ''}")
         cache = self.exec_cache
         loaded = self._load_or_compile(cache, state, bucket, options, flags, programs, compiling) if cache else []
         try:
