@@ -92,9 +92,9 @@ INT4_ROPE_KERNEL = True
 # kernels of them. On the H100 (qwen3-8b AWQ, one request) the step 2,819 against 2,975-2,980 us.
 ROPE_QK_NORM = True
 # Whether a one-row dense (bf16/fp16) q/k/v projection's output goes through rope_qkv too (as one part), where XLA
-# makes three kernels of q's and k's rotations and v's slice (3.5 us a layer of llama3-8b's bf16 step on the
-# H100). Off until measured on a GPU.
-DENSE_ROPE_KERNEL = False
+# makes three kernels of q's and k's rotations and v's slice. On the H100 (llama3-8b bf16, one request, with
+# ROPE_WRITES_KV) the step 5,945 against 6,020-6,026 us.
+DENSE_ROPE_KERNEL = True
 # Whether rope_qkv also stores the row's k and v into the pool (its kv_write), where write_kv is a kernel of its
 # own. On the H100 (llama3-8b AWQ, one request) write_kv's 45.8 us a step go, rope_qkv takes 10.8 more, and the
 # step is 2,553 against 2,577 us.
