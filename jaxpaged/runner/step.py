@@ -668,6 +668,15 @@ class StepPrograms:
                                                                    options, flags)
             jax.block_until_ready(res)
         except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" in str(e):
+                keys = self._program_keys(self._layout(mi, si), options, flags)
+                temp = max((self.temp_bytes.get(k, 0) for k in keys), default=0)
+                raise RuntimeError(
+                    f"The step of {bucket.padded_num_tokens} tokens ({bucket.padded_num_reqs} rows, {steps} "
+                    f"step{'s' if steps > 1 else ''}) ran out of device memory at start-up"
+                    + (f": its temporaries take {temp / 2**30:.2f} GiB" if temp else "")
+                    + " beside the weights and the KV pool. Lower --gpu-memory-utilization (the pool's share) or "
+                    f"--max-num-batched-tokens. ({str(e).splitlines()[0]})") from e
             if not loaded or cache is None:
                 raise
             # A loaded executable that does not run (XLA:CPU cannot run some deserialized bf16 programs):

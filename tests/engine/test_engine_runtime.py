@@ -231,6 +231,21 @@ def test_cached_executable_that_fails_to_run_falls_back(model_dir, exec_cache_ro
     assert not list(exec_cache_root.rglob("*.bin"))    # dropped from disk (and not stored again this run)
 
 
+def test_a_step_out_of_memory_at_start_up_says_which_and_what_to_lower(model_dir, monkeypatch):
+    """A step that runs out of device memory in warm-up fails the start-up with its bucket and the flags that make
+    room, not XLA's bare error. Mocked: the step raises XLA's out-of-memory error, which the CPU's memory does not
+    give a tiny model here (on the H100 a 4-bit llama3-8b's 16,384-token step did, before EXPAND_IN_TURN)."""
+    from jaxpaged.runner.step import StepPrograms
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.09GiB")
+
+    monkeypatch.setattr(StepPrograms, "_run", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"The step of \d+ tokens \(\d+ rows, 1 step\) ran out of device memory "
+                                           r"at start-up.*--gpu-memory-utilization.*--max-num-batched-tokens"):
+        LLM(model=model_dir, **COMPILED)
+
+
 def test_deleted_llm_frees_device_memory(model_dir):
     gc.collect()
     before = sum(x.nbytes for x in jax.live_arrays())
