@@ -108,6 +108,14 @@ def abstract_like(x: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
+def _temporary_bytes(compiled) -> int:
+    """A compiled program's temporaries in bytes (XLA's memory analysis), 0 where the backend gives none."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes or 0)
+    except Exception:       # (a backend, or a stand-in, without the analysis)
+        return 0
+
+
 class _BackgroundCompiler:
     """One daemon thread that runs queued compiles in turn; a compile that fails is logged, and the step
     keeps the path it had. At the interpreter's exit the queue is dropped and a compile under way is waited
@@ -181,7 +189,9 @@ class StepPrograms:
         self._later: set = set()        # sampler variants queued for the background thread (_compile_later)
         self._background: _BackgroundCompiler | None = None
         self.compile_seconds: dict[str, list[float]] = {}   # program kind -> seconds of each XLA compile
-        self.temp_bytes: dict[tuple, int] = {}   # program key -> its compiled temporaries (XLA's memory analysis)
+        # program key -> its compiled temporaries (XLA's memory analysis): they must fit beside the weights and the
+        # pool, and the start-up log names the largest (largest_temporaries)
+        self.temp_bytes: dict[tuple, int] = {}
         self._bucket_of: dict[tuple, str] = {}   # program key -> the warm-up bucket it was compiled for
         self.exec_cache: ExecutableCache | None = None
         if exec_cache_root is not None and run.executable_cache:
@@ -571,18 +581,9 @@ class StepPrograms:
                                str(e).splitlines()[0], attempt + 1, COMPILE_ATTEMPTS)
                 time.sleep(COMPILE_RETRY_S)
         self.compile_seconds.setdefault(key[0], []).append(time.perf_counter() - t0)
-        self._note_temporaries(key, compiled)
+        if temp := _temporary_bytes(compiled):
+            self.temp_bytes[key] = temp
         return compiled
-
-    def _note_temporaries(self, key: tuple, compiled) -> None:
-        """Keep the program's temporary bytes (XLA's memory analysis), which must fit beside the pool: the start-up
-        log names the largest (largest_temporaries), for the activation reserve of engine/core.py."""
-        try:
-            temp = compiled.memory_analysis().temp_size_in_bytes
-        except Exception:       # (a backend without the analysis)
-            return
-        if temp:
-            self.temp_bytes[key] = int(temp)
 
     def largest_temporaries(self, count: int = 3) -> list[tuple[str, int]]:
         """(the program's bucket, bytes) of the count compiled programs with the most temporary bytes."""
@@ -719,7 +720,8 @@ class StepPrograms:
             compiled = cache.load(key)
             if compiled is not None:
                 from_disk.append(key)
-                self._note_temporaries(key, compiled)
+                if temp := _temporary_bytes(compiled):
+                    self.temp_bytes[key] = temp
             else:
                 future = compiling.pop(key, None)
                 if future is not None:

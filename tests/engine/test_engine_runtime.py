@@ -504,7 +504,7 @@ def test_a_compile_whose_child_process_failed_to_launch_is_tried_again(monkeypat
 
     from jaxpaged.runner import step
     monkeypatch.setattr(step, "COMPILE_RETRY_S", 0.0)
-    programs = types.SimpleNamespace(compile_seconds={}, _variant_cache=None, step_compiler_options=None)
+    programs = types.SimpleNamespace(compile_seconds={}, temp_bytes={}, _variant_cache=None, step_compiler_options=None)
     launch = jax.errors.JaxRuntimeError("INTERNAL: Failed to launch ptxas")
     flaky = _Lowered("compiled", launch, launch)
     with caplog.at_level("WARNING", logger="jaxpaged.runner"):
@@ -565,8 +565,9 @@ def test_programs_the_executable_cache_keeps_are_not_written_to_jaxs_cache_too()
             other.join()
             return setting.value, seen["other"]
 
-    with_cache = types.SimpleNamespace(compile_seconds={}, _variant_cache=object(), step_compiler_options=None)
+    with_cache = types.SimpleNamespace(compile_seconds={}, temp_bytes={}, _variant_cache=object(),
+                                       step_compiler_options=None)
     assert step.StepPrograms._compile(with_cache, ("step",), Recording()) == (float("inf"), before)
     assert setting.value == before
-    without = types.SimpleNamespace(compile_seconds={}, _variant_cache=None, step_compiler_options=None)
+    without = types.SimpleNamespace(compile_seconds={}, temp_bytes={}, _variant_cache=None, step_compiler_options=None)
     assert step.StepPrograms._compile(without, ("step",), Recording()) == (before, before)

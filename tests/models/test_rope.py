@@ -2,6 +2,8 @@
 model's logits through the paged cache, the prompt in one step and then one token a step, equal HF's forward
 run the same way (its KV cache kept), past the length where the dynamic scalings change (dynamic NTK beyond
 max_position_embeddings, LongRoPE's long factors beyond original_max_position_embeddings)."""
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -25,12 +27,16 @@ SCALINGS = {
 
 
 def hf_incremental_logits(hf, ids: list[int]) -> np.ndarray:
-    """HF's logits for ids: one forward for the prompt, then one per token with its KV cache (HF's generate)."""
+    """HF's logits for ids: one forward for the prompt, then one per token with its KV cache (HF's generate). The
+    cache goes by the keyword this transformers takes: `cache` from 5.25 (`past_key_values` deprecated), before it
+    `past_key_values` (an unknown `cache=` is dropped there without an error, each token then run alone at
+    position 0)."""
+    keyword = "cache" if "cache" in inspect.signature(hf.model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = hf(torch.tensor([ids[:PROMPT]]), use_cache=True)
         logits, cache = [out.logits[0]], out.past_key_values
         for t in ids[PROMPT:]:
-            out = hf(torch.tensor([[t]]), cache=cache, use_cache=True)
+            out = hf(torch.tensor([[t]]), use_cache=True, **{keyword: cache})
             logits.append(out.logits[0])
             cache = out.past_key_values
     return torch.cat(logits).numpy()
