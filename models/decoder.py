@@ -99,8 +99,10 @@ DENSE_ROPE_KERNEL = True
 # own. On the H100 (llama3-8b AWQ, one request) write_kv's 45.8 us a step go, rope_qkv takes 10.8 more, and the
 # step is 2,553 against 2,577 us.
 ROPE_WRITES_KV = True
-# Whether a quantized linear layer's weights are expanded (for XLA's dot: prefill rows) only once the layer's
-# input is computed (_in_turn), so a step holds one layer's expanded weights at a time.
+# Whether a quantized linear layer's weights are expanded for XLA's dot (4-bit and GGUF layers at prefill rows,
+# block-scaled fp8 and W8A16 at every size) only once the layer's input is computed (_in_turn), so a step holds
+# one layer's expanded weights at a time. Measured for 4-bit on the H100: a llama3-8b AWQ step's temporaries
+# 10.51 GiB without, 1.46 with (as bf16's), its one-request decode unchanged (bench/results/NOTES.md).
 EXPAND_IN_TURN = True
 
 
@@ -242,9 +244,8 @@ class GGUFEmbed(nn.Module):
 
 def _in_turn(x, *weights):
     """(x, *weights) behind an optimization barrier: what expands the weights then waits for the layer's input.
-    With the layers unrolled, XLA otherwise expands later layers' 4-bit weights ahead of their turn and holds
-    several layers' expanded weights at once (on the H100 a 16,384-token llama3-8b AWQ step's temporaries came
-    to 10.5 GiB, beside a 1.5 GiB bf16 step), past what the KV pool leaves free."""
+    With the layers unrolled, XLA otherwise expands later layers' weights ahead of their turn and holds several
+    layers' expanded weights at once, past what the KV pool leaves free (EXPAND_IN_TURN)."""
     return jax.lax.optimization_barrier((x, *weights))
 
 
@@ -327,7 +328,10 @@ class Fp8Linear(nn.Module):
         weight_scale = self.param("weight_scale", nn.initializers.ones, (n, k // (self.block_cols or k)),
                                   jnp.float32)
         input_scale = self.param("input_scale", nn.initializers.ones, (), jnp.float32) if self.static_input else None
-        y = fp8.fp8_linear(x.astype(self.dtype), weight, weight_scale, input_scale, self.block_cols)
+        x = x.astype(self.dtype)
+        if self.block_cols is not None and EXPAND_IN_TURN:     # (block-scaled weights are expanded for the dot)
+            x, weight, weight_scale = _in_turn(x, weight, weight_scale)
+        y = fp8.fp8_linear(x, weight, weight_scale, input_scale, self.block_cols)
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
 
 
@@ -349,7 +353,10 @@ class Int8Linear(nn.Module):
         weight_scale = self.param("weight_scale", nn.initializers.ones, (n, groups), jnp.float32)
         zero = None if s.symmetric else self.param("weight_zero", nn.initializers.zeros, (n, groups), jnp.float32)
         input_scale = self.param("input_scale", nn.initializers.ones, (), jnp.float32) if s.static_input else None
-        y = int8.int8_linear(x.astype(self.dtype), weight, weight_scale, zero, input_scale, s.activations)
+        x = x.astype(self.dtype)
+        if not s.activations and EXPAND_IN_TURN:      # (W8A16's weights are expanded for the dot)
+            x, weight, weight_scale, zero = _in_turn(x, weight, weight_scale, zero)
+        y = int8.int8_linear(x, weight, weight_scale, zero, input_scale, s.activations)
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
 
 
