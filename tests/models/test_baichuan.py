@@ -9,7 +9,7 @@ import torch
 from conftest import save_tiny_baichuan
 from jaxpaged.models import load_model
 from jaxpaged.models.config import BAICHUAN2_VOCAB
-from test_models import PagedRunner
+from paged_runner import PagedRunner
 
 
 @pytest.mark.parametrize("alibi,vocab", [(False, 320), (True, 320), (True, BAICHUAN2_VOCAB)],

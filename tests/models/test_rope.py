@@ -10,7 +10,7 @@ import torch
 
 from conftest import decode_traced_anew, save_tiny_model
 from jaxpaged.models import load_model
-from test_models import PagedRunner
+from paged_runner import PagedRunner
 
 PROMPT, STEPS = 20, 14              # positions 0..33: across the 32 where the scalings below change
 
