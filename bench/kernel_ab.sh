@@ -4,8 +4,9 @@
 # compile caches off in every arm), and a table of the untraced step and the kernels that changed.
 #   bash bench/kernel_ab.sh MODEL:SWITCH [MODEL:SWITCH ...] [--ctx N] [--deadline-s S]
 #   bash bench/kernel_ab.sh llama3-8b-awq:ROPE_WRITES_KV qwen3-8b-awq:ROPE_QK_NORM llama3-8b:DENSE_ROPE_KERNEL
-# carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Each arm's kernels.txt goes to
-# $OUT/MODEL-SWITCH/ARM/ (or /tmp/kernel_ab). Stops starting arms past --deadline-s (default 540).
+# carry=[".whl", ".cache/gpu"] (bash bench/prepare_gpu_suite.sh here first). Each arm's table and log go to
+# $OUT (or /tmp/kernel_ab) as MODEL-SWITCH-ARM-kernels.txt and -log.txt, one folder deep: the device tool returns
+# no deeper files. Stops starting arms past --deadline-s (default 540).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PAIRS=(); CTX=300; DEADLINE=540
@@ -24,22 +25,22 @@ for pair in "${PAIRS[@]}"; do
   for arm in off on off2; do
     if [ $(( $(date +%s) - START )) -gt "$DEADLINE" ]; then echo "== $model $switch $arm: past the deadline, not run"; continue; fi
     value=False; [ $arm = on ] && value=True
-    dir=$OUTDIR/$model-$switch/$arm
-    mkdir -p "$dir"
+    name=$OUTDIR/$model-$switch-$arm
+    mkdir -p "$OUTDIR"
     timeout 240 $PY "$REPO/bench/step_kernels.py" --model "$model" --rows 1 --ctx "$CTX" \
-      --set "jaxpaged.models.decoder.$switch=$value" --out "/tmp/kab-$model-$switch-$arm" > "$dir/log.txt" 2>&1
+      --set "jaxpaged.models.decoder.$switch=$value" --out "/tmp/kab-$model-$switch-$arm" > "$name-log.txt" 2>&1
     rc=$?
-    cp "/tmp/kab-$model-$switch-$arm/kernels.txt" "$dir/" 2>/dev/null
-    echo "== $model $switch=$value ($arm) rc=$rc: $(grep -o 'untraced, back to back: [0-9.]* us' "$dir/kernels.txt" 2>/dev/null \
-      || tail -2 "$dir/log.txt")"
+    cp "/tmp/kab-$model-$switch-$arm/kernels.txt" "$name-kernels.txt" 2>/dev/null
+    echo "== $model $switch=$value ($arm) rc=$rc: $(grep -o 'untraced, back to back: [0-9.]* us' "$name-kernels.txt" 2>/dev/null \
+      || tail -2 "$name-log.txt")"
   done
   # the kernels whose time a step moved by more than 1 us between the first off arm and the on arm
   $PY - "$OUTDIR/$model-$switch" <<'EOF'
 import pathlib
 import sys
-base = pathlib.Path(sys.argv[1])
+base = sys.argv[1]
 def load(arm):
-    path = base / arm / "kernels.txt"
+    path = pathlib.Path(f"{base}-{arm}-kernels.txt")
     rows = {}
     for line in path.read_text().splitlines()[4:] if path.exists() else []:
         parts = line.split()
