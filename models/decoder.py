@@ -238,15 +238,15 @@ class GGUFEmbed(nn.Module):
         return dequantize(self.qweight[ids], self.qtype).astype(self.dtype)
 
     def attend(self, x):
-        x, qweight = _in_turn(x, self.qweight) if EXPAND_IN_TURN else (x, self.qweight)
+        x, qweight = _in_turn(x, self.qweight)
         return _dot_t(x, dequantize(qweight, self.qtype), self.dtype)
 
 
-def _in_turn(x, *weights):
-    """(x, *weights) behind an optimization barrier: what expands the weights then waits for the layer's input.
-    With the layers unrolled, XLA otherwise expands later layers' weights ahead of their turn and holds several
-    layers' expanded weights at once, past what the KV pool leaves free (EXPAND_IN_TURN)."""
-    return jax.lax.optimization_barrier((x, *weights))
+def _in_turn(x, *weights) -> tuple:
+    """(x, *weights), with EXPAND_IN_TURN behind an optimization barrier: what expands the weights then waits for
+    the layer's input. With the layers unrolled, XLA otherwise expands later layers' weights ahead of their turn
+    and holds several layers' expanded weights at once, past what the KV pool leaves free."""
+    return jax.lax.optimization_barrier((x, *weights)) if EXPAND_IN_TURN else (x, *weights)
 
 
 class Int4Linear(nn.Module):
@@ -304,8 +304,7 @@ class Int4Linear(nn.Module):
         elif keep_splits:
             raise ValueError("keep_splits takes the Pallas kernels' rows")
         else:
-            x, qweight, scales, affine = _in_turn(x, qweight, scales, affine) if EXPAND_IN_TURN else (
-                x, qweight, scales, affine)
+            x, qweight, scales, affine = _in_turn(x, qweight, scales, affine)
             y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
         return y if bias is None else y + bias
 
@@ -329,7 +328,7 @@ class Fp8Linear(nn.Module):
                                   jnp.float32)
         input_scale = self.param("input_scale", nn.initializers.ones, (), jnp.float32) if self.static_input else None
         x = x.astype(self.dtype)
-        if self.block_cols is not None and EXPAND_IN_TURN:     # (block-scaled weights are expanded for the dot)
+        if self.block_cols is not None:     # (block-scaled weights are expanded for the dot)
             x, weight, weight_scale = _in_turn(x, weight, weight_scale)
         y = fp8.fp8_linear(x, weight, weight_scale, input_scale, self.block_cols)
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y
@@ -354,7 +353,7 @@ class Int8Linear(nn.Module):
         zero = None if s.symmetric else self.param("weight_zero", nn.initializers.zeros, (n, groups), jnp.float32)
         input_scale = self.param("input_scale", nn.initializers.ones, (), jnp.float32) if s.static_input else None
         x = x.astype(self.dtype)
-        if not s.activations and EXPAND_IN_TURN:      # (W8A16's weights are expanded for the dot)
+        if not s.activations:      # (W8A16's weights are expanded for the dot)
             x, weight, weight_scale, zero = _in_turn(x, weight, weight_scale, zero)
         y = int8.int8_linear(x, weight, weight_scale, zero, input_scale, s.activations)
         return y + self.param("bias", nn.initializers.zeros, (n,), self.dtype) if self.use_bias else y

@@ -116,6 +116,12 @@ def _temporary_bytes(compiled) -> int:
         return 0
 
 
+def _bucket_label(bucket: Bucket, steps: int) -> str:
+    """A bucket's step in words, for the start-up log and its errors."""
+    return (f"{bucket.padded_num_tokens} tokens, {bucket.padded_num_reqs} rows, "
+            f"{steps} step{'s' if steps > 1 else ''}")
+
+
 class _BackgroundCompiler:
     """One daemon thread that runs queued compiles in turn; a compile that fails is logged, and the step
     keeps the path it had. At the interpreter's exit the queue is dropped and a compile under way is waited
@@ -660,8 +666,7 @@ class StepPrograms:
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
         for key in self._program_keys(self._layout(mi, si), options, flags):      # (for the start-up log)
-            self._bucket_of.setdefault(key, f"{bucket.padded_num_tokens} tokens, {bucket.padded_num_reqs} rows, "
-                                            f"{steps} step{'s' if steps > 1 else ''}")
+            self._bucket_of.setdefault(key, _bucket_label(bucket, steps))
         cache = self.exec_cache
         loaded = self._load_or_compile(cache, state, bucket, options, flags, programs, compiling) if cache else []
         try:
@@ -673,8 +678,7 @@ class StepPrograms:
                 keys = self._program_keys(self._layout(mi, si), options, flags)
                 temp = max((self.temp_bytes.get(k, 0) for k in keys), default=0)
                 raise RuntimeError(
-                    f"The step of {bucket.padded_num_tokens} tokens ({bucket.padded_num_reqs} rows, {steps} "
-                    f"step{'s' if steps > 1 else ''}) ran out of device memory at start-up"
+                    f"The step of {_bucket_label(bucket, steps)} ran out of device memory at start-up"
                     + (f": its temporaries take {temp / 2**30:.2f} GiB" if temp else "")
                     + " beside the weights and the KV pool. Lower --gpu-memory-utilization (the pool's share) or "
                     f"--max-num-batched-tokens. ({str(e).splitlines()[0]})") from e

@@ -241,7 +241,7 @@ def test_a_step_out_of_memory_at_start_up_says_which_and_what_to_lower(model_dir
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.09GiB")
 
     monkeypatch.setattr(StepPrograms, "_run", out_of_memory)
-    with pytest.raises(RuntimeError, match=r"The step of \d+ tokens \(\d+ rows, 1 step\) ran out of device memory "
+    with pytest.raises(RuntimeError, match=r"The step of \d+ tokens, \d+ rows, 1 step ran out of device memory "
                                            r"at start-up.*--gpu-memory-utilization.*--max-num-batched-tokens"):
         LLM(model=model_dir, **COMPILED)
 
