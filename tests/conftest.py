@@ -173,6 +173,15 @@ TINY_MODELS = {
 }
 
 
+def hf_attention(config) -> dict:
+    """HF's attention implementation for a reference model (config: its config, or the kwargs that make it): eager
+    where the model soft-caps its attention scores (Gemma 2), the one path of HF's that applies the cap
+    (transformers before 5.25 chose SDPA there, which dropped it without a word); HF's default otherwise."""
+    cap = config.get("attn_logit_softcapping") if isinstance(config, dict) else getattr(
+        config, "attn_logit_softcapping", None)
+    return {"attn_implementation": "eager"} if cap else {}
+
+
 def save_tiny_model(name: str, path, **overrides):
     """TINY_MODELS[name] (its kwargs updated by overrides) with random weights, saved as an HF folder
     (float32 safetensors); returns the HF model. Norms and biases get random offsets so every weight
@@ -183,7 +192,7 @@ def save_tiny_model(name: str, path, **overrides):
     config_class, kwargs = TINY_MODELS[name]
     config = getattr(transformers, config_class)(**{**kwargs, **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, **hf_attention(config)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or "bias" in pname:

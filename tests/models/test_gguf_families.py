@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from conftest import random_gguf_blocks
+from conftest import hf_attention, random_gguf_blocks
 from jaxpaged import LLM, SamplingParams, envs
 from jaxpaged.models.gguf_convert import convert_gguf_to_hf, gguf_model_dir
 
@@ -122,7 +122,7 @@ def tiny_model(family: Family, vocab: dict, **overrides):
         vocab_size=len(vocab["tokens"]), bos_token_id=ids.get("bos"), eos_token_id=ids["eos"],
         pad_token_id=ids.get("pad"), **{**family.config, **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, **hf_attention(config)).eval()
     with torch.no_grad():          # norms and biases off their defaults, so every weight matters
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
@@ -237,7 +237,8 @@ class Cases:
             vocab = vocabulary(family.vocab)
             write_gguf(folder / f"tiny-{name}.gguf", family, tiny_model(family, vocab), vocab, f"Tiny {name}")
             hf = transformers.AutoModelForCausalLM.from_pretrained(
-                str(folder), gguf_file=f"tiny-{name}.gguf", dtype=torch.float32, **family.hf_overrides).eval()
+                str(folder), gguf_file=f"tiny-{name}.gguf", dtype=torch.float32, **family.hf_overrides,
+                **hf_attention({**family.config, **family.hf_overrides})).eval()
             tok = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=f"tiny-{name}.gguf")
             self.built[name] = Case(folder / f"tiny-{name}.gguf", hf, tok, [tok.encode(t) for t in TEXTS[:2]])
         return self.built[name]
