@@ -665,7 +665,8 @@ class StepPrograms:
         decode steps)."""
         mi, si = self.dummy_inputs(bucket)
         options = self.options(bucket, steps)
-        for key in self._program_keys(self._layout(mi, si), options, flags):      # (for the start-up log)
+        keys = self._program_keys(self._layout(mi, si), options, flags)
+        for key in keys:        # (for the start-up log)
             self._bucket_of.setdefault(key, _bucket_label(bucket, steps))
         cache = self.exec_cache
         loaded = self._load_or_compile(cache, state, bucket, options, flags, programs, compiling) if cache else []
@@ -675,7 +676,6 @@ class StepPrograms:
             jax.block_until_ready(res)
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" in str(e):
-                keys = self._program_keys(self._layout(mi, si), options, flags)
                 temp = max((self.temp_bytes.get(k, 0) for k in keys), default=0)
                 raise RuntimeError(
                     f"The step of {_bucket_label(bucket, steps)} ran out of device memory at start-up"
