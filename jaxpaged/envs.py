@@ -57,7 +57,7 @@ def with_xla_default(flags: str, name: str, value: str) -> str:
 #   on a GPU whose pool fills its memory every step program looked over the limit, and the pass recomputed
 #   small fusions in every layer to save memory that was never short (qwen2-0.5b's one-request decode: 3
 #   extra kernels a layer, 1.24 ms a token instead of 1.18). What keeps the programs within memory is the
-#   room the pool leaves for a step's temporaries (engine/core.py _activation_estimate), and the warm-up
+#   room the pool leaves for a step's temporaries (engine/cache_sizing.py activation_reserve), and the warm-up
 #   runs every bucket's program once before the engine serves.
 _flags = with_xla_default(os.environ.get("XLA_FLAGS", ""), "xla_gpu_enable_triton_gemm", "false")
 os.environ["XLA_FLAGS"] = with_xla_default(_flags, "xla_disable_hlo_passes", "rematerialization")

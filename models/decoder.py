@@ -568,7 +568,18 @@ class DecoderLayer(nn.Module):
         return True
 
 
-PROMPT_HEAD_CHUNK = 2048     # tokens whose full-vocabulary logits exist at once (prompt logprobs)
+PROMPT_HEAD_CHUNK = 2048     # tokens whose full-vocabulary logits exist at once (prompt logprobs), at most
+# and at most this many bytes of their float32 logits (a power of two of tokens; 0: PROMPT_HEAD_CHUNK alone): the
+# head holds about two copies of a chunk's logits, which the KV pool leaves room for (engine/cache_sizing.py)
+PROMPT_HEAD_BYTES = 512 << 20
+
+
+def prompt_chunk_rows(vocab: int) -> int:
+    """Tokens whose logits the prompt-logprob head computes at once."""
+    if not PROMPT_HEAD_BYTES:
+        return PROMPT_HEAD_CHUNK
+    fit = max(1, PROMPT_HEAD_BYTES // (vocab * 4))
+    return min(PROMPT_HEAD_CHUNK, 1 << (fit.bit_length() - 1))
 
 
 class DecoderModel(nn.Module):
@@ -680,10 +691,10 @@ def head_weight(cfg: DecoderConfig, dtype, params) -> jax.Array:
 
 def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | None = None):
     """prompt_head(logits f32[C, V], targets i32[C]) over every row of h [T, H] (already normed; w as
-    head_weight gives it, the logits rounded to h's dtype before f32), at most
-    PROMPT_HEAD_CHUNK rows of logits at a time; outputs concatenated back to leading dim T."""
+    head_weight gives it, the logits rounded to h's dtype before f32), at most prompt_chunk_rows(V) rows of
+    logits at a time; outputs concatenated back to leading dim T."""
     t = h.shape[0]
-    chunk = min(t, PROMPT_HEAD_CHUNK)
+    chunk = min(t, prompt_chunk_rows(w.shape[-1]))      # w: [H, V]
     pad = -t % chunk
     h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
     targets = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)

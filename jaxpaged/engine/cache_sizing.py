@@ -27,6 +27,16 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+def activation_reserve(cfg, max_tokens: int, max_seqs: int, dtype) -> int:
+    """Bytes kept free beside the weights and the pool for the step programs' temporaries: the sampled rows'
+    logits, one chunk of every-token logits (prompt logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest
+    MLP activations, slack for XLA."""
+    from jaxpaged.models.decoder import PROMPT_HEAD_CHUNK
+    logits = (max_seqs + min(max_tokens, PROMPT_HEAD_CHUNK)) * cfg.vocab_size * 4 * 3
+    mlp = max_tokens * cfg.intermediate_size * 4 * 3
+    return logits + mlp + (256 << 20)
+
+
 def _stable_round(num_blocks: int) -> int:
     """Round the block count down to a coarse step (under 1% of the pool).
 

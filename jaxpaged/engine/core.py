@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxpaged import envs
 from jaxpaged.config import EngineArgs, RunConfig, detect_platform, resolve
-from jaxpaged.engine.cache_sizing import block_bytes, size_kv_cache, tree_bytes
+from jaxpaged.engine.cache_sizing import activation_reserve, block_bytes, size_kv_cache, tree_bytes
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreRequest, FinishReason,
                                       PromptLogprobs, SampleLogprobs)
@@ -135,7 +135,7 @@ class EngineCore:
         args, cfg = self.args, loaded.config
         pool_dtype = kv_cache_dtype(cfg, loaded.dtype, run.platform)
         per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, pool_dtype)
-        activations = self._activation_estimate(cfg, run.max_num_batched_tokens, run.max_num_seqs)
+        activations = activation_reserve(cfg, run.max_num_batched_tokens, run.max_num_seqs, loaded.dtype)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
                              args.num_gpu_blocks_override, np.dtype(pool_dtype).itemsize)
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
@@ -161,15 +161,6 @@ class EngineCore:
         if tokens < run.max_model_len:      # vLLM refuses to start here; this engine refuses such requests
             logger.warning("The KV cache holds %d tokens, fewer than max_model_len=%d: a request needing more "
                            "(prompt + max_tokens - 1) is refused on arrival", tokens, run.max_model_len)
-
-    @staticmethod
-    def _activation_estimate(cfg, max_tokens: int, max_seqs: int) -> int:
-        """Peak of the step's temporaries: the sampled rows' logits, one chunk of every-token logits (prompt
-        logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest MLP activations, slack for XLA."""
-        from jaxpaged.models.decoder import PROMPT_HEAD_CHUNK
-        logits = (max_seqs + min(max_tokens, PROMPT_HEAD_CHUNK)) * cfg.vocab_size * 4 * 3
-        mlp = max_tokens * cfg.intermediate_size * 4 * 3
-        return logits + mlp + (256 << 20)
 
     def info(self) -> CoreInfo:
         cfg = self.model_config
