@@ -48,11 +48,18 @@ def largest_bucket_variants(model: str, progs, runner, bucket) -> dict[str, int]
     plain_inputs = progs.dummy_inputs
 
     def inputs_for(flags):
-        """The bucket's dummy inputs, with a prompt target for every token where the variant reads them."""
+        """The bucket's dummy inputs, with a prompt target for every token and 16 tokens of output, prompt and
+        bias a row where the variant reads them."""
         def dummy(b):
             mi, si = plain_inputs(b)
             if flags.num_prompt_logprobs >= 0:
                 mi = dataclasses.replace(mi, prompt_target_ids=np.zeros(b.padded_num_tokens, np.int32))
+            rows = b.padded_num_reqs
+            ids = np.full((rows, 16), -1, np.int32)
+            if flags.penalties:
+                si = dataclasses.replace(si, output_ids=ids, prompt_ids=ids)
+            if flags.logit_bias:
+                si = dataclasses.replace(si, bias_ids=ids, bias_values=np.zeros((rows, 16), np.float32))
             return mi, si
         return dummy
 
@@ -106,13 +113,13 @@ def probe(model: str, max_model_len: int | None, blocks: int, whole_rows: bool) 
     if whole_rows:      # the same with the sort and the prompt head over all rows at once, as before the chunks
         from jaxpaged.models import decoder
         from jaxpaged.runner import sampler
-        saved = sampler.SORT_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES
-        sampler.SORT_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES = 0, 0
+        saved = sampler.SAMPLER_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES
+        sampler.SAMPLER_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES = 0, 0
         jax.clear_caches()
         try:
             before = largest_bucket_variants(model, progs, runner, largest)
         finally:
-            sampler.SORT_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES = saved
+            sampler.SAMPLER_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES = saved
             jax.clear_caches()
     reserve = activation_reserve(cfg, run.max_num_batched_tokens, run.max_num_seqs, jax.numpy.dtype(core.dtype))
     out = {

@@ -76,46 +76,18 @@ def apply_logit_bias(logits, inp: SamplingInputs):
     return logits.at[rows, jnp.where(valid, inp.bias_ids, 0)].add(jnp.where(valid, inp.bias_values, 0.0))
 
 
-# The top-k/p/min-p path sorts whole rows and holds about seven [rows, V] float32 arrays while it does; at 1,024
-# rows of a 256k vocabulary that is 7 GiB, which the KV pool would have to leave free. The rows are sorted in
-# turn, at most this many bytes of logits at a time (a power of two of rows; 0: all rows at once).
-SORT_CHUNK_BYTES = 128 << 20
-
-
-def sort_chunk_rows(rows: int, vocab: int) -> int:
-    """Rows of logits the top-k/p path sorts at once."""
-    if not SORT_CHUNK_BYTES:
-        return rows
-    fit = max(1, SORT_CHUNK_BYTES // (vocab * 4))
-    return min(rows, 1 << (fit.bit_length() - 1))
-
-
 def _mask_top_k_p(logits, inp: SamplingInputs):
-    """Keep the top_k, the top_p nucleus and tokens with p >= min_p * p_max (the others -inf), in chunks of
-    sort_chunk_rows rows."""
-    rows, vocab = logits.shape
-    chunk = sort_chunk_rows(rows, vocab)
-    params = (inp.top_k, inp.top_p, inp.min_p)
-    if chunk >= rows:
-        return _mask_rows(logits, *params)
-    pad = -rows % chunk
-    split = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])  # noqa: E731
-    out = jax.lax.map(lambda a: _mask_rows(*a), (split(logits), *map(split, params)))
-    return out.reshape(-1, vocab)[:rows]
-
-
-def _mask_rows(logits, top_k, top_p, min_p):
     """Sort once; keep the top_k, the top_p nucleus and tokens with p >= min_p * p_max."""
     vocab = logits.shape[-1]
     sorted_logits, sorted_idx = jax.lax.sort_key_val(-logits, jnp.broadcast_to(jnp.arange(vocab), logits.shape))
     sorted_logits = -sorted_logits                                          # descending
     rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    k = jnp.where(inp.top_k > 0, inp.top_k, vocab)[:, None]
     keep = rank < k
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, _NEG_INF), axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= cum_before < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep &= cum_before < inp.top_p[:, None]
+    keep &= probs >= inp.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)
     masked_sorted = jnp.where(keep, sorted_logits, _NEG_INF)
     # back to vocabulary order
@@ -152,9 +124,44 @@ def _gumbel(seeds, positions, vocab: int):
     return -jnp.log(-jnp.log(u))
 
 
+# A variant's sampler (a sort for top-k/p, occurrence counts for penalties, the log-softmax for logprobs) holds
+# several [rows, V] float32 arrays at once: at 1,024 rows of a 256k vocabulary about 7 GiB, which the KV pool would
+# have to leave free (engine/cache_sizing.py activation_reserve). Such a sampler runs over the rows in turn, at most
+# this many bytes of logits at a time (a power of two of rows; 0: all rows at once). The plain sampler (greedy,
+# temperature) is one fused reduction over the logits and runs whole.
+SAMPLER_CHUNK_BYTES = 128 << 20
+
+
+def sampler_chunk_rows(rows: int, vocab: int, flags: SamplerFlags) -> int:
+    """Rows of logits the sampler of `flags` takes at once."""
+    plain = not (flags.top_k_p or flags.penalties or flags.logit_bias or flags.num_logprobs >= 0)
+    if plain or not SAMPLER_CHUNK_BYTES:
+        return rows
+    fit = max(1, SAMPLER_CHUNK_BYTES // (vocab * 4))
+    return min(rows, 1 << (fit.bit_length() - 1))
+
+
 def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
     """logits f32[R, V] -> (token_ids i32[R], sampled logprob f32[R], rank i32[R],
-    top ids i32[R, X], top logprobs f32[R, X]); logprobs are of the model's raw distribution, as vLLM's."""
+    top ids i32[R, X], top logprobs f32[R, X]); logprobs are of the model's raw distribution, as vLLM's.
+    Rows are independent (each its own seed and parameters), so a variant's sampler takes them
+    sampler_chunk_rows at a time with the same results."""
+    rows, vocab = logits.shape
+    chunk = sampler_chunk_rows(rows, vocab, flags)
+    if chunk >= rows:
+        return _sample_rows(logits, inp, flags)
+    pad = -rows % chunk
+
+    def split(x):
+        x = jnp.asarray(x)
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])
+
+    out = jax.lax.map(lambda a: _sample_rows(a[0], a[1], flags), (split(logits), jax.tree.map(split, inp)))
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[:rows], out)
+
+
+def _sample_rows(logits, inp: SamplingInputs, flags: SamplerFlags):
+    """sample() over all the given rows at once."""
     raw = logits
     if flags.penalties:
         logits = apply_penalties(logits, inp)
