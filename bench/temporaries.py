@@ -48,12 +48,10 @@ def largest_bucket_variants(model: str, progs, runner, bucket) -> dict[str, int]
     plain_inputs = progs.dummy_inputs
 
     def inputs_for(flags):
-        """The bucket's dummy inputs, with a prompt target for every token and 16 tokens of output, prompt and
-        bias a row where the variant reads them."""
-        def dummy(b):
-            mi, si = plain_inputs(b)
-            if flags.num_prompt_logprobs >= 0:
-                mi = dataclasses.replace(mi, prompt_target_ids=np.zeros(b.padded_num_tokens, np.int32))
+        """The bucket's dummy inputs for `flags` (prompt targets where it asks prompt logprobs), with 16 tokens of
+        output, prompt and bias a row where the variant reads them."""
+        def dummy(b, _flags=None):
+            mi, si = plain_inputs(b, flags)
             rows = b.padded_num_reqs
             ids = np.full((rows, 16), -1, np.int32)
             if flags.penalties:

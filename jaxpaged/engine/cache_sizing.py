@@ -27,14 +27,32 @@ def tree_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+# Copies of a chunk's [rows, V] float32 logits a variant's sampler holds at once (runner/sampler.py
+# SAMPLER_CHUNK_BYTES), and of the prompt-logprob head's chunk (models/decoder.py prompt_chunk_rows), at most, in
+# XLA's memory analysis of the compiled steps (bench/temporaries.py; bench/results/NOTES.md).
+SAMPLER_CHUNK_COPIES = 10
+PROMPT_CHUNK_COPIES = 3
+
+
 def activation_reserve(cfg, max_tokens: int, max_seqs: int, dtype) -> int:
-    """Bytes kept free beside the weights and the pool for the step programs' temporaries: the sampled rows'
-    logits, one chunk of every-token logits (prompt logprobs, models/decoder.py PROMPT_HEAD_CHUNK), the widest
-    MLP activations, slack for XLA."""
-    from jaxpaged.models.decoder import PROMPT_HEAD_CHUNK
-    logits = (max_seqs + min(max_tokens, PROMPT_HEAD_CHUNK)) * cfg.vocab_size * 4 * 3
-    mlp = max_tokens * cfg.intermediate_size * 4 * 3
-    return logits + mlp + (256 << 20)
+    """Bytes kept free beside the weights and the pool for the step programs' temporaries, the larger of
+    - the layers at max_tokens tokens: the MLP's gate/up output and product, the residual stream, q/k/v, and one
+      layer's weights in the compute dtype (a scan's slice of the stacked weights, or a quantized layer expanded
+      for a prefill's dot), and
+    - the head at max_seqs rows: the sampled rows' float32 logits twice (the head's and the sampler's result)
+      and the larger of a variant's sampler chunk and the prompt-logprob head's chunk,
+    plus slack for XLA. The pool is sized before anything compiles; the warm-up logs what the programs take."""
+    from jaxpaged.models.decoder import prompt_chunk_rows
+    from jaxpaged.runner.sampler import SAMPLER_CHUNK_BYTES
+    item = max(np.dtype(dtype).itemsize, 2)
+    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, qkv = cfg.num_heads * cfg.head_dim, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    layer_weights = (h * (qkv + 2 * inter) + (q + inter) * h) * item
+    layers = max_tokens * (3 * inter + 4 * h + qkv) * item + layer_weights
+    sampler_chunk = min(SAMPLER_CHUNK_BYTES or max_seqs * vocab * 4, max_seqs * vocab * 4)
+    prompt_chunk = min(prompt_chunk_rows(vocab), max_tokens) * vocab * 4
+    head = 2 * max_seqs * vocab * 4 + max(SAMPLER_CHUNK_COPIES * sampler_chunk, PROMPT_CHUNK_COPIES * prompt_chunk)
+    return max(layers, head) + (256 << 20)
 
 
 def _stable_round(num_blocks: int) -> int:

@@ -307,7 +307,7 @@ class StepPrograms:
         """-> (its key, the ProgramSpec) of the head-and-sampler program of a sampler variant for a single-step
         bucket's dummy inputs (packed as the step packs them) and its sampled rows' hidden states `h` (a
         shape); prev_sampled: the sampled-token buffer's shape (default: this engine's, unplaced)."""
-        host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
+        host_ints, host_floats, layout = pack(self.dummy_inputs(bucket, flags), self.run.input_align)
         ints, floats = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.host_inputs.sharding)
                         for x in (host_ints, host_floats))
         if prev_sampled is None:
@@ -751,7 +751,7 @@ class StepPrograms:
         """Program key -> the ProgramSpec of that program of the bucket's step, for inputs as the steps are
         given them: packed, in pinned host memory. `state` holds the pool and the sampled-token buffer (the
         runner; a lowering worker passes their shapes)."""
-        host_ints, host_floats, layout = pack(self.dummy_inputs(bucket), self.run.input_align)
+        host_ints, host_floats, layout = pack(self.dummy_inputs(bucket, flags), self.run.input_align)
         ints, floats = self.host_inputs.write(host_ints, host_floats).arrays
         return self._specs(state, layout, ints, floats, options, flags)
 
@@ -770,8 +770,9 @@ class StepPrograms:
                                                       state.prev_sampled, ints, floats), kw, (2, 3))
         return {keys[0]: spec}
 
-    def dummy_inputs(self, bucket: Bucket) -> tuple[ModelInput, SamplingInputs]:
-        """A bucket's inputs with no real request: every token is padding, writes go to the null block."""
+    def dummy_inputs(self, bucket: Bucket, flags: SamplerFlags = DEFAULT_FLAGS) -> tuple[ModelInput, SamplingInputs]:
+        """A bucket's inputs with no real request: every token is padding, writes go to the null block; a
+        prompt target for every token where `flags` asks for prompt logprobs."""
         T, R = bucket.padded_num_tokens, bucket.padded_num_reqs
         z = lambda *s: np.zeros(s, np.int32)
         meta = AttentionMetadata(z(T), z(T), z(R, self.max_blocks_per_req), z(R), z(R + 1))
@@ -779,7 +780,8 @@ class StepPrograms:
         e = np.full((R, 0), -1, np.int32)
         si = SamplingInputs(f(0), z(R), f(1), f(0), np.zeros(R, np.uint32), z(R), f(0), f(0), f(1), e, e, e,
                             np.zeros((R, 0), np.float32))
-        return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), z(0)), si
+        targets = z(T) if flags.num_prompt_logprobs >= 0 else z(0)
+        return ModelInput(z(T), meta, z(R), np.full(R, T, np.int32), z(R), targets), si
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "dtype", "options", "flags"),

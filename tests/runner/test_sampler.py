@@ -196,3 +196,32 @@ def test_gumbel_max_draws_follow_the_softmax():
     assert counts.sum() == 4096
     expected = 4096 * p
     assert ((counts - expected) ** 2 / expected).sum() < 24.3
+
+
+def test_a_variants_sampler_in_row_chunks_gives_the_whole_batchs_results(monkeypatch):
+    """A variant's sampler takes its rows in chunks (SAMPLER_CHUNK_BYTES bounds its [rows, V] temporaries): 37
+    rows in chunks of 8, the last one padded, give what all 37 at once give, token for token and logprob for
+    logprob, with every variant path on (top-k/p/min-p, penalties, logit bias, logprobs) and seeded sampling."""
+    rows, vocab = 37, 300
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+    ids = lambda: rng.integers(-1, vocab, (rows, 6)).astype(np.int32)  # noqa: E731
+    inp = SamplingInputs(
+        temperature=rng.choice([0.0, 0.7, 1.3], rows).astype(np.float32),
+        top_k=rng.integers(0, 40, rows).astype(np.int32),
+        top_p=rng.uniform(0.3, 1, rows).astype(np.float32), min_p=rng.uniform(0, 0.1, rows).astype(np.float32),
+        seeds=np.arange(rows, dtype=np.uint32), positions=rng.integers(0, 9, rows).astype(np.int32),
+        presence_penalty=rng.uniform(0, 1, rows).astype(np.float32),
+        frequency_penalty=rng.uniform(0, 1, rows).astype(np.float32),
+        repetition_penalty=rng.uniform(1, 1.5, rows).astype(np.float32), output_ids=ids(), prompt_ids=ids(),
+        bias_ids=ids(), bias_values=rng.normal(size=(rows, 6)).astype(np.float32))
+    flags = SamplerFlags(top_k_p=True, penalties=True, logit_bias=True, num_logprobs=3)
+    monkeypatch.setattr(sampler, "SAMPLER_CHUNK_BYTES", 0)
+    whole = jax.jit(sampler.sample, static_argnames="flags")(logits, inp, flags)
+    monkeypatch.setattr(sampler, "SAMPLER_CHUNK_BYTES", 8 * vocab * 4 + 100)
+    assert sampler.sampler_chunk_rows(rows, vocab, flags) == 8
+    assert sampler.sampler_chunk_rows(rows, vocab, SamplerFlags()) == rows    # the plain sampler runs whole
+    chunked = jax.jit(sampler.sample, static_argnames="flags")(logits, inp, flags)
+    for a, b in zip(whole, chunked):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

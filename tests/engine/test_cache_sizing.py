@@ -1,0 +1,62 @@
+"""The KV pool's activation reserve (engine/cache_sizing.py) against XLA's memory analysis of the compiled steps.
+
+XLA:CPU's analysis stands in for the GPU's here (bench/temporaries.py measures the GPU's); the reserve's terms are
+the same on both: the layers at the token budget, and the head's logits with a variant sampler's chunk."""
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxpaged import LLM
+from jaxpaged.engine.cache_sizing import activation_reserve
+from jaxpaged.models import decoder
+from jaxpaged.runner import sampler
+from jaxpaged.runner.sampler import SamplerFlags
+from jaxpaged.runner.step import _temporary_bytes
+from tests.conftest import save_tiny_llama
+
+EVERY_VARIANT = SamplerFlags(top_k_p=True, penalties=True, logit_bias=True, num_logprobs=5, num_prompt_logprobs=5)
+
+
+def _largest_step_temporaries(llm, flags: SamplerFlags) -> int:
+    """XLA's temporaries of the largest bucket's step under `flags`, 16 tokens of output, prompt and bias a row."""
+    runner = llm.llm_engine.core.runner
+    progs = runner.programs
+    bucket = max(runner.buckets.all_buckets(), key=lambda b: (b.padded_num_tokens, b.padded_num_reqs))
+    plain = progs.dummy_inputs
+
+    def dummy(b, _flags=None):
+        mi, si = plain(b, flags)
+        ids = np.full((b.padded_num_reqs, 16), -1, np.int32)
+        return mi, dataclasses.replace(si, output_ids=ids, prompt_ids=ids, bias_ids=ids,
+                                       bias_values=np.zeros(ids.shape, np.float32))
+    progs.dummy_inputs = dummy
+    try:
+        specs = progs.program_specs(runner, bucket, progs.options(bucket, 1), flags)
+        return max(_temporary_bytes(spec.lower().compile()) for spec in specs.values())
+    finally:
+        progs.dummy_inputs = plain
+
+
+def test_the_reserve_holds_every_sampler_variants_step_and_the_chunks_shrink_it(tmp_path, monkeypatch):
+    """A tiny Llama with SmolLM2's 49,152-token vocabulary at the CPU's budget (2,048 tokens, 256 rows): the
+    largest step under the plain sampler and under every variant at once (top-k/p, penalties, logit bias,
+    logprobs, prompt logprobs) fits the reserve, with the sampler's and the prompt head's chunks set small enough
+    to split those 256 rows and 2,048 tokens; and the chunks take the variant's temporaries well below what the
+    same step holds with every row at once."""
+    save_tiny_llama(tmp_path, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+    monkeypatch.setattr(sampler, "SAMPLER_CHUNK_BYTES", 8 << 20)
+    monkeypatch.setattr(decoder, "PROMPT_HEAD_BYTES", 32 << 20)
+    llm = LLM(model=str(tmp_path), max_model_len=256, dtype="float32", num_gpu_blocks_override=64)
+    core = llm.llm_engine.core
+    reserve = activation_reserve(core.model_config, core.run.max_num_batched_tokens, core.run.max_num_seqs,
+                                 core.dtype)
+    plain = _largest_step_temporaries(llm, SamplerFlags())
+    chunked = _largest_step_temporaries(llm, EVERY_VARIANT)
+    assert 0 < plain <= chunked <= reserve, (plain, chunked, reserve)
+    monkeypatch.setattr(sampler, "SAMPLER_CHUNK_BYTES", 0)
+    monkeypatch.setattr(decoder, "PROMPT_HEAD_BYTES", 0)
+    jax.clear_caches()
+    whole = _largest_step_temporaries(llm, EVERY_VARIANT)
+    assert chunked < whole / 2, (chunked, whole)
