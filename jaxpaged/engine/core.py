@@ -107,6 +107,7 @@ class EngineCore:
             logger.info("Compiled %d buckets in %.1f s%s", len(self.buckets.all_buckets()), secs,
                         f" ({cache.hits} loaded from {cache.dir}, {cache.load_s:.1f} s of it reading them)"
                         if cache is not None and cache.hits else "")
+            self._check_reserve()
         # As vLLM after start-up: what exists now (weights' host objects, JAX's caches) lives as long as
         # the engine, so it leaves the collector's generations, and a full collection then walks only the
         # requests' objects.
@@ -135,7 +136,8 @@ class EngineCore:
         args, cfg = self.args, loaded.config
         pool_dtype = kv_cache_dtype(cfg, loaded.dtype, run.platform)
         per_block = block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, pool_dtype)
-        activations = activation_reserve(cfg, run.max_num_batched_tokens, run.max_num_seqs, loaded.dtype)
+        self.activation_reserve = activations = activation_reserve(cfg, run.max_num_batched_tokens,
+                                                                   run.max_num_seqs, loaded.dtype)
         size = size_kv_cache(per_block, tree_bytes(loaded.params), activations, args.gpu_memory_utilization,
                              args.num_gpu_blocks_override, np.dtype(pool_dtype).itemsize)
         num_cpu_blocks = int(args.swap_space * 2**30 // per_block) if args.preemption_mode == "swap" else 0
@@ -161,6 +163,18 @@ class EngineCore:
         if tokens < run.max_model_len:      # vLLM refuses to start here; this engine refuses such requests
             logger.warning("The KV cache holds %d tokens, fewer than max_model_len=%d: a request needing more "
                            "(prompt + max_tokens - 1) is refused on arrival", tokens, run.max_model_len)
+
+    def _check_reserve(self) -> None:
+        """A compiled program whose temporaries exceed the memory the pool left for them (activation_reserve) ran
+        at warm-up only by the allocator's slack, and may not when it runs beside another's buffers: said
+        at start-up, with what to lower."""
+        if self.run.platform != "gpu" or self.args.num_gpu_blocks_override is not None:
+            return          # (the CPU's pool has a fixed budget; an override sizes the pool itself)
+        largest = self.runner.programs.largest_temporaries(1)
+        if largest and largest[0][1] > self.activation_reserve:
+            logger.warning("The step of %s takes %.2f GiB of temporaries, more than the %.2f GiB the KV pool left "
+                           "for them: lower --gpu-memory-utilization or --max-num-batched-tokens if it runs out of "
+                           "memory", largest[0][0], largest[0][1] / 2**30, self.activation_reserve / 2**30)
 
     def info(self) -> CoreInfo:
         cfg = self.model_config

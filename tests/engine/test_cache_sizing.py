@@ -60,3 +60,26 @@ def test_the_reserve_holds_every_sampler_variants_step_and_the_chunks_shrink_it(
     jax.clear_caches()
     whole = _largest_step_temporaries(llm, EVERY_VARIANT)
     assert chunked < whole / 2, (chunked, whole)
+
+
+def test_a_program_over_the_reserve_is_named_at_start_up(caplog):
+    """The warm-up's largest program against the reserve the pool left: over it, a warning names its bucket and
+    what to lower; within it, or on the CPU (a fixed pool budget), nothing. The GPU's figures are mocked here."""
+    import logging
+    import types
+
+    from jaxpaged.engine.core import EngineCore
+
+    def core(temp, platform="gpu"):
+        programs = types.SimpleNamespace(largest_temporaries=lambda n: [("16384 tokens, 1024 rows, 1 step", temp)])
+        return types.SimpleNamespace(run=types.SimpleNamespace(platform=platform),
+                                     args=types.SimpleNamespace(num_gpu_blocks_override=None),
+                                     runner=types.SimpleNamespace(programs=programs), activation_reserve=3 << 30)
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.engine"):
+        EngineCore._check_reserve(core(2 << 30))
+        EngineCore._check_reserve(core(5 << 30, platform="cpu"))
+        assert not caplog.records
+        EngineCore._check_reserve(core(5 << 30))
+    [record] = caplog.records
+    assert "16384 tokens, 1024 rows, 1 step takes 5.00 GiB" in record.message
+    assert "3.00 GiB" in record.message and "--gpu-memory-utilization" in record.message
