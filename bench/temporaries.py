@@ -2,7 +2,7 @@
 
 The engine sizes its KV pool before it compiles anything, so it reserves memory for the programs' temporaries
 from a formula (engine/cache_sizing.py activation_reserve). This probe starts the engine as `LLM` does (dummy
-weights, the offline defaults, a small pool: the programs' temporaries do not depend on the pool's size), waits
+weights, the offline defaults; the programs' temporaries do not depend on the pool's size), waits
 for every warm-up compile (the default step of each bucket, the head and sampler of the common sampler
 variants), compiles the largest bucket's step once more under each sampler variant (top-k/p, penalties, logprobs,
 prompt logprobs, all at once), and prints XLA's memory analysis of each beside the reserve, and the allocator's
@@ -84,13 +84,15 @@ def largest_bucket_variants(model: str, progs, runner, bucket) -> dict[str, int]
     return variants
 
 
-def probe(model: str, max_model_len: int | None, blocks: int, whole_rows: bool) -> dict:
+def probe(model: str, max_model_len: int | None, blocks: int | None, whole_rows: bool) -> dict:
     import jax
     from bench.models import ensure_model_dir
     from jaxpaged import LLM
     from jaxpaged.engine.cache_sizing import activation_reserve
 
-    kw = dict(load_format="dummy", num_gpu_blocks_override=blocks)
+    kw: dict = dict(load_format="dummy")
+    if blocks:
+        kw["num_gpu_blocks_override"] = blocks
     if max_model_len:
         kw["max_model_len"] = max_model_len
     t0 = time.perf_counter()
@@ -140,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama3-8b")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--blocks", type=int, default=1024, help="the probe's pool (the temporaries do not depend on it)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="the probe's pool (the temporaries do not depend on it; default: the engine's own sizing, "
+                        "whose compiled steps a later engine of the same settings reads from the executable cache)")
     p.add_argument("--json", default=None)
     p.add_argument("--whole-rows", action="store_true",
                    help="also measure the variants with the sort and the prompt head over all rows at once")
