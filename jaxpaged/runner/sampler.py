@@ -151,10 +151,11 @@ def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
     if chunk >= rows:
         return _sample_rows(logits, inp, flags)
     pad = -rows % chunk
+    count = (rows + pad) // chunk
 
-    def split(x):
+    def split(x):       # (the count spelled out: -1 cannot be inferred for an empty [R, 0] input)
         x = jnp.asarray(x)
-        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(count, chunk, *x.shape[1:])
 
     out = jax.lax.map(lambda a: _sample_rows(a[0], a[1], flags), (split(logits), jax.tree.map(split, inp)))
     return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[:rows], out)

@@ -1,4 +1,6 @@
 """The device sampler's functions against a plain NumPy reference on random logits."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,6 +224,16 @@ def test_a_variants_sampler_in_row_chunks_gives_the_whole_batchs_results(monkeyp
     assert sampler.sampler_chunk_rows(rows, vocab, flags) == 8
     assert sampler.sampler_chunk_rows(rows, vocab, SamplerFlags()) == rows    # the plain sampler runs whole
     chunked = jax.jit(sampler.sample, static_argnames="flags")(logits, inp, flags)
+    for a, b in zip(whole, chunked):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # top-k/p alone, as the warm-up compiles it: the penalties' and bias's inputs empty ([R, 0]), no logprobs
+    empty = dataclasses.replace(inp, output_ids=inp.output_ids[:, :0], prompt_ids=inp.prompt_ids[:, :0],
+                                bias_ids=inp.bias_ids[:, :0], bias_values=inp.bias_values[:, :0])
+    top_k_p = SamplerFlags(top_k_p=True)
+    chunked = jax.jit(sampler.sample, static_argnames="flags")(logits, empty, top_k_p)
+    monkeypatch.setattr(sampler, "SAMPLER_CHUNK_BYTES", 0)
+    whole = jax.jit(sampler.sample, static_argnames="flags")(logits, empty, top_k_p)
     for a, b in zip(whole, chunked):
         assert a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
