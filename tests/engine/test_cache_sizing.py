@@ -83,3 +83,30 @@ def test_a_program_over_the_reserve_is_named_at_start_up(caplog):
     [record] = caplog.records
     assert "16384 tokens, 1024 rows, 1 step takes 5.00 GiB" in record.message
     assert "3.00 GiB" in record.message and "--gpu-memory-utilization" in record.message
+
+
+def test_an_engine_samples_the_same_tokens_with_its_rows_in_chunks(tmp_path, monkeypatch):
+    """Requests with top-k/p, penalties and logprobs (seeded), through the engine with the variant sampler over
+    its rows in chunks of 2 (a batch of 6 padded to 8 rows: four chunks) and over all rows at once: the same tokens
+    and logprobs."""
+    from jaxpaged import SamplingParams
+    save_tiny_llama(tmp_path, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+    prompts = [f"Tell me about the number {i}" for i in range(6)]
+    params = [SamplingParams(temperature=0.9, top_p=0.8, top_k=40, presence_penalty=0.5, seed=i, max_tokens=4,
+                             ignore_eos=True, logprobs=2) for i in range(6)]
+
+    def run(chunk_bytes):
+        monkeypatch.setattr(sampler, "SAMPLER_CHUNK_BYTES", chunk_bytes)
+        assert sampler.sampler_chunk_rows(8, 49152, SamplerFlags(top_k_p=True)) == (2 if chunk_bytes else 8)
+        jax.clear_caches()
+        try:
+            outs = LLM(model=str(tmp_path), max_model_len=64, num_gpu_blocks_override=64).generate(
+                prompts, params, use_tqdm=False)
+        finally:
+            jax.clear_caches()
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+                for o in outs]
+    whole = run(0)
+    chunked = run(2 * 49152 * 4)
+    assert chunked == whole
