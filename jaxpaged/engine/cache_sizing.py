@@ -28,17 +28,18 @@ def tree_bytes(tree) -> int:
 
 
 # Copies of a chunk's [rows, V] float32 logits a variant's sampler holds at once (runner/sampler.py
-# SAMPLER_CHUNK_BYTES), and of the prompt-logprob head's chunk (models/decoder.py prompt_chunk_rows), at most, in
-# XLA's memory analysis of the compiled steps (bench/temporaries.py; bench/results/NOTES.md).
+# SAMPLER_CHUNK_BYTES), and of the prompt-logprob head's chunk (models/decoder.py prompt_chunk_rows), with room to
+# spare: XLA's memory analysis of gemma-2-9b's largest step on the H100 put the prompt head at about six
+# (bench/temporaries.py; bench/results/NOTES.md).
 SAMPLER_CHUNK_COPIES = 10
-PROMPT_CHUNK_COPIES = 3
+PROMPT_CHUNK_COPIES = 10
 
 
 def activation_reserve(cfg, max_tokens: int, max_seqs: int, dtype) -> int:
     """Bytes kept free beside the weights and the pool for the step programs' temporaries, the larger of
-    - the layers at max_tokens tokens: the MLP's gate/up output and product, the residual stream, q/k/v, and one
-      layer's weights in the compute dtype (a scan's slice of the stacked weights, or a quantized layer expanded
-      for a prefill's dot), and
+    - the layers at max_tokens tokens: the MLP's gate/up output and product, the residual stream and the norms'
+      float32 intermediates, q/k/v, and one layer's weights in the compute dtype (a scan's slice of the stacked
+      weights, or a quantized layer expanded for a prefill's dot), and
     - the head at max_seqs rows: the sampled rows' float32 logits twice (the head's and the sampler's result)
       and the larger of a variant's sampler chunk and the prompt-logprob head's chunk,
     plus slack for XLA. The pool is sized before anything compiles; the warm-up logs what the programs take."""
@@ -48,7 +49,7 @@ def activation_reserve(cfg, max_tokens: int, max_seqs: int, dtype) -> int:
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, qkv = cfg.num_heads * cfg.head_dim, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     layer_weights = (h * (qkv + 2 * inter) + (q + inter) * h) * item
-    layers = max_tokens * (3 * inter + 4 * h + qkv) * item + layer_weights
+    layers = max_tokens * (3 * inter + 6 * h + qkv) * item + layer_weights
     sampler_chunk = min(SAMPLER_CHUNK_BYTES or max_seqs * vocab * 4, max_seqs * vocab * 4)
     prompt_chunk = min(prompt_chunk_rows(vocab), max_tokens) * vocab * 4
     head = 2 * max_seqs * vocab * 4 + max(SAMPLER_CHUNK_COPIES * sampler_chunk, PROMPT_CHUNK_COPIES * prompt_chunk)
