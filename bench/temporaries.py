@@ -8,7 +8,9 @@ variants), compiles the largest bucket's step once more under each sampler varia
 prompt logprobs, all at once), and prints XLA's memory analysis of each beside the reserve, and the allocator's
 peak during the warm-up.
 
-  python bench/temporaries.py --models llama3-8b,gemma-2-9b [--max-model-len 4096] [--json OUT.json]
+  python bench/temporaries.py --models gemma-2-9b [--max-model-len 4096] [--whole-rows] [--json OUT.json]
+
+Name one model a run: several run in one process, whose allocator peak is the largest of them all.
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ def probe(model: str, max_model_len: int | None, blocks: int | None, whole_rows:
     largest = max(buckets, key=lambda b: (b.padded_num_tokens, b.padded_num_reqs))
     variants = largest_bucket_variants(model, progs, runner, largest)
     before = None
-    if whole_rows:      # the same with the sort and the prompt head over all rows at once, as before the chunks
+    if whole_rows:      # the same with a variant's sampler and the prompt head over all rows at once
         from jaxpaged.models import decoder
         from jaxpaged.runner import sampler
         saved = sampler.SAMPLER_CHUNK_BYTES, decoder.PROMPT_HEAD_BYTES
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         "whose compiled steps a later engine of the same settings reads from the executable cache)")
     p.add_argument("--json", default=None)
     p.add_argument("--whole-rows", action="store_true",
-                   help="also measure the variants with the sort and the prompt head over all rows at once")
+                   help="also measure the variants with their sampler and the prompt head over all rows at once")
     args = p.parse_args(argv)
     results = []
     for model in args.models.split(","):
