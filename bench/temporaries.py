@@ -98,7 +98,7 @@ def probe(model: str, max_model_len: int | None, blocks: int | None, whole_rows:
     if max_model_len:
         kw["max_model_len"] = max_model_len
     t0 = time.perf_counter()
-    llm = LLM(model=ensure_model_dir(model), **kw)
+    llm = LLM(model=model if Path(model).is_dir() else ensure_model_dir(model), **kw)
     core = llm.llm_engine.core
     runner, run, cfg = core.runner, core.run, core.model_config
     progs = runner.programs
@@ -142,7 +142,7 @@ def probe(model: str, max_model_len: int | None, blocks: int | None, whole_rows:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="llama3-8b")
+    p.add_argument("--models", default="llama3-8b", help="bench/models.py names or model folders, comma-separated")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--blocks", type=int, default=None,
                    help="the probe's pool (the temporaries do not depend on it; default: the engine's own sizing, "

@@ -346,3 +346,34 @@ def test_core_steps_reads_the_burst_after_a_warm_up_request():
     from bench.core_steps import client_offsets
     assert client_offsets(steps, arrivals, zero=500.0, client_start=500.8) == {"first_arrival_s": 0.2,
                                                                                "first_step_end_s": 0.25}
+
+
+def test_sampler_chunks_times_both_arms_and_restores_the_switch(capsys):
+    """bench/sampler_chunks.py on small random logits: one table row a variant, the rows a chunk as the sampler
+    takes them, and the module switch as it was after."""
+    from bench import sampler_chunks
+    from jaxpaged.runner import sampler
+    before = sampler.SAMPLER_CHUNK_BYTES
+    assert sampler_chunks.main(["--rows", "8", "--vocab", "500", "--iters", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 | 500 |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["top_k_p", "logprobs_20", "all"]
+    assert all(r.split("|")[4].strip() == "8" for r in rows)      # 8 rows of 500 fit one 128 MiB chunk
+    assert sampler.SAMPLER_CHUNK_BYTES == before
+
+
+def test_temporaries_reports_every_variant_beside_the_reserve(tmp_path, capsys):
+    """bench/temporaries.py on a tiny Llama (the CPU's XLA): the largest bucket's step under each sampler variant,
+    with the reserve the engine sized its pool by, every variant within it."""
+    import json
+
+    from bench import temporaries
+    from tests.conftest import save_tiny_llama
+    save_tiny_llama(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    out = tmp_path / "t.json"
+    assert temporaries.main(["--models", str(tmp_path / "m"), "--max-model-len", "128", "--blocks", "64",
+                             "--json", str(out)]) == 0
+    [r] = json.loads(out.read_text())
+    assert set(r["largest_bucket_variants_gib"]) == set(temporaries.variant_flags())
+    assert r["largest_bucket"] == "2048 tokens, 256 rows"
+    assert 0 < max(r["largest_bucket_variants_gib"].values()) <= r["reserve_gib"]
