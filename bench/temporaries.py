@@ -42,8 +42,9 @@ def variant_flags():
     }
 
 
-def largest_bucket_variants(model: str, progs, runner, bucket) -> dict[str, int]:
-    """Sampler variant -> the most temporary bytes of any program of `bucket`'s step under it."""
+def largest_bucket_variants(model: str, progs, runner, bucket, flags_by_name: dict | None = None) -> dict[str, int]:
+    """Sampler variant (flags_by_name, default variant_flags()) -> the most temporary bytes of any program of
+    `bucket`'s step under it."""
     import numpy as np
     from jaxpaged.runner.step import _temporary_bytes
     options = progs.options(bucket, 1)
@@ -66,7 +67,7 @@ def largest_bucket_variants(model: str, progs, runner, bucket) -> dict[str, int]
     variants: dict[str, int] = {}
     jobs = {}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        for name, flags in variant_flags().items():
+        for name, flags in (flags_by_name or variant_flags()).items():
             progs.dummy_inputs = inputs_for(flags)
             try:
                 specs = progs.program_specs(runner, bucket, options, flags)

@@ -25,6 +25,7 @@ from jaxpaged.quantization.gguf_blocks import BLOCK_SIZES, dequantize, repacked_
 
 from . import rope
 from .config import DecoderConfig
+from .row_chunks import map_row_chunks, rows_within
 
 
 @jax.tree_util.register_dataclass
@@ -577,10 +578,7 @@ PROMPT_HEAD_BYTES = 128 << 20
 
 def prompt_chunk_rows(vocab: int) -> int:
     """Tokens whose logits the prompt-logprob head computes at once."""
-    if not PROMPT_HEAD_BYTES:
-        return PROMPT_HEAD_CHUNK
-    fit = max(1, PROMPT_HEAD_BYTES // (vocab * 4))
-    return min(PROMPT_HEAD_CHUNK, 1 << (fit.bit_length() - 1))
+    return rows_within(PROMPT_HEAD_BYTES, vocab * 4, PROMPT_HEAD_CHUNK) if PROMPT_HEAD_BYTES else PROMPT_HEAD_CHUNK
 
 
 class DecoderModel(nn.Module):
@@ -694,20 +692,11 @@ def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | No
     """prompt_head(logits f32[C, V], targets i32[C]) over every row of h [T, H] (already normed; w as
     head_weight gives it, the logits rounded to h's dtype before f32), at most prompt_chunk_rows(V) rows of
     logits at a time; outputs concatenated back to leading dim T."""
-    t = h.shape[0]
-    chunk = min(t, prompt_chunk_rows(w.shape[-1]))      # w: [H, V]
-    pad = -t % chunk
-    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
-    targets = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
-
     def one(args):
         hc, tc = args
         return prompt_head(soft_cap(matmul(hc, w, hc.dtype).astype(jnp.float32), final_soft_cap), tc)
 
-    out = jax.lax.map(one, (h, targets))
-    # [chunks, chunk, ...] -> [T, ...], the leading size spelled out: -1 cannot be inferred when an output
-    # is empty (prompt_logprobs=0 asks for zero top logprobs: [chunks, chunk, 0])
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[:t], out)
+    return map_row_chunks(one, (h, targets), min(h.shape[0], prompt_chunk_rows(w.shape[-1])))      # w: [H, V]
 
 
 # ---- the same model in three phases, for per-layer dispatch -------------------------------------------

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.models.row_chunks import map_row_chunks, rows_within
+
 _NEG_INF = -jnp.inf
 
 
@@ -137,8 +139,7 @@ def sampler_chunk_rows(rows: int, vocab: int, flags: SamplerFlags) -> int:
     plain = not (flags.top_k_p or flags.penalties or flags.logit_bias or flags.num_logprobs >= 0)
     if plain or not SAMPLER_CHUNK_BYTES:
         return rows
-    fit = max(1, SAMPLER_CHUNK_BYTES // (vocab * 4))
-    return min(rows, 1 << (fit.bit_length() - 1))
+    return rows_within(SAMPLER_CHUNK_BYTES, vocab * 4, rows)
 
 
 def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
@@ -150,15 +151,7 @@ def sample(logits, inp: SamplingInputs, flags: SamplerFlags):
     chunk = sampler_chunk_rows(rows, vocab, flags)
     if chunk >= rows:
         return _sample_rows(logits, inp, flags)
-    pad = -rows % chunk
-    count = (rows + pad) // chunk
-
-    def split(x):       # (the count spelled out: -1 cannot be inferred for an empty [R, 0] input)
-        x = jnp.asarray(x)
-        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(count, chunk, *x.shape[1:])
-
-    out = jax.lax.map(lambda a: _sample_rows(a[0], a[1], flags), (split(logits), jax.tree.map(split, inp)))
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[:rows], out)
+    return map_row_chunks(lambda a: _sample_rows(a[0], a[1], flags), (logits, inp), chunk)
 
 
 def _sample_rows(logits, inp: SamplingInputs, flags: SamplerFlags):

@@ -2,40 +2,24 @@
 
 XLA:CPU's analysis stands in for the GPU's here (bench/temporaries.py measures the GPU's); the reserve's terms are
 the same on both: the layers at the token budget, and the head's logits with a variant sampler's chunk."""
-import dataclasses
-
 import jax
-import numpy as np
 
+from bench.temporaries import largest_bucket_variants
 from jaxpaged import LLM
 from jaxpaged.engine.cache_sizing import activation_reserve
 from jaxpaged.models import decoder
 from jaxpaged.runner import sampler
 from jaxpaged.runner.sampler import SamplerFlags
-from jaxpaged.runner.step import _temporary_bytes
 from tests.conftest import save_tiny_llama
 
 EVERY_VARIANT = SamplerFlags(top_k_p=True, penalties=True, logit_bias=True, num_logprobs=5, num_prompt_logprobs=5)
 
 
 def _largest_step_temporaries(llm, flags: SamplerFlags) -> int:
-    """XLA's temporaries of the largest bucket's step under `flags`, 16 tokens of output, prompt and bias a row."""
+    """XLA's temporaries of the largest bucket's step under `flags` (bench/temporaries.py's measure)."""
     runner = llm.llm_engine.core.runner
-    progs = runner.programs
     bucket = max(runner.buckets.all_buckets(), key=lambda b: (b.padded_num_tokens, b.padded_num_reqs))
-    plain = progs.dummy_inputs
-
-    def dummy(b, _flags=None):
-        mi, si = plain(b, flags)
-        ids = np.full((b.padded_num_reqs, 16), -1, np.int32)
-        return mi, dataclasses.replace(si, output_ids=ids, prompt_ids=ids, bias_ids=ids,
-                                       bias_values=np.zeros(ids.shape, np.float32))
-    progs.dummy_inputs = dummy
-    try:
-        specs = progs.program_specs(runner, bucket, progs.options(bucket, 1), flags)
-        return max(_temporary_bytes(spec.lower().compile()) for spec in specs.values())
-    finally:
-        progs.dummy_inputs = plain
+    return largest_bucket_variants("tiny", runner.programs, runner, bucket, {"it": flags})["it"]
 
 
 def test_the_reserve_holds_every_sampler_variants_step_and_the_chunks_shrink_it(tmp_path, monkeypatch):
