@@ -38,6 +38,7 @@ def variant_flags():
         "logit_bias": SamplerFlags(logit_bias=True),
         "logprobs_20": SamplerFlags(num_logprobs=20),
         "prompt_logprobs_20": SamplerFlags(num_prompt_logprobs=20),
+        "sampled_all": SamplerFlags(top_k_p=True, penalties=True, logit_bias=True, num_logprobs=20),
         "all": SamplerFlags(top_k_p=True, penalties=True, logit_bias=True, num_logprobs=20, num_prompt_logprobs=20),
     }
 
