@@ -3,6 +3,7 @@
   ncu --clock-control none -k regex:'int4_matmul|load_probe' ... python3 bench/gemv_ncu.py [--layers gate_up,down]
       [--int4-kwargs prefetch=False ...]
   python3 bench/gemv_ncu.py --summarize sass.csv      (ncu -i REPORT --page source --print-source sass --csv)
+  python3 bench/gemv_ncu.py --blocks sass.csv         (the basic blocks by stall samples)
 
 Runs, at one row and llama3-8b's shapes, each named layer's int4 GEMV (AWQ layout, group 128, the op's own
 tiling and form, as a model runs it; with --int4-kwargs, once more with each set of int4_matmul keywords) and
@@ -47,15 +48,54 @@ def summarize(path: str) -> None:
               f"x {trips:,}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
 
 
+def blocks(path: str, min_share: float = 0.004) -> None:
+    """Per kernel of an ncu SASS page (CSV): its basic blocks (split after each branch) that hold at least min_share
+    of the kernel's stall samples, each with its instruction range, how often it ran, its share of the samples, its
+    top stall reasons and opcodes: where a kernel's warps wait, and on what."""
+    import collections
+    import csv
+    rows = list(csv.reader(open(path)))
+    starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] + [len(rows)]
+    for n, (a, b) in enumerate(zip(starts, starts[1:])):
+        header = {h: i for i, h in enumerate(rows[a + 1])}
+        body = [r for r in rows[a + 2:b] if len(r) == len(header)]
+        stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+        samples = [int(r[header["Warp Stall Sampling (All Samples)"]] or 0) for r in body]
+        total = sum(samples) or 1
+        found, cur = [], []
+        for i, r in enumerate(body):
+            cur.append(i)
+            if "BRA" in r[1] or "EXIT" in r[1]:
+                found, cur = found + [cur], []
+        print(f"kernel {n} ({rows[a][1]}): {total:,} stall samples")
+        for block in found + [cur]:
+            share = sum(samples[i] for i in block) / total
+            if not block or share < min_share:
+                continue
+            ran = collections.Counter(int(body[i][header["Instructions Executed"]] or 0) for i in block).most_common(1)
+            ops = collections.Counter(body[i][1].split()[1 if body[i][1].startswith("@") else 0].split(".")[0]
+                                      for i in block)
+            why = collections.Counter()
+            for i in block:
+                for c in stalls:
+                    why[c[6:]] += int(body[i][header[c]] or 0)
+            print(f"  [{block[0]}-{block[-1]}] {len(block)} instructions x {ran[0][0]:,}: {100 * share:.1f}% of "
+                  f"samples; stalls {dict(why.most_common(4))}; ops {dict(ops.most_common(8))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="qkv,o,gate_up,down")
     ap.add_argument("--summarize", metavar="SASS_CSV", help="summarize ncu's SASS page instead of running")
+    ap.add_argument("--blocks", metavar="SASS_CSV", help="the SASS page's basic blocks by stall samples instead")
     ap.add_argument("--int4-kwargs", action="append", default=[], metavar="K=V[,K=V]",
                     help="also profile the GEMV with these int4_matmul keywords (repeatable)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
+        return
+    if args.blocks:
+        blocks(args.blocks)
         return
     rng = np.random.default_rng(0)
     wanted = args.layers.split(",")

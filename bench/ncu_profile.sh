@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A kernel under Nsight Compute on the GPU machine, one device call. Writes under $OUT (or ./ncu_out): the kernels'
-# detail pages, their SASS with sampled stall reasons, and its summary (bench/gemv_ncu.py --summarize: instructions
-# executed, the loop's body by opcode).
+# detail pages, their SASS with sampled stall reasons, and its summaries (bench/gemv_ncu.py --summarize: instructions
+# executed, the loop's body by opcode; --blocks: the basic blocks by stall samples).
 #   bash bench/ncu_profile.sh NAME KERNEL_REGEX LAUNCHES DRIVER.py [driver args]     (carry .whl and .cache/gpu)
 # e.g. bench/gemv_ncu.sh (the W4A16 GEMV) and bench/decode_ncu.py (the decode attention kernels).
 NAME=${1:?name}; KERNELS=${2:?kernel name regex}; LAUNCHES=${3:?launch count}; DRIVER=${4:?driver}; shift 4
@@ -22,4 +22,5 @@ echo "ncu rc=$?"; tail -5 "$OUT/ncu_run.txt"
 "$NCU" -i "$OUT/$NAME.ncu-rep" --page details > "$OUT/details.txt" 2>&1
 "$NCU" -i "$OUT/$NAME.ncu-rep" --page source --print-source sass --csv > "$OUT/sass.csv" 2>&1
 python3 bench/gemv_ncu.py --summarize "$OUT/sass.csv" | tee "$OUT/sass_summary.txt"
+python3 bench/gemv_ncu.py --blocks "$OUT/sass.csv" > "$OUT/sass_blocks.txt"; head -40 "$OUT/sass_blocks.txt"
 grep -E "^  [a-zA-Z_0-9]+.*\(|Duration|Issue Slots Busy|DRAM Throughput|Stall|Warp Cycles Per Issued" "$OUT/details.txt" | head -80

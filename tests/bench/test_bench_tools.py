@@ -377,3 +377,26 @@ def test_temporaries_reports_every_variant_beside_the_reserve(tmp_path, capsys):
     assert set(r["largest_bucket_variants_gib"]) == set(temporaries.variant_flags())
     assert r["largest_bucket"] == "2048 tokens, 256 rows"
     assert 0 < max(r["largest_bucket_variants_gib"].values()) <= r["reserve_gib"]
+
+
+def test_ncu_blocks_splits_at_branches_and_shares_the_stall_samples(tmp_path, capsys):
+    """gemv_ncu.py --blocks on a SASS page as ncu writes it (CSV: the kernel's name row, the header, one row an
+    instruction): blocks end at each branch; each gets its run count, its share of the samples and its stalls."""
+    import csv
+
+    from bench.gemv_ncu import blocks
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_barrier",
+              "stall_long_sb", "stall_long_sb (Not Issued)"]
+    rows = [["Kernel Name", "k"], header,
+            ["0", "LDS R1, [R2]", "10", "64", "0", "10", "4"],
+            ["1", "@!P1 BRA 0x0", "70", "64", "0", "70", "9"],
+            ["2", "HGMMA.64x64x16", "15", "32", "15", "0", "0"],
+            ["3", "EXIT", "5", "1", "5", "0", "0"]]
+    path = tmp_path / "sass.csv"
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    blocks(str(path))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "kernel 0 (k): 100 stall samples"
+    assert out[1].startswith("  [0-1] 2 instructions x 64: 80.0% of samples; stalls {'long_sb': 80, 'barrier': 0}")
+    assert out[2].startswith("  [2-3] 2 instructions x 32: 20.0% of samples; stalls {'barrier': 20, 'long_sb': 0}")
