@@ -1,6 +1,7 @@
 """The decode attention kernels under Nsight Compute: what bounds the e4m3 pool's decode (issue 26's 1.6x).
 
-  bash bench/ncu_profile.sh decode 'kernel|mosaic' 4 bench/decode_ncu.py [--reqs 256] [--ctx 4096]
+  bash bench/ncu_profile.sh decode 'kernel|mosaic' 4 bench/decode_ncu.py [--reqs 256] [--ctx 4096] [--set M.N=V]
+  python3 bench/decode_ncu.py --time-only [--set M.N=V]
 
 Runs decode attention as pallas_kernels.attention routes it (backend "mosaic", outside loops) at llama3-8b's layout
 (32 query heads, 8 kv heads, head size 128, 16-token blocks), `--reqs` requests of `--ctx` tokens each, over a bf16
@@ -20,6 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.step_kernels import apply_sets  # noqa: E402
 from jaxpaged.pallas_kernels import FP8_CACHE_DTYPE, attention  # noqa: E402
 from jaxpaged.pallas_kernels._checks import to_cache  # noqa: E402
 
@@ -31,7 +33,11 @@ def main() -> None:
     ap.add_argument("--reqs", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--time-only", action="store_true", help="time each pool's call and stop (no profiled calls)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant first (an A/B of a kernel switch; bench/step_kernels.py's --set)")
     args = ap.parse_args()
+    for name, value in apply_sets(args.set):
+        print(f"set {name} = {value!r}", flush=True)
     per_req = args.ctx // BLOCK
     blocks = args.reqs * per_req + 1
     key = jax.random.PRNGKey(0)
