@@ -32,7 +32,8 @@ gathers the bytes into 1-byte slots (one 8-row swizzled tile per row group, as t
 compute warpgroup widens a slot into its own float16 buffer (one register round trip: Hopper converts two
 e4m3 values to float16 in one instruction; every e4m3 value is exact in float16) before the slot's wgmma,
 freeing the slot as soon as it is read. K and V take turns in that buffer: a step's QK wgmma has finished
-before V is widened, and its PV wgmma before the next step's K. The kernel then computes in float16: q
+before V is widened, and its PV wgmma before the next step's K; under split_keys each warpgroup has a second
+buffer for V, widened while the step's QK wgmma runs (WIDEN_V_DURING_QK). The kernel then computes in float16: q
 is rounded to it (a bf16 q loses nothing in float16's range) and the output converted back.
 
 ALiBi: every key step (masked or not) adds slope * (key position - row position) to the scores, the slope
@@ -72,6 +73,16 @@ _INTERPRET_CTAS = 3              # the interpreter's default CTA count: several 
 # 96 SEL and 40 SHFL of a step's ~600 instructions a thread, in the dependent chain that bounds the e4m3 decode
 # (bench/results/NOTES.md, fifty-third session).
 WIDEN_LOAD = "wgmma"
+# split_keys over an e4m3 pool: each compute warpgroup widens a step's V into a second float16 buffer while the
+# step's QK wgmma runs, instead of after it (the chain that bounds that decode, one step at a time). The second
+# buffers take 32 KiB of SMEM, which one output tile (only warpgroup 0 stores under split_keys) and one slot fewer
+# give back: the kernel then takes at most 2 slots (pallas_kernels.MOSAIC_FP8_DECODE_CONFIG).
+WIDEN_V_DURING_QK = True
+
+
+def _overlap(fp8: bool, split: bool) -> bool:
+    """The e4m3 split_keys kernel widens V during the QK wgmma (WIDEN_V_DURING_QK)."""
+    return fp8 and split and WIDEN_V_DURING_QK
 
 
 def _widen(src, dst, interpret):
@@ -171,14 +182,28 @@ def _split_step(j, carry, *, own, first_step, key_last, q_smem, k_smem, v_smem, 
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         return carry
-    qk = _scores(q_smem, k_smem, slot, wide, k_free, lambda: None, interpret)            # f32[BQ, BKV]
+    if isinstance(wide, tuple):                      # (K's, V's) buffers: V widened while the QK wgmma runs
+        wide_k, wide_v = wide
+
+        def widen_v():
+            plgpu.barrier_wait(v_bar.at[slot])
+            _widen(v_smem.at[slot], wide_v, interpret)
+            plgpu.barrier_arrive(v_free.at[slot])
+        _widen(k_smem.at[slot], wide_k, interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        qk = ops.qk(q_smem, wide_k, widen_v, interpret)                                   # f32[BQ, BKV]
+    else:
+        qk = _scores(q_smem, k_smem, slot, wide, k_free, lambda: None, interpret)        # f32[BQ, BKV]
     cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
     if alibi_slope is not None:
         qk = qk + (cols - key_last).astype(jnp.float32) * alibi_slope
     qk = jnp.where(cols <= key_last, qk, -jnp.inf)
     acc, m_new, l, p16 = _online_softmax(qk, acc, m, l, qk_scale, q_smem.dtype)
-    plgpu.barrier_wait(v_bar.at[slot])
-    v_src = _values(v_smem, slot, wide, v_free, interpret)
+    if isinstance(wide, tuple):
+        v_src = wide[1]
+    else:
+        plgpu.barrier_wait(v_bar.at[slot])
+        v_src = _values(v_smem, slot, wide, v_free, interpret)
     acc = ops.pv(acc, p16, v_src, lambda: None, interpret)         # returns once the wgmma is done
     if wide is None:
         plgpu.barrier_arrive(v_free.at[slot])
@@ -304,8 +329,12 @@ def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, sc
     # buffers indexed by the traced warpgroup index either way (a static index into a transposed wgmma
     # operand does not lower under warpgroup semantics)
     wg_index = lax.axis_index("wg") if split else wg
-    q_smem, qbuf, obuf = q_smem2.at[wg_index], qbuf2.at[wg_index], obuf2.at[wg_index]   # [BQ, D] each
+    overlap = _overlap(fp8, split)
+    q_smem, qbuf = q_smem2.at[wg_index], qbuf2.at[wg_index]                            # [BQ, D] each
+    obuf = obuf2.at[0] if overlap else obuf2.at[wg_index]    # (overlap: warpgroup 0's only; it alone stores)
     wide = wide2.at[wg_index] if fp8 else None                                          # [BKV, D] (e4m3 pool)
+    if overlap:             # K's and V's, rows 2 wg and 2 wg + 1 (traced indices, as above)
+        wide = (wide2.at[2 * wg_index], wide2.at[2 * wg_index + 1])
     rows_of = 0 if split else wg                     # whose half of the tile this warpgroup computes
     block_q, head_dim = q_smem.shape
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
@@ -443,15 +472,16 @@ def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group,
     fp8 = kv_rows.dtype == FP8_CACHE_DTYPE
     # e4m3 slots: rows of D bytes in 8-row tiles, swizzled by their width (the layout the widening reads)
     slot = dict(transforms=(plgpu.TilingTransform((8, head_dim)), plgpu.SwizzleTransform(head_dim))) if fp8 else mma
+    overlap = _overlap(fp8, split)
     scratch = [
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype, **mma),   # q (wgmma operand)
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # next q, untiled
-        plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # output, untiled
+        plgpu.SMEM((1 if overlap else _COMPUTE_WGS, block_q, head_dim), qp.dtype),   # output, untiled
         plgpu.SMEM((num_slots, block_kv, head_dim), kv_rows.dtype, **slot),  # K slots
         plgpu.SMEM((num_slots, block_kv, head_dim), kv_rows.dtype, **slot),  # V slots
     ]
-    if fp8:                                                               # each warpgroup's widened K or V
-        scratch.append(plgpu.SMEM((_COMPUTE_WGS, block_kv, head_dim), qp.dtype, **mma))
+    if fp8:                                           # each warpgroup's widened K or V (overlap: K's and V's)
+        scratch.append(plgpu.SMEM(((2 if overlap else 1) * _COMPUTE_WGS, block_kv, head_dim), qp.dtype, **mma))
     if split:                                 # warpgroup 1's acc, and its m and l as [BQ, 8] broadcasts
         scratch += [plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((2, block_q, 8), jnp.float32)]
     scratch += [
@@ -506,9 +536,12 @@ def _smem_bytes(head_dim, cache_dtype, block_q, block_kv, num_slots, split=False
     """The SMEM buffers _launch allocates (2-byte q and output tiles; slots of the cache's dtype; over an
     e4m3 pool one float16 [BKV, D] buffer per compute warpgroup; with split, the f32 exchange)."""
     fp8 = jnp.dtype(cache_dtype) == FP8_CACHE_DTYPE
-    rows = 3 * _COMPUTE_WGS * block_q * 2 + 2 * num_slots * block_kv * jnp.dtype(cache_dtype).itemsize
+    overlap = _overlap(fp8, split)
+    tiles = 3 * _COMPUTE_WGS - (_COMPUTE_WGS - 1 if overlap else 0)           # q, next q, output
+    rows = tiles * block_q * 2 + 2 * num_slots * block_kv * jnp.dtype(cache_dtype).itemsize
     exchange = (block_q * head_dim + 2 * block_q * 8) * 4 if split else 0
-    return (rows + (_COMPUTE_WGS * block_kv * 2 if fp8 else 0)) * head_dim + exchange
+    wide = _COMPUTE_WGS * block_kv * 2 * (2 if overlap else 1) if fp8 else 0
+    return (rows + wide) * head_dim + exchange
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale, block_q,
