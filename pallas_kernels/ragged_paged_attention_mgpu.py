@@ -32,8 +32,8 @@ gathers the bytes into 1-byte slots (one 8-row swizzled tile per row group, as t
 compute warpgroup widens a slot into its own float16 buffer (one register round trip: Hopper converts two
 e4m3 values to float16 in one instruction; every e4m3 value is exact in float16) before the slot's wgmma,
 freeing the slot as soon as it is read. K and V take turns in that buffer: a step's QK wgmma has finished
-before V is widened, and its PV wgmma before the next step's K; under split_keys each warpgroup has a second
-buffer for V, widened while the step's QK wgmma runs (WIDEN_V_DURING_QK). The kernel then computes in float16: q
+before V is widened, and its PV wgmma before the next step's K (with WIDEN_V_DURING_QK, under split_keys, each
+warpgroup has a second buffer for V, widened while the step's QK wgmma runs). The kernel then computes in float16: q
 is rounded to it (a bf16 q loses nothing in float16's range) and the output converted back.
 
 ALiBi: every key step (masked or not) adds slope * (key position - row position) to the scores, the slope
@@ -76,8 +76,10 @@ WIDEN_LOAD = "wgmma"
 # split_keys over an e4m3 pool: each compute warpgroup widens a step's V into a second float16 buffer while the
 # step's QK wgmma runs, instead of after it (the chain that bounds that decode, one step at a time). The second
 # buffers take 32 KiB of SMEM, which one output tile (only warpgroup 0 stores under split_keys) and one slot fewer
-# give back: the kernel then takes at most 2 slots (pallas_kernels.MOSAIC_FP8_DECODE_CONFIG).
-WIDEN_V_DURING_QK = True
+# give back: the kernel then takes at most 2 slots. Off until measured on a GPU against the default (3 slots, V
+# widened after the QK wgmma): `bench/decode_ncu.py --time-only --set ...WIDEN_V_DURING_QK=True --set
+# jaxpaged.pallas_kernels.MOSAIC_FP8_DECODE_CONFIG=...` with max_concurrent_steps 2.
+WIDEN_V_DURING_QK = False
 
 
 def _overlap(fp8: bool, split: bool) -> bool:

@@ -293,6 +293,33 @@ class TestPagedDecodeMosaic:
         """split_keys: each warpgroup's own code, the exchange's [BQ, 8] broadcasts and f32 tile through SMEM."""
         _packed_decode_lowers(semantics, 64 * 8, 4, block_kv=64, split_keys=True)
 
+    @runs_kernel
+    @pytest.mark.parametrize("case", [c for c in DECODE_CASES if c.fp8 and c.split_keys], ids=case_id)
+    def test_v_widened_during_qk_matches_reference(self, case, monkeypatch):
+        """WIDEN_V_DURING_QK (split_keys over an e4m3 pool: V widened into a second buffer while the QK wgmma runs,
+        one output tile) gives the reference's results; the jit caches are cleared around it (the switch is read
+        where the kernel is traced)."""
+        from jaxpaged.pallas_kernels import ragged_paged_attention_mgpu as kernel
+        monkeypatch.setattr(kernel, "WIDEN_V_DURING_QK", True)
+        jax.clear_caches()
+        try:
+            self.test_matches_reference(case)
+        finally:
+            jax.clear_caches()
+
+    @on_hopper
+    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+    def test_v_widened_during_qk_lowers_for_cuda(self, semantics, monkeypatch):
+        """The same switch on: the second V buffers (indexed by the traced warpgroup) and the single output tile lower
+        for CUDA, in the SMEM two slots leave."""
+        from jaxpaged.pallas_kernels import ragged_paged_attention_mgpu as kernel
+        monkeypatch.setattr(kernel, "WIDEN_V_DURING_QK", True)
+        jax.clear_caches()
+        try:
+            _packed_decode_lowers(semantics, 64 * 8, 4, block_kv=64, split_keys=True, max_concurrent_steps=2)
+        finally:
+            jax.clear_caches()
+
     def test_alibi_needs_one_query_head_per_kv_head(self):
         q, kv = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((1, 2, 4, 2, 16, 128), jnp.bfloat16)
         assert "ALiBi" in mgpu_decode_supported(q, kv, alibi=True)
