@@ -67,25 +67,17 @@ _COMPUTE_WGS = ms.COMPUTE_WGS
 _INTERPRET_CTAS = 3              # the interpreter's default CTA count: several items per CTA
 
 
-# How a compute warpgroup loads an e4m3 slot to widen it: "wgmma" reads each thread's pairs of bytes in the WGMMA
-# layout itself (16-bit loads, each pair one e4m3x2 -> f16x2 conversion, stored as loaded); "upcast_2x" reads 32-bit
-# words (WGMMA_UPCAST_2X) and moves the widened pairs into the WGMMA layout. On the H100 the latter's relayout was
-# 96 SEL and 40 SHFL of a step's ~600 instructions a thread, in the dependent chain that bounds the e4m3 decode
-# (bench/results/NOTES.md, fifty-third session).
-WIDEN_LOAD = "wgmma"
-
-
 def _widen(src, dst, interpret):
-    """An e4m3 slot (its bytes, [BKV, D]) -> dst, this warpgroup's float16 wgmma operand buffer."""
+    """An e4m3 slot (its bytes, [BKV, D]) -> dst, this warpgroup's float16 wgmma operand buffer. Each thread loads its
+    pairs of bytes where the WGMMA layout puts them (16-bit loads) and widens each pair to an f16x2 in place. Loading
+    32-bit words (WGMMA_UPCAST_2X) instead costs a relayout after the conversion: 96 SEL and 40 SHFL of a 64-key
+    step's ~600 instructions a thread on the H100, in the dependent chain that bounds the e4m3 decode, which took
+    3.7% longer that way at llama3-8b's 256 x 4k on the H100 (bench/results/NOTES.md)."""
     if interpret:
         dst[...] = from_cache(src[...], dst.dtype)
-    elif WIDEN_LOAD == "wgmma":
+    else:
         x = ops.smem_load(src, plgpu.Layout.WGMMA)
         dst[...] = lax.bitcast_convert_type(x, jnp.float8_e4m3fn).astype(dst.dtype)
-    else:
-        x = ops.smem_load(src, plgpu.Layout.WGMMA_UPCAST_2X)
-        x = lax.bitcast_convert_type(x, jnp.float8_e4m3fn).astype(dst.dtype)
-        dst[...] = ops.layout(x, plgpu.Layout.WGMMA, interpret)
     plgpu.commit_smem()                              # generic-proxy writes -> visible to wgmma
 
 
