@@ -615,11 +615,9 @@ class DecoderModel(nn.Module):
             head = embed.attend
         else:
             head = Linear(c.vocab_size, False, self.dtype, held_dtype(c, self.dtype), name="lm_head")
-        rows, prompt = h[logits_indices], ()
-        if prompt_head is not None:
-            w = head_weight(c, self.dtype, self.variables["params"])
-            rows, prompt = after_prompt_head(rows, prompt_head_in_chunks(norm(h), w, prompt_targets, prompt_head,
-                                                                         c.final_soft_cap))
+        rows, prompt = rows_after_prompt_head(h, logits_indices, norm,
+                                              lambda: head_weight(c, self.dtype, self.variables["params"]),
+                                              prompt_targets, prompt_head, c.final_soft_cap)
         logits = soft_cap(head(norm(rows)).astype(jnp.float32), c.final_soft_cap)
         return logits, kv_cache, prompt, rows
 
@@ -700,11 +698,17 @@ def prompt_head_in_chunks(h, w, targets, prompt_head, final_soft_cap: float | No
     return map_row_chunks(one, (h, targets), min(h.shape[0], prompt_chunk_rows(w.shape[-1])))      # w: [H, V]
 
 
-def after_prompt_head(rows, prompt):
-    """(rows, prompt) once the prompt-logprob head's output exists: an optimization barrier, so that the sampled
-    rows' [R, V] logits (computed from `rows` after it) are not held across the head's chunks. Without it XLA:GPU
-    computed those logits first and kept them, with the sampler's, beside the chunks' working set: gemma-2-9b's
-    16,384-token step under every sampler variant at once took 4.26 GiB, where no variant alone took over 2.55."""
+def rows_after_prompt_head(h, logits_indices, norm, head_w, targets, prompt_head, final_soft_cap: float | None):
+    """(h's sampled rows [R, H], the prompt head's output over every row of h, or () without one). head_w() gives
+    the head's [H, V] weight (head_weight), asked for only with a prompt head. The rows come out of an optimization
+    barrier with the prompt head's output, so that their [R, V] logits (computed from them after it) are not held
+    across the head's chunks. Without it XLA:GPU computed those logits first and kept them, with the sampler's,
+    beside the chunks' working set: gemma-2-9b's 16,384-token step under every sampler variant at once took 4.26
+    GiB, where no variant alone took over 2.55."""
+    rows = h[logits_indices]
+    if prompt_head is None:
+        return rows, ()
+    prompt = prompt_head_in_chunks(norm(h), head_w(), targets, prompt_head, final_soft_cap)
     return jax.lax.optimization_barrier((rows, prompt))
 
 
@@ -734,10 +738,9 @@ def head_phase(cfg: DecoderConfig, dtype, params, h, logits_indices, prompt_targ
     """Final norm and LM head -> (logits f32[R, V] at logits_indices, prompt head output or ()). options:
     head_options' (a quantized head's kernel)."""
     norm = lambda x: _norm(cfg, dtype, None).apply({"params": params["norm"]}, x)
-    rows, prompt = h[logits_indices], ()
-    if prompt_head is not None:      # a quantized head is expanded for the prompt's chunks
-        rows, prompt = after_prompt_head(rows, prompt_head_in_chunks(norm(h), head_weight(cfg, dtype, params),
-                                                                     prompt_targets, prompt_head, cfg.final_soft_cap))
+    # (a quantized head is expanded for the prompt's chunks)
+    rows, prompt = rows_after_prompt_head(h, logits_indices, norm, lambda: head_weight(cfg, dtype, params),
+                                          prompt_targets, prompt_head, cfg.final_soft_cap)
     x = norm(rows)
     if cfg.quant_of("lm_head"):
         y = _quantized_head(cfg, dtype, options or RuntimeOptions(), None).apply({"params": params["lm_head"]}, x)

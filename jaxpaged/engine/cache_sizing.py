@@ -41,7 +41,8 @@ def activation_reserve(cfg, max_tokens: int, max_seqs: int, dtype) -> int:
       float32 intermediates, q/k/v, and one layer's weights in the compute dtype (a scan's slice of the stacked
       weights, or a quantized layer expanded for a prefill's dot), and
     - the head at max_seqs rows: the sampled rows' float32 logits twice (the head's and the sampler's result)
-      and the larger of a variant's sampler chunk and the prompt-logprob head's chunk,
+      and the larger of a variant's sampler chunk and the prompt-logprob head's chunk (the larger, not both: the
+      prompt head runs before the sampled rows' logits exist, models/decoder.py rows_after_prompt_head),
     plus slack for XLA. The pool is sized before anything compiles; the warm-up logs what the programs take."""
     from jaxpaged.models.decoder import prompt_chunk_rows
     from jaxpaged.runner.sampler import SAMPLER_CHUNK_BYTES

@@ -134,7 +134,7 @@ def _ordered_primitives(jaxpr):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])     # tied embeddings and a separate lm_head
 def test_the_sampled_rows_logits_come_after_the_prompt_head(family, tmp_path):
     """With a prompt head, the sampled rows' [R, V] logits are computed after its chunked loop, through an
-    optimization barrier on both (decoder.after_prompt_head): XLA:GPU otherwise computed them first and held them
+    optimization barrier on both (decoder.rows_after_prompt_head): XLA:GPU otherwise computed them first and held them
     beside the loop's working set (gemma-2-9b's largest step under every sampler variant: 4.26 GiB against 2.55 with
     the barrier, on the H100). Both the scanned model and the per-layer head phase."""
     from jaxpaged.models import decoder
