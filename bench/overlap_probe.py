@@ -87,6 +87,39 @@ def main() -> None:
         fn = jax.jit(f)
         return lambda: fn(q, pool, tables, lens, qsl, x, w)
 
+    def layer_in(w, i, h):                  # the input norm's stand-in and the q/k/v projection
+        return (h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-6)
+                .astype(h.dtype)) @ w["qkv"][i]
+
+    def layer_out(w, i, h, a):              # o projection, residual, SiLU x up MLP, residual
+        h = h + a.reshape(a.shape[0], -1) @ w["o"][i]
+        gu = h @ w["gate_up"][i]
+        return h + (jax.nn.silu(gu[:, :INTER]) * gu[:, INTER:]) @ w["down"][i]
+
+    def decode_program(halves, stream, ctas):
+        """A decode step's layers: q/k/v, attention, o and the MLP, with the rows in `halves` parts whose
+        attention runs on stream 1 when `stream` (each half's q from its q/k/v output, so the data flow is a
+        step's; the pool is not written)."""
+        def f(q, pool, tables, lens, qsl, x, w):
+            hs = jnp.split(x, halves)
+            parts = [(jnp.split(tables, halves)[j], jnp.split(lens, halves)[j]) for j in range(halves)]
+            m = r // halves
+            for i in range(n):
+                outs = []
+                for j in range(halves):
+                    qkv = layer_in(w, i, hs[j])
+                    qj = (qkv[:, :HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM) + q[i, :m])
+                    args_ = (qj, pool, parts[j][0], parts[j][1], qsl[:m + 1], i, ctas)
+                    if stream:
+                        with compute_on("gpu_stream:1"):
+                            outs.append(jax.jit(attn_layer, static_argnums=(5, 6))(*args_))
+                    else:
+                        outs.append(attn_layer(*args_))
+                hs = [layer_out(w, i, hs[j], outs[j]) for j in range(halves)]
+            return sum(h[0, 0].astype(jnp.float32) for h in hs)
+        fn = jax.jit(f)
+        return lambda: fn(q, pool, tables, lens, qsl, x, w)
+
     def timed(fn):
         jax.block_until_ready(fn())
         times = []
@@ -111,6 +144,14 @@ def main() -> None:
         print(f"attention on {ctas} CTAs: alone {row['attn']:.3f} ms; with the GEMMs one after the other "
               f"{row['seq']:.3f} ms (sum of the parts {row['attn'] + gemm:.3f}); attention on stream 1 "
               f"{row['stream']:.3f} ms: {row['seq'] / row['stream']:.2f}x", flush=True)
+        for halves, stream in ((1, False), (2, False), (2, True)):
+            try:
+                t = timed(decode_program(halves, stream, ctas))
+                print(f"  decode layers, {halves} part(s), attention on stream {int(stream)}: {t:.3f} ms "
+                      f"({t / n * 1e3:.1f} us a layer)", flush=True)
+            except Exception as e:
+                print(f"  decode layers, {halves} part(s), stream {int(stream)} failed: {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":
