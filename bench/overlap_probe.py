@@ -13,6 +13,7 @@ the other, and both with the attention on the second stream. With overlap, the l
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -39,7 +40,14 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.compute_on import compute_on
+    from jax.experimental import compute_on as co
+
+    # compute_on(f, *, compute_type, out_memory_spaces) in jax 0.11 is compute_on2 in 0.10 (whose compute_on is a
+    # context manager)
+    wrap = getattr(co, "compute_on2", None) or co.compute_on
+
+    def on_stream_1(fn, *args_):
+        return wrap(fn, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(*args_)
 
     from jaxpaged.pallas_kernels import attention
 
@@ -76,8 +84,7 @@ def main() -> None:
             for i in range(n):
                 if kind in ("attn", "seq", "stream"):
                     if kind == "stream":
-                        with compute_on("gpu_stream:1"):
-                            a = jax.jit(attn_layer, static_argnums=(5, 6))(q[i], pool, tables, lens, qsl, i, ctas)
+                        a = on_stream_1(functools.partial(attn_layer, i=i, ctas=ctas), q[i], pool, tables, lens, qsl)
                     else:
                         a = attn_layer(q[i], pool, tables, lens, qsl, i, ctas)
                     acc = acc + a[0, 0, 0].astype(jnp.float32)
@@ -111,13 +118,16 @@ def main() -> None:
                     qj = (qkv[:, :HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM) + q[i, :m])
                     args_ = (qj, pool, parts[j][0], parts[j][1], qsl[:m + 1], i, ctas)
                     if stream:
-                        with compute_on("gpu_stream:1"):
-                            outs.append(jax.jit(attn_layer, static_argnums=(5, 6))(*args_))
+                        outs.append(on_stream_1(functools.partial(attn_layer, i=i, ctas=ctas), *args_[:5]))
                     else:
                         outs.append(attn_layer(*args_))
                 hs = [layer_out(w, i, hs[j], outs[j]) for j in range(halves)]
             return sum(h[0, 0].astype(jnp.float32) for h in hs)
         fn = jax.jit(f)
+        if stream:      # what XLA made of the annotation: asynchronous calls on stream 1, or nothing
+            hlo = fn.lower(q, pool, tables, lens, qsl, x, w).compile().as_text()
+            print(f"  compiled: {hlo.count('call-start')} call-start, {hlo.count('async-start')} async-start, "
+                  f"{hlo.count('stream_id')} stream_id mentions", flush=True)
         return lambda: fn(q, pool, tables, lens, qsl, x, w)
 
     def timed(fn):
