@@ -248,16 +248,14 @@ def _time_decode_fp8(row, data, nrot, scale):
     _time_decode_mgpu_fp8(row, (q, pool8, tables, lens), nrot, scale, row.get("fp8_default_us"), pool)
 
 
-# (block_kv, slots, split_keys, early_v) of the Mosaic decode kernel tried on the e4m3 pool (128 keys leave SMEM for
-# two slots; split_keys: both compute warpgroups share each pair's steps, 64 keys a step; early_v: V widened during
-# the QK wgmma, two slots at most)
-FP8_MGPU_CONFIGS = ((128, 2, False, False), (64, 2, False, False), (64, 3, False, False), (64, 4, False, False),
-                    (64, 2, True, False), (64, 3, True, False), (64, 2, True, True))
+# (block_kv, slots, split_keys) of the Mosaic decode kernel tried on the e4m3 pool (128 keys leave SMEM for two
+# slots; split_keys: both compute warpgroups share each pair's steps, 64 keys a step)
+FP8_MGPU_CONFIGS = ((128, 2, False), (64, 2, False), (64, 3, False), (64, 4, False), (64, 2, True), (64, 3, True))
 
 
-def _mgpu_label(block_kv: int, slots: int, split: bool, early_v: bool = False) -> str:
-    """A Mosaic decode configuration as its figures' keys name it: "block_kv,slots[,split][,early_v]"."""
-    return f"{block_kv},{slots}" + (",split" if split else "") + (",early_v" if early_v else "")
+def _mgpu_label(block_kv: int, slots: int, split: bool) -> str:
+    """A Mosaic decode configuration as its figures' keys name it: "block_kv,slots[,split]"."""
+    return f"{block_kv},{slots}" + (",split" if split else "")
 
 
 def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
@@ -270,14 +268,13 @@ def _time_decode_mgpu_fp8(row, data, nrot, scale, triton_fp8_us, pool_bf16):
     if mgpu_decode_supported(q, pool8) is not None:
         return
     for name, pool, configs in (("fp8_mgpu", pool8, FP8_MGPU_CONFIGS),
-                                ("bf16_split_mgpu", pool_bf16, ((64, 2, True, False),))):
+                                ("bf16_split_mgpu", pool_bf16, ((64, 2, True),))):
         runs = (q, pool, tables, lens)
         ref = pk.paged_decode_attention(q, pool, jnp.int32(0), tables[0], lens, scale=scale)
-        for block_kv, slots, split, early_v in configs:
-            label = _mgpu_label(block_kv, slots, split, early_v)
+        for block_kv, slots, split in configs:
+            label = _mgpu_label(block_kv, slots, split)
 
-            def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots, split_keys=split,
-                                                    early_v=early_v)):
+            def f(i, q, pool, tables, lens, kw=dict(block_kv=block_kv, max_concurrent_steps=slots, split_keys=split)):
                 return mgpu(q, pool, jnp.int32(0), tables[i], lens, scale=scale, **kw)
             t = _checked_time(f"{name}:{label}", f, runs, nrot, row, ref)
             if t is not None:
@@ -294,8 +291,7 @@ def _time_routed_fp8(row):
     kernel's default); routed_fp8_speedup: the bf16 pool's routed time over it."""
     head_dim = LAYOUTS[row["layout"]][2]
     cfg = pk.MOSAIC_FP8_DECODE_CONFIG
-    config = _mgpu_label(cfg["block_kv"], cfg["max_concurrent_steps"], cfg["split_keys"], cfg.get("early_v", False))
-    label = f"fp8_mgpu_us[{config}]"
+    label = f"fp8_mgpu_us[{_mgpu_label(cfg['block_kv'], cfg['max_concurrent_steps'], cfg['split_keys'])}]"
     mosaic = (row.get("routed_kernel") == "mosaic" and head_dim >= pk.MOSAIC_FP8_DECODE_MIN_HEAD_DIM
               and label in row)
     us = row[label] if mosaic else row.get("fp8_default_us")

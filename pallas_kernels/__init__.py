@@ -57,11 +57,10 @@ MOSAIC_DECODE_MIN_PAIRS = 128
 # every slot, and the Mosaic kernel was not shown faster.
 MOSAIC_FP8_DECODE_MIN_HEAD_DIM = 128
 # How the Mosaic decode kernel reads an e4m3 pool: split_keys gives each pair's key steps to both compute
-# warpgroups in turn (each widens half the slots), with 64-key steps (what split_keys takes). On the H100 at
-# llama3-8b's layout: 64 x 4k 259 us and 256 x 4k 1,000 us, against 325 and 1,251 us for one widening warpgroup
-# and 334 and 1,255 us for the Triton kernel's best configuration. A bf16 pool is bound by bytes and gains nothing
-# from it (368 against 369 us at 64 x 4k), so keeps the default. Three slots in flight. Not measured yet:
-# early_v=True (V widened during the QK wgmma; its second V buffers leave SMEM for two slots only).
+# warpgroups in turn (each widens half the slots), with 64-key steps (what split_keys takes) and three in
+# flight. On the H100 at llama3-8b's layout: 64 x 4k 259 us and 256 x 4k 1,000 us, against 325 and 1,251 us
+# for one widening warpgroup and 334 and 1,255 us for the Triton kernel's best configuration. A bf16 pool is
+# bound by bytes and gains nothing from it (368 against 369 us at 64 x 4k), so keeps the default.
 MOSAIC_FP8_DECODE_CONFIG = {"block_kv": 64, "max_concurrent_steps": 3, "split_keys": True}
 
 __all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype",

@@ -46,15 +46,15 @@ def mgpu_decode_supported(q, kv_cache, *, sliding_window=None, soft_cap=None, al
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "max_concurrent_steps", "num_ctas",
-                                             "split_keys", "early_v", "interpret"))
+                                             "split_keys", "interpret"))
 def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, *, scale: float,
                                 block_kv: int = 128, max_concurrent_steps: int = 2,
                                 num_ctas: int | None = None, alibi_slopes=None, split_keys: bool = False,
-                                early_v: bool = False, interpret=None):
+                                interpret=None):
     """Same contract as paged_decode_attention: q dtype[R, N, D] -> dtype[R, N, D] (bf16/fp16 over a cache of q's
     dtype or e4m3, D 64/128, G = N // K <= 64; no sliding window or soft cap: mgpu_decode_supported says where it
     applies; ALiBi (alibi_slopes f32[N]) only with one query head per kv head). split_keys: the two compute
-    warpgroups share each pair's key steps; early_v: V widened during the QK wgmma (ragged_paged_attention_mgpu)."""
+    warpgroups share each pair's key steps (ragged_paged_attention_mgpu)."""
     validate_decode_inputs(q, kv_cache, layer_idx, block_tables, seq_lens)
     num_reqs, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -73,8 +73,7 @@ def paged_decode_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
         layer_idx, tables, jnp.repeat(seq_lens, num_kv_heads),
         jnp.arange(pairs + 1, dtype=jnp.int32) * group,
         scale=scale, block_q=64, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-        num_ctas=num_ctas, causal=False, alibi_slopes=slopes, split_keys=split_keys, early_v=early_v,
-        interpret=interpret)
+        num_ctas=num_ctas, causal=False, alibi_slopes=slopes, split_keys=split_keys, interpret=interpret)
     return out.reshape(num_reqs, num_heads, head_dim)
 
 

@@ -32,8 +32,7 @@ gathers the bytes into 1-byte slots (one 8-row swizzled tile per row group, as t
 compute warpgroup widens a slot into its own float16 buffer (one register round trip: Hopper converts two
 e4m3 values to float16 in one instruction; every e4m3 value is exact in float16) before the slot's wgmma,
 freeing the slot as soon as it is read. K and V take turns in that buffer: a step's QK wgmma has finished
-before V is widened, and its PV wgmma before the next step's K (with early_v, under split_keys, each warpgroup
-has a second buffer for V, widened while the step's QK wgmma runs). The kernel then computes in float16: q
+before V is widened, and its PV wgmma before the next step's K. The kernel then computes in float16: q
 is rounded to it (a bf16 q loses nothing in float16's range) and the output converted back.
 
 ALiBi: every key step (masked or not) adds slope * (key position - row position) to the scores, the slope
@@ -164,28 +163,14 @@ def _split_step(j, carry, *, own, first_step, key_last, q_smem, k_smem, v_smem, 
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         return carry
-    if isinstance(wide, tuple):                      # (K's, V's) buffers: V widened while the QK wgmma runs
-        wide_k, wide_v = wide
-
-        def widen_v():
-            plgpu.barrier_wait(v_bar.at[slot])
-            _widen(v_smem.at[slot], wide_v, interpret)
-            plgpu.barrier_arrive(v_free.at[slot])
-        _widen(k_smem.at[slot], wide_k, interpret)
-        plgpu.barrier_arrive(k_free.at[slot])
-        qk = ops.qk(q_smem, wide_k, widen_v, interpret)                                   # f32[BQ, BKV]
-    else:
-        qk = _scores(q_smem, k_smem, slot, wide, k_free, lambda: None, interpret)        # f32[BQ, BKV]
+    qk = _scores(q_smem, k_smem, slot, wide, k_free, lambda: None, interpret)            # f32[BQ, BKV]
     cols = ops.iota(qk.shape, 1, interpret) + j * block_kv
     if alibi_slope is not None:
         qk = qk + (cols - key_last).astype(jnp.float32) * alibi_slope
     qk = jnp.where(cols <= key_last, qk, -jnp.inf)
     acc, m_new, l, p16 = _online_softmax(qk, acc, m, l, qk_scale, q_smem.dtype)
-    if isinstance(wide, tuple):
-        v_src = wide[1]
-    else:
-        plgpu.barrier_wait(v_bar.at[slot])
-        v_src = _values(v_smem, slot, wide, v_free, interpret)
+    plgpu.barrier_wait(v_bar.at[slot])
+    v_src = _values(v_smem, slot, wide, v_free, interpret)
     acc = ops.pv(acc, p16, v_src, lambda: None, interpret)         # returns once the wgmma is done
     if wide is None:
         plgpu.barrier_arrive(v_free.at[slot])
@@ -298,7 +283,7 @@ def _wg_tile(sched_ref, tile, wg, block_kv):
 
 
 def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, scale, causal, alibi, split,
-                fp8, early_v, interpret):
+                fp8, interpret):
     """Compute warpgroup wg: its half of each item's tile, online softmax over the item's keys; with split
     (not causal; wg static) both warpgroups take warpgroup 0's rows, each every other key step, and warpgroup
     0 merges and writes."""
@@ -311,11 +296,8 @@ def _compute_wg(wg, work, sched_ref, slopes_ref, q_ref, o_ref, smem, bars, *, sc
     # buffers indexed by the traced warpgroup index either way (a static index into a transposed wgmma
     # operand does not lower under warpgroup semantics)
     wg_index = lax.axis_index("wg") if split else wg
-    q_smem, qbuf = q_smem2.at[wg_index], qbuf2.at[wg_index]                            # [BQ, D] each
-    obuf = obuf2.at[0] if early_v else obuf2.at[wg_index]    # (early_v: warpgroup 0's only; it alone stores)
+    q_smem, qbuf, obuf = q_smem2.at[wg_index], qbuf2.at[wg_index], obuf2.at[wg_index]   # [BQ, D] each
     wide = wide2.at[wg_index] if fp8 else None                                          # [BKV, D] (e4m3 pool)
-    if early_v:             # K's and V's, rows 2 wg and 2 wg + 1 (traced indices, as above)
-        wide = (wide2.at[2 * wg_index], wide2.at[2 * wg_index + 1])
     rows_of = 0 if split else wg                     # whose half of the tile this warpgroup computes
     block_q, head_dim = q_smem.shape
     num_slots, block_kv = k_smem.shape[0], k_smem.shape[1]
@@ -417,7 +399,7 @@ def _memory_wg(work, sched_ref, layer_ref, tables_ref, kv_ref, smem, bars, *, gr
 
 
 def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *scratch, scale, group, num_heads,
-            num_ctas, num_blocks, num_kv_heads, causal, alibi, split, fp8, early_v, interpret):
+            num_ctas, num_blocks, num_kv_heads, causal, alibi, split, fp8, interpret):
     # sched_ref:  i32[NT, 10]                 see _mgpu_schedule.tile_schedule
     # meta_ref:   i32[2]                      layer, live tiles (the first rows of sched)
     # tables_ref: i32[R, Mp]                  Mp = M rounded up to P; padding is the null block 0
@@ -433,7 +415,7 @@ def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *
     work = _Work(meta_ref[1], num_ctas, num_heads)
     compute = functools.partial(_compute_wg, work=work, sched_ref=sched_ref, slopes_ref=slopes_ref, q_ref=q_ref,
                                 o_ref=o_ref, smem=smem, bars=bars, scale=scale, causal=causal, alibi=alibi,
-                                split=split, fp8=fp8, early_v=early_v, interpret=interpret)
+                                split=split, fp8=fp8, interpret=interpret)
     if split:                                        # each warpgroup's own code: its half of the steps is static
         for w in range(_COMPUTE_WGS):
             pl.when(wg == w)(functools.partial(compute, w))
@@ -445,7 +427,7 @@ def _kernel(sched_ref, meta_ref, tables_ref, slopes_ref, q_ref, kv_ref, o_ref, *
 
 
 def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group, num_blocks, num_kv_heads,
-            block_q, block_kv, num_slots, causal, alibi, split, early_v, interpret, lowering_semantics):
+            block_q, block_kv, num_slots, causal, alibi, split, interpret, lowering_semantics):
     _, num_heads, head_dim = qp.shape
     per_step = block_kv // kv_rows.shape[1]
     # 128-byte rows (64 bf16/fp16 columns) in 8-row tiles, swizzled: the layout wgmma reads.
@@ -456,12 +438,12 @@ def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group,
     scratch = [
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype, **mma),   # q (wgmma operand)
         plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # next q, untiled
-        plgpu.SMEM((1 if early_v else _COMPUTE_WGS, block_q, head_dim), qp.dtype),   # output, untiled
+        plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), qp.dtype),          # output, untiled
         plgpu.SMEM((num_slots, block_kv, head_dim), kv_rows.dtype, **slot),  # K slots
         plgpu.SMEM((num_slots, block_kv, head_dim), kv_rows.dtype, **slot),  # V slots
     ]
-    if fp8:                                           # each warpgroup's widened K or V (early_v: K's and V's)
-        scratch.append(plgpu.SMEM(((2 if early_v else 1) * _COMPUTE_WGS, block_kv, head_dim), qp.dtype, **mma))
+    if fp8:                                                               # each warpgroup's widened K or V
+        scratch.append(plgpu.SMEM((_COMPUTE_WGS, block_kv, head_dim), qp.dtype, **mma))
     if split:                                 # warpgroup 1's acc, and its m and l as [BQ, 8] broadcasts
         scratch += [plgpu.SMEM((block_q, head_dim), jnp.float32), plgpu.SMEM((2, block_q, 8), jnp.float32)]
     scratch += [
@@ -476,7 +458,7 @@ def _launch(sched, meta, tables, slopes, qp, kv_rows, *, num_ctas, scale, group,
         scratch += [plgpu.Barrier(), plgpu.Barrier()]                     # exchange written / read
     kernel = functools.partial(_kernel, scale=scale, group=group, num_heads=num_heads, num_ctas=num_ctas,
                                num_blocks=num_blocks, num_kv_heads=num_kv_heads, causal=causal, alibi=alibi,
-                               split=split, fp8=fp8, early_v=early_v, interpret=interpret is not None)
+                               split=split, fp8=fp8, interpret=interpret is not None)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(qp.shape, qp.dtype), scratch_types=scratch,
         grid=(num_ctas,), grid_names=("ctas",), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
@@ -512,20 +494,17 @@ def mgpu_supported(q, kv_cache, block_size, *, sliding_window=None, soft_cap=Non
     return None
 
 
-def _smem_bytes(head_dim, cache_dtype, block_q, block_kv, num_slots, split=False, early_v=False) -> int:
-    """The SMEM buffers _launch allocates (2-byte q and output tiles, one output tile with early_v; slots of the
-    cache's dtype; over an e4m3 pool one float16 [BKV, D] buffer per compute warpgroup, two with early_v; with split,
-    the f32 exchange)."""
+def _smem_bytes(head_dim, cache_dtype, block_q, block_kv, num_slots, split=False) -> int:
+    """The SMEM buffers _launch allocates (2-byte q and output tiles; slots of the cache's dtype; over an
+    e4m3 pool one float16 [BKV, D] buffer per compute warpgroup; with split, the f32 exchange)."""
     fp8 = jnp.dtype(cache_dtype) == FP8_CACHE_DTYPE
-    tiles = 3 * _COMPUTE_WGS - (_COMPUTE_WGS - 1 if early_v else 0)           # q, next q, output
-    rows = tiles * block_q * 2 + 2 * num_slots * block_kv * jnp.dtype(cache_dtype).itemsize
+    rows = 3 * _COMPUTE_WGS * block_q * 2 + 2 * num_slots * block_kv * jnp.dtype(cache_dtype).itemsize
     exchange = (block_q * head_dim + 2 * block_q * 8) * 4 if split else 0
-    wide = _COMPUTE_WGS * block_kv * 2 * (2 if early_v else 1) if fp8 else 0
-    return (rows + wide) * head_dim + exchange
+    return (rows + (_COMPUTE_WGS * block_kv * 2 if fp8 else 0)) * head_dim + exchange
 
 
 def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *, scale, block_q,
-              block_kv, max_concurrent_steps, sliding_window, soft_cap, split_keys=False, causal=True, early_v=False):
+              block_kv, max_concurrent_steps, sliding_window, soft_cap, split_keys=False, causal=True):
     validate_q_and_cache(q, kv_cache, layer_idx)
     reason = mgpu_supported(q, kv_cache, kv_cache.shape[4], sliding_window=sliding_window,
                             soft_cap=soft_cap)
@@ -546,9 +525,7 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
         raise ValueError(f"max_concurrent_steps must be >= 2; got {max_concurrent_steps}")
     if split_keys and causal:
         raise ValueError("split_keys needs causal=False (the packed decode rows: every row sees every key step)")
-    if early_v and not (split_keys and kv_cache.dtype == FP8_CACHE_DTYPE):
-        raise ValueError("early_v widens an e4m3 pool's V under split_keys: it needs both")
-    need = _smem_bytes(q.shape[-1], kv_cache.dtype, block_q, block_kv, max_concurrent_steps, split_keys, early_v)
+    need = _smem_bytes(q.shape[-1], kv_cache.dtype, block_q, block_kv, max_concurrent_steps, split_keys)
     if need > _SMEM_BYTES:
         raise ValueError(f"{need} bytes of shared memory needed, {_SMEM_BYTES} available: lower "
                          "block_kv, block_q or max_concurrent_steps")
@@ -556,12 +533,12 @@ def _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_concurrent_steps",
                                              "sliding_window", "soft_cap", "num_ctas", "causal", "split_keys",
-                                             "early_v", "skip_single_tokens", "interpret", "lowering_semantics"))
+                                             "skip_single_tokens", "interpret", "lowering_semantics"))
 def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, *,
                                 scale: float, block_q: int = 64, block_kv: int = 128,
                                 max_concurrent_steps: int = 2, sliding_window: int | None = None,
                                 soft_cap: float | None = None, num_ctas: int | None = None,
-                                causal: bool = True, alibi_slopes=None, split_keys: bool = False, early_v: bool = False,
+                                causal: bool = True, alibi_slopes=None, split_keys: bool = False,
                                 skip_single_tokens: bool = False, interpret=None,
                                 lowering_semantics: str | None = None):
     """Same contract as ragged_paged_attention_reference: q dtype[T, N, D] -> dtype[T, N, D]; the cache is
@@ -571,11 +548,7 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     packed decode rows of paged_decode_attention_mgpu, whose "requests" are (request, kv head) pairs).
     split_keys (causal=False only): both compute warpgroups take the first warpgroup's rows of each tile and
     every other key step each, and merge at the item's end (a decode tile's rows fill one warpgroup's half,
-    so the other would idle; over an e4m3 pool each step's widening and softmax bound the kernel). early_v
-    (split_keys over an e4m3 pool only): each warpgroup widens a step's V into a second float16 buffer while the
-    step's QK wgmma runs, instead of after it (that decode's time is each warpgroup's chain of dependent steps); the
-    second buffers take 32 KiB of SMEM, which one output tile (only warpgroup 0 stores under split_keys) and a slot
-    fewer give back: 2 slots at most.
+    so the other would idle; over an e4m3 pool each step's widening and softmax bound the kernel).
     block_q: query tokens per compute warpgroup (a CTA holds 2 * block_q); block_kv: keys per pipeline
     step; max_concurrent_steps: K/V slots in flight; num_ctas: persistent CTAs (None: one per SM on the
     GPU, 3 in the interpreter). causal=False: every query row of a request sees all its seq_lens[r]
@@ -587,7 +560,7 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     """
     _validate(q, kv_cache, layer_idx, block_tables, seq_lens, query_start_loc, scale=scale,
               block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps,
-              sliding_window=sliding_window, soft_cap=soft_cap, split_keys=split_keys, causal=causal, early_v=early_v)
+              sliding_window=sliding_window, soft_cap=soft_cap, split_keys=split_keys, causal=causal)
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     per_step = block_kv // block_size
@@ -613,6 +586,6 @@ def ragged_paged_attention_mgpu(q, kv_cache, layer_idx, block_tables, seq_lens, 
     out = _launch(sched, meta, tables, slopes, qp, kv_rows, num_ctas=min(num_ctas, num_tiles * num_heads),
                   scale=scale, group=num_heads // num_kv_heads, num_blocks=num_blocks,
                   num_kv_heads=num_kv_heads, block_q=block_q, block_kv=block_kv,
-                  num_slots=max_concurrent_steps, causal=causal, alibi=alibi, split=split_keys, early_v=early_v,
-                  interpret=interpret, lowering_semantics=lowering_semantics)
+                  num_slots=max_concurrent_steps, causal=causal, alibi=alibi, split=split_keys, interpret=interpret,
+                  lowering_semantics=lowering_semantics)
     return out[:num_tokens].astype(out_dtype)

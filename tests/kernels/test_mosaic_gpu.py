@@ -120,14 +120,12 @@ class MosaicCase(Case):
     fp8: bool = False                   # the pool rounded into e4m3 bytes (--kv-cache-dtype fp8)
     alibi: bool = False                 # ALiBi slopes (ALiBi's geometric series over the query heads)
     split_keys: bool = False            # decode: the two compute warpgroups share each pair's key steps
-    early_v: bool = False               # split_keys over an e4m3 pool: V widened during the QK wgmma
 
     @property
     def id(self) -> str:
         ctas = f"-ctas{self.num_ctas}" if self.num_ctas else ""
         return (f"{super().id}-kv{self.block_kv}x{self.max_concurrent_steps}{ctas}" + ("-fp8" if self.fp8 else "")
-                + ("-alibi" if self.alibi else "") + ("-split" if self.split_keys else "")
-                + ("-early_v" if self.early_v else ""))
+                + ("-alibi" if self.alibi else "") + ("-split" if self.split_keys else ""))
 
     @property
     def slopes(self):
@@ -191,11 +189,8 @@ DECODE_CASES += [MosaicCase(layout=Layout(16, head_dim, kv * group, kv, "bfloat1
                  for head_dim, kv, group, kw in _SPLIT_LAYOUTS]
 DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=fp8) for layout in REAL_LAYOUTS
                          for fp8 in (False, True))
-DECODE_CASES += [MosaicCase(layout=Layout(16, head_dim, kv * group, kv, "bfloat16"), batch=_SPLIT_DECODES, block_kv=64,
-                            num_ctas=2, detect_races=True, split_keys=True, early_v=True, fp8=True)
-                 for head_dim, kv, group, kw in _SPLIT_LAYOUTS if kw.get("fp8")]
-DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=True, block_kv=64, split_keys=True,
-                                    early_v=early_v) for layout in REAL_LAYOUTS for early_v in (False, True))
+DECODE_CASES += gpu_only(MosaicCase(layout=layout, batch=REAL_DECODE, fp8=True, block_kv=64, split_keys=True)
+                         for layout in REAL_LAYOUTS)
 DECODE_CASES += gpu_only([MosaicCase(layout=Layout(16, 128, 40, 40, "bfloat16", "baichuan2-13b"), batch=REAL_DECODE,
                                      alibi=True)])
 
@@ -280,8 +275,7 @@ class TestPagedDecodeMosaic:
         scale = case.layout.head_dim ** -0.5
         out = paged_decode_attention_mgpu(*x.args, scale=scale, block_kv=case.block_kv,
                                           max_concurrent_steps=case.max_concurrent_steps, num_ctas=case.num_ctas,
-                                          split_keys=case.split_keys, early_v=case.early_v,
-                                          interpret=interpret_arg(case.detect_races),
+                                          split_keys=case.split_keys, interpret=interpret_arg(case.detect_races),
                                           **case.slopes)
         ref = reference(paged_decode_attention_reference, *x.args, scale=scale, **case.slopes)
         _check(out, ref, case, np.asarray(x.seq_lens) == 0)
@@ -298,25 +292,6 @@ class TestPagedDecodeMosaic:
     def test_split_keys_lowers_for_cuda(self, semantics):
         """split_keys: each warpgroup's own code, the exchange's [BQ, 8] broadcasts and f32 tile through SMEM."""
         _packed_decode_lowers(semantics, 64 * 8, 4, block_kv=64, split_keys=True)
-
-    @on_hopper
-    @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
-    def test_early_v_lowers_for_cuda(self, semantics):
-        """early_v over an e4m3 pool: the second V buffers (indexed by the traced warpgroup) and the single output tile
-        lower for CUDA, in the SMEM two slots leave; a bf16 pool or no split_keys is refused."""
-        sds = jax.ShapeDtypeStruct
-        pairs = 64 * 8
-        args = [sds((pairs * 4, 1, 128), jnp.bfloat16), sds((2, 2, 4000, 1, 16, 128), FP8_CACHE_DTYPE),
-                sds((), jnp.int32), sds((pairs, 32), jnp.int32), sds((pairs,), jnp.int32), sds((pairs + 1,), jnp.int32)]
-        kw = dict(scale=0.1, causal=False, interpret=False, block_kv=64, max_concurrent_steps=2, early_v=True)
-        lowered = ragged_paged_attention_mgpu.trace(*args, split_keys=True, lowering_semantics=semantics, **kw).lower(
-            lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
-        with pytest.raises(ValueError, match="early_v"):
-            ragged_paged_attention_mgpu.trace(*args, **kw)
-        args[1] = sds((2, 2, 4000, 1, 16, 128), jnp.bfloat16)
-        with pytest.raises(ValueError, match="early_v"):
-            ragged_paged_attention_mgpu.trace(*args, split_keys=True, **kw)
 
     def test_alibi_needs_one_query_head_per_kv_head(self):
         q, kv = jnp.zeros((4, 8, 128), jnp.bfloat16), jnp.zeros((1, 2, 4, 2, 16, 128), jnp.bfloat16)
