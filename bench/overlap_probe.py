@@ -13,7 +13,6 @@ the other, and both with the attention on the second stream. With overlap, the l
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -46,8 +45,29 @@ def main() -> None:
     # context manager)
     wrap = getattr(co, "compute_on2", None) or co.compute_on
 
-    def on_stream_1(fn, *args_):
-        return wrap(fn, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(*args_)
+    from jaxpaged.pallas_kernels import ragged_paged_attention_mgpu as rpa
+    launch = rpa._launch
+
+    def launch_on_stream_1(*a, **k):
+        # Only the kernel's custom call goes on the stream: XLA's stream assignment fails on an annotated computation
+        # that holds calls of its own (each jnp helper's private function: "No ExecutionStreamId found for
+        # call-start"), so the schedule and the padding stay on stream 0.
+        (out,) = wrap(lambda *x: [launch(*x, **k)], compute_type="gpu_stream:1",
+                      out_memory_spaces=jax.memory.Space.Device)(*a)
+        return out
+
+    def compiled(f, stream):
+        rpa._launch = launch_on_stream_1 if stream else launch        # read when the program is traced
+        jax.clear_caches()                  # (the kernels' own jit caches too)
+        try:
+            exe = jax.jit(f).lower(q, pool, tables, lens, qsl, x, w).compile()
+        finally:
+            rpa._launch = launch
+        if stream:      # what XLA made of the annotation
+            hlo = exe.as_text()
+            print(f"  compiled: {hlo.count('call-start')} call-start, {hlo.count('async-start')} async-start",
+                  flush=True)
+        return lambda: exe(q, pool, tables, lens, qsl, x, w)
 
     from jaxpaged.pallas_kernels import attention
 
@@ -83,16 +103,12 @@ def main() -> None:
             h, acc = x, jnp.zeros((), jnp.float32)
             for i in range(n):
                 if kind in ("attn", "seq", "stream"):
-                    if kind == "stream":
-                        a = on_stream_1(functools.partial(attn_layer, i=i, ctas=ctas), q[i], pool, tables, lens, qsl)
-                    else:
-                        a = attn_layer(q[i], pool, tables, lens, qsl, i, ctas)
+                    a = attn_layer(q[i], pool, tables, lens, qsl, i, ctas)
                     acc = acc + a[0, 0, 0].astype(jnp.float32)
                 if kind in ("gemm", "seq", "stream"):
                     h = gemm_layer(w, i, h)
             return acc + h[0, 0].astype(jnp.float32)
-        fn = jax.jit(f)
-        return lambda: fn(q, pool, tables, lens, qsl, x, w)
+        return compiled(f, kind == "stream")
 
     def layer_in(w, i, h):                  # the input norm's stand-in and the q/k/v projection
         return (h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-6)
@@ -117,18 +133,10 @@ def main() -> None:
                     qkv = layer_in(w, i, hs[j])
                     qj = (qkv[:, :HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM) + q[i, :m])
                     args_ = (qj, pool, parts[j][0], parts[j][1], qsl[:m + 1], i, ctas)
-                    if stream:
-                        outs.append(on_stream_1(functools.partial(attn_layer, i=i, ctas=ctas), *args_[:5]))
-                    else:
-                        outs.append(attn_layer(*args_))
+                    outs.append(attn_layer(*args_))
                 hs = [layer_out(w, i, hs[j], outs[j]) for j in range(halves)]
             return sum(h[0, 0].astype(jnp.float32) for h in hs)
-        fn = jax.jit(f)
-        if stream:      # what XLA made of the annotation: asynchronous calls on stream 1, or nothing
-            hlo = fn.lower(q, pool, tables, lens, qsl, x, w).compile().as_text()
-            print(f"  compiled: {hlo.count('call-start')} call-start, {hlo.count('async-start')} async-start, "
-                  f"{hlo.count('stream_id')} stream_id mentions", flush=True)
-        return lambda: fn(q, pool, tables, lens, qsl, x, w)
+        return compiled(f, stream)
 
     def timed(fn):
         jax.block_until_ready(fn())
