@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--attn-ctas", default="132,66,33")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dump-hlo", metavar="DIR", help="write each stream arm's compiled (scheduled) HLO there")
     args = ap.parse_args()
     flag = "--xla_gpu_experimental_stream_annotation=true"
     if flag not in os.environ.get("XLA_FLAGS", ""):
@@ -67,6 +68,11 @@ def main() -> None:
             hlo = exe.as_text()
             print(f"  compiled: {hlo.count('call-start')} call-start, {hlo.count('async-start')} async-start",
                   flush=True)
+            if args.dump_hlo:
+                os.makedirs(args.dump_hlo, exist_ok=True)
+                path = os.path.join(args.dump_hlo, f"stream_{len(os.listdir(args.dump_hlo))}.hlo.txt")
+                with open(path, "w") as fh:
+                    fh.write(hlo)
         return lambda: exe(q, pool, tables, lens, qsl, x, w)
 
     from jaxpaged.pallas_kernels import attention
