@@ -1,23 +1,29 @@
 """Can a large decode step's attention run beside its GEMMs? At a few hundred requests a llama3-8b layer is its
 decode attention (bound by the HBM) then its GEMMs (bound by the tensor cores), one after the other. This probe
-times, per layer, independent pairs of llama3-8b's MLP (gate_up, SiLU x up, down) on `rows` tokens and its decode
-attention (the Mosaic decode kernel) over `rows` requests of `ctx` tokens:
+times, per layer, at llama3-8b's layout with `rows` requests of `ctx` tokens each:
 
-  mlp       the MLPs alone              attn      the attentions alone
-  serial    both, as XLA orders them on its one stream
-  streams   both, each attention in JAX's compute_on2(compute_type="gpu_stream:1"): XLA's explicit stream
-            annotation runs it asynchronously on a second stream (xla_gpu_experimental_stream_annotation)
+  gemm      the four linear layers with SiLU x up, alone
+  attn      the decode attention (the Mosaic decode kernel, as attention() routes it), alone
+  serial    both, independent, as XLA orders them on its one stream
+  streams   both, the attention kernel's custom call annotated for a second stream (JAX's compute_on with
+            compute_type="gpu_stream:1", under xla_gpu_experimental_stream_annotation): XLA makes it an
+            asynchronous call
+  whole / halves / halves on stream 1
+            a decode step's layers (norm, q/k/v, attention, o, MLP) with the rows whole, in two halves, and in two
+            halves whose attention is annotated: one half's attention could then run beside the other's GEMMs
 
-under each attention CTA count of --num-ctas (the persistent kernel's CTAs; fewer leave SMs to the GEMMs). If
-`streams` comes near max(mlp, attn) rather than their sum, a step built of two half batches (one's attention
-beside the other's GEMMs) could gain up to the smaller of the two.
+under each attention CTA count of --num-ctas (the persistent kernel's CTAs; fewer leave SMs to the GEMMs). Only the
+kernel's custom call is annotated: XLA fails at run time on an annotated computation that holds calls of its own
+(each jnp helper's private function in the kernel's work-list code): "No ExecutionStreamId found for call-start".
+--dump-hlo writes each annotated program as XLA scheduled it (where its call-start and call-done sit).
 
-    python3 bench/stream_overlap_probe.py [--rows 512] [--ctx 384] [--layers 8] [--num-ctas ,66,33] [--out DIR]
+    python3 bench/stream_overlap_probe.py [--rows 768] [--ctx 512] [--layers 8] [--num-ctas 132,66] [--dump-hlo DIR]
 """
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,129 +31,138 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 H, INTER = 4096, 14336                          # llama3-8b's hidden and MLP sizes
-
-
-def make_inputs(rows: int, ctx: int, layers: int, dtype, seed: int = 0) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from bench.bench_kernels import BLOCK, LAYOUTS, make_pool, random_tables
-    heads, kv_heads, head_dim = LAYOUTS["llama3-8b"]
-    k = iter(jax.random.split(jax.random.PRNGKey(seed), 4 * layers))
-    per_req = -(-ctx // BLOCK)
-    blocks = rows * per_req + 1
-    rng = np.random.default_rng(seed)
-    return {
-        "x": [jax.random.normal(next(k), (rows, H), dtype) for _ in range(layers)],
-        "w_gu": [(jax.random.normal(next(k), (H, 2 * INTER), dtype) * H ** -0.5).astype(dtype) for _ in range(layers)],
-        "w_d": [(jax.random.normal(next(k), (INTER, H), dtype) * INTER ** -0.5).astype(dtype) for _ in range(layers)],
-        "q": [jax.random.normal(next(k), (rows, heads, head_dim), dtype) for _ in range(layers)],
-        "pool": make_pool(rng, blocks, kv_heads, head_dim, dtype, layers),
-        "tables": random_tables(rng, 1, rows, per_req, blocks)[0], "lens": jnp.full((rows,), ctx, jnp.int32),
-    }
-
-
-def variants(layers: int, num_ctas: int | None, interpret: bool) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import compute_on as co
-
-    from jaxpaged.pallas_kernels import paged_decode_attention_reference
-    from jaxpaged.pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
-
-    def mlp(x, w_gu, w_d):
-        g, u = jnp.split(x @ w_gu, 2, axis=-1)
-        return (jax.nn.silu(g) * u) @ w_d
-
-    def attn(q, pool, layer, tables, lens):
-        if interpret:       # the CPU (a smoke run of this script): the plain-jnp decode attention
-            return paged_decode_attention_reference(q, pool, jnp.int32(layer), tables, lens, scale=q.shape[-1] ** -0.5)
-        return paged_decode_attention_mgpu(q, pool, jnp.int32(layer), tables, lens, scale=q.shape[-1] ** -0.5,
-                                           num_ctas=num_ctas, interpret=False)
-
-    def build(use_mlp: bool, use_attn: bool, stream: bool):
-        def f(inp):
-            outs = []
-            for i in range(layers):
-                if use_attn:
-                    a = (lambda q, p, t, n, i=i: attn(q, p, i, t, n))
-                    args = (inp["q"][i], inp["pool"], inp["tables"], inp["lens"])
-                    if stream:
-                        # compute_on2(f, compute_type=, out_memory_spaces=) in jax 0.10; the same function is
-                        # compute_on in jax 0.11.2
-                        wrap = getattr(co, "compute_on2", co.compute_on)
-                        outs.append(wrap(a, compute_type="gpu_stream:1",
-                                         out_memory_spaces=jax.memory.Space.Device)(*args))
-                    else:
-                        outs.append(a(*args))
-                if use_mlp:
-                    outs.append(mlp(inp["x"][i], inp["w_gu"][i], inp["w_d"][i]))
-            return outs
-        return jax.jit(f)
-    return {"mlp": build(True, False, False), "attn": build(False, True, False),
-            "serial": build(True, True, False), "streams": build(True, True, True)}
-
-
-def time_call(f, inp, n: int = 10) -> float:
-    import jax
-    import numpy as np
-    for _ in range(3):
-        jax.block_until_ready(f(inp))
-    t = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(inp))
-        t.append(time.perf_counter() - t0)
-    return float(np.median(t))
+STREAM_FLAG = "--xla_gpu_experimental_stream_annotation=true"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=512)
-    ap.add_argument("--ctx", type=int, default=384)
+    ap.add_argument("--rows", type=int, default=768)
+    ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--num-ctas", default=",66,33", help="comma list; empty entry: the kernel's default (one a SM)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--num-ctas", default="132,66", help="comma list of the attention kernel's CTA counts")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dump-hlo", metavar="DIR", help="write each annotated program's compiled (scheduled) HLO there")
     args = ap.parse_args()
+    if STREAM_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + STREAM_FLAG).strip()
+
     import jax
     import jax.numpy as jnp
-    interpret = jax.default_backend() == "cpu"
-    inp = make_inputs(args.rows, args.ctx, args.layers, jnp.bfloat16)
-    results = []
-    for c in args.num_ctas.split(","):
-        ctas = int(c) if c.strip() else None
-        vs = variants(args.layers, ctas, interpret)
-        row = {"num_ctas": ctas}
-        for name, f in vs.items():
-            if ctas is not None and name == "mlp" and results:
-                row[name] = results[0]["mlp"]           # the MLPs do not depend on the attention's CTAs
-                continue
-            try:
-                row[name] = 1e6 * time_call(f, inp, 2 if interpret else 10) / args.layers
-            except Exception as e:  # noqa: BLE001 - a variant that does not compile is a finding, not a stop
-                row[name] = None
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        hlo = vs["streams"].lower(inp).compile().as_text() if "streams_error" not in row else ""
-        row["streams_async_ops"] = hlo.count("-start(") + hlo.count("async-start")
-        if all(row.get(k) for k in ("mlp", "attn", "streams")):
-            row["streams_over_max"] = row["streams"] / max(row["mlp"], row["attn"])
-            row["serial_over_sum"] = row["serial"] / (row["mlp"] + row["attn"])
-        results.append(row)
-        print(json.dumps(row), flush=True)
-    dev = jax.devices()[0].device_kind
-    print(f"\n{dev}, jax {jax.__version__}: llama3-8b MLP on {args.rows} rows and decode attention over {args.rows} x "
-          f"{args.ctx}, {args.layers} independent layer pairs a call; us a layer")
-    print("| attention CTAs | mlp | attn | serial | streams | streams / max(mlp, attn) | async ops |")
-    print("|---|---|---|---|---|---|---|")
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"     # noqa: E731
-    for r in results:
-        print(f"| {r['num_ctas'] or 'default'} | {fmt(r.get('mlp'))} | {fmt(r.get('attn'))} | {fmt(r.get('serial'))} | "
-              f"{fmt(r.get('streams'))} | {fmt(r.get('streams_over_max'))} | {r['streams_async_ops']} |")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "stream_overlap.json").write_text(json.dumps(
-            {"device": dev, "jax": jax.__version__, "args": vars(args), "results": results}, indent=1))
+    import numpy as np
+    from jax.experimental import compute_on as co
+
+    from bench.bench_kernels import BLOCK, LAYOUTS, make_pool, random_tables
+    from jaxpaged.pallas_kernels import attention
+    from jaxpaged.pallas_kernels import ragged_paged_attention_mgpu as rpa
+
+    # compute_on(f, *, compute_type, out_memory_spaces) in jax 0.11 is compute_on2 in 0.10 (whose compute_on is a
+    # context manager)
+    wrap = getattr(co, "compute_on2", None) or co.compute_on
+    launch = rpa._launch
+
+    def launch_on_stream_1(*a, **k):
+        (out,) = wrap(lambda *x: [launch(*x, **k)], compute_type="gpu_stream:1",
+                      out_memory_spaces=jax.memory.Space.Device)(*a)
+        return out
+
+    heads, kv_heads, head_dim = LAYOUTS["llama3-8b"]
+    r, n = args.rows, args.layers
+    ks = jax.random.split(jax.random.PRNGKey(0), 8)
+    rng = np.random.default_rng(0)
+    per_req = -(-args.ctx // BLOCK)
+    blocks = r * per_req + 1
+    bf16 = jnp.bfloat16
+    q = jax.random.normal(ks[0], (n, r, heads, head_dim), jnp.float32).astype(bf16)
+    pool = make_pool(rng, blocks, kv_heads, head_dim, bf16, n)
+    tables = random_tables(rng, 1, r, per_req, blocks)[0]
+    lens = jnp.full((r,), args.ctx, jnp.int32)
+    qsl = jnp.arange(r + 1, dtype=jnp.int32)
+    x = (jax.random.normal(ks[2], (r, H), jnp.float32) * 0.1).astype(bf16)
+    shapes = {"qkv": (H, (heads + 2 * kv_heads) * head_dim), "o": (heads * head_dim, H), "gate_up": (H, 2 * INTER),
+              "down": (INTER, H)}
+    w = {k: (jax.random.normal(ks[3 + i], (n,) + s, jnp.float32) * s[0] ** -0.5).astype(bf16)
+         for i, (k, s) in enumerate(shapes.items())}
+    operands = (q, pool, tables, lens, qsl, x, w)
+
+    def compiled(f, stream: bool):
+        rpa._launch = launch_on_stream_1 if stream else launch        # read when the program is traced
+        jax.clear_caches()                  # (the kernels' own jit caches too)
+        try:
+            exe = jax.jit(f).lower(*operands).compile()
+        finally:
+            rpa._launch = launch
+        if stream:
+            hlo = exe.as_text()
+            print(f"  compiled: {hlo.count('call-start(')} call-start", flush=True)
+            if args.dump_hlo:
+                os.makedirs(args.dump_hlo, exist_ok=True)
+                Path(args.dump_hlo, f"stream_{len(os.listdir(args.dump_hlo))}.hlo.txt").write_text(hlo)
+        return lambda: exe(*operands)
+
+    def attn_layer(q_i, pool, tables, lens, qsl, i, ctas):
+        return attention(q_i, pool, i, tables, lens, qsl, scale=head_dim ** -0.5, decode_only=True,
+                         backend="mosaic", num_sms=ctas)
+
+    def layer_in(w, i, h):                  # the input norm's stand-in and the q/k/v projection
+        return (h * jax.lax.rsqrt(jnp.mean(jnp.square(h.astype(jnp.float32)), -1, keepdims=True) + 1e-6)
+                .astype(h.dtype)) @ w["qkv"][i]
+
+    def layer_out(w, i, h, a):              # o projection, residual, SiLU x up MLP, residual
+        h = h + a.reshape(a.shape[0], -1) @ w["o"][i]
+        gu = h @ w["gate_up"][i]
+        return h + (jax.nn.silu(gu[:, :INTER]) * gu[:, INTER:]) @ w["down"][i]
+
+    def pair_program(kind, ctas):
+        """Independent attention and GEMMs, `n` of each: kind "gemm", "attn", "serial" or "streams"."""
+        def f(q, pool, tables, lens, qsl, x, w):
+            h, acc = x, jnp.zeros((), jnp.float32)
+            for i in range(n):
+                if kind != "gemm":
+                    acc = acc + attn_layer(q[i], pool, tables, lens, qsl, i, ctas)[0, 0, 0].astype(jnp.float32)
+                if kind != "attn":
+                    h = layer_out(w, i, h, layer_in(w, i, h)[:, :heads * head_dim])
+            return acc + h[0, 0].astype(jnp.float32)
+        return compiled(f, kind == "streams")
+
+    def decode_program(parts, stream, ctas):
+        """A decode step's layers with the rows in `parts` parts (each part's q from its q/k/v output, so the data
+        flow is a step's; the pool is not written)."""
+        def f(q, pool, tables, lens, qsl, x, w):
+            hs, m = jnp.split(x, parts), r // parts
+            meta = list(zip(jnp.split(tables, parts), jnp.split(lens, parts)))
+            for i in range(n):
+                outs = [attn_layer(layer_in(w, i, hs[j])[:, :heads * head_dim].reshape(m, heads, head_dim)
+                                   + q[i, :m], pool, *meta[j], qsl[:m + 1], i, ctas) for j in range(parts)]
+                hs = [layer_out(w, i, hs[j], outs[j]) for j in range(parts)]
+            return sum(h[0, 0].astype(jnp.float32) for h in hs)
+        return compiled(f, stream)
+
+    def per_layer_us(fn):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6 / n
+
+    def tried(fn, name):
+        try:
+            return per_layer_us(fn())
+        except Exception as e:      # noqa: BLE001 - an arm that fails is a finding, not the end of the probe
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return float("nan")
+
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; llama3-8b's layout, {r} requests x {args.ctx} "
+          f"tokens, {n} layers a program; XLA_FLAGS={os.environ['XLA_FLAGS']!r}; us a layer", flush=True)
+    gemm = tried(lambda: pair_program("gemm", None), "gemm")
+    print("| attention CTAs | gemm | attn | serial | streams | whole | halves | halves, stream 1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ctas in (int(c) for c in args.num_ctas.split(",")):
+        row = [tried(lambda k=k: pair_program(k, ctas), k) for k in ("attn", "serial", "streams")]
+        row += [tried(lambda p=p, s=s: decode_program(p, s, ctas), f"{p} part(s), stream {int(s)}")
+                for p, s in ((1, False), (2, False), (2, True))]
+        print(f"| {ctas} | {gemm:.1f} | " + " | ".join(f"{v:.1f}" for v in row) + " |", flush=True)
 
 
 if __name__ == "__main__":
