@@ -8,9 +8,12 @@ times, per layer, at llama3-8b's layout with `rows` requests of `ctx` tokens eac
   streams   both, the attention kernel's custom call annotated for a second stream (JAX's compute_on with
             compute_type="gpu_stream:1", under xla_gpu_experimental_stream_annotation): XLA makes it an
             asynchronous call
-  whole / halves / halves on stream 1
-            a decode step's layers (norm, q/k/v, attention, o, MLP) with the rows whole, in two halves, and in two
-            halves whose attention is annotated: one half's attention could then run beside the other's GEMMs
+  whole / halves / halves on stream 1 / grouped
+            a decode step's layers (norm, q/k/v, attention, o, MLP) with the rows whole, in two halves, in two
+            halves whose attention is annotated (one half's attention could then run beside the other's GEMMs),
+            and the same with each half's attention in an XLA scheduling group with the other half's o, MLP and
+            next q/k/v (jax.experimental.scheduling_groups): without groups XLA scheduled each call-done right
+            after its call-start, so nothing ran beside it
 
 under each attention CTA count of --num-ctas (the persistent kernel's CTAs; fewer leave SMs to the GEMMs). Only the
 kernel's custom call is annotated: XLA fails at run time on an annotated computation that holds calls of its own
@@ -137,6 +140,41 @@ def main() -> None:
             return sum(h[0, 0].astype(jnp.float32) for h in hs)
         return compiled(f, stream)
 
+    def grouped_program(ctas):
+        """Two halves, the attention annotated for stream 1, each half's attention in one XLA scheduling group
+        (jax.experimental.scheduling_groups) with the other half's o projection, MLP and next q/k/v: the
+        latency-hiding scheduler is then to keep that work between the call's start and done."""
+        from jax.experimental.scheduling_groups import scheduling_group
+        m = r // 2
+
+        def attend(qkv, i, meta_j):
+            return attn_layer(qkv[:, :heads * head_dim].reshape(m, heads, head_dim) + q[i, :m], pool, *meta_j,
+                              qsl[:m + 1], i, ctas)
+
+        def f(q, pool, tables, lens, qsl, x, w):
+            (ha, hb), meta = jnp.split(x, 2), list(zip(jnp.split(tables, 2), jnp.split(lens, 2)))
+            qkv_a, qkv_b = layer_in(w, 0, ha), layer_in(w, 0, hb)
+            out_a = attend(qkv_a, 0, meta[0])
+            for i in range(n):
+                last = i + 1 == n
+
+                def b_beside_a(qkv_b, ha, out_a, i=i, last=last):
+                    out_b = attend(qkv_b, i, meta[1])
+                    ha = layer_out(w, i, ha, out_a)
+                    return out_b, ha, (None if last else layer_in(w, i + 1, ha))
+                out_b, ha, qkv_a = scheduling_group(f"layer{i}b")(b_beside_a)(qkv_b, ha, out_a)
+                if last:
+                    hb = layer_out(w, i, hb, out_b)
+                    break
+
+                def a_beside_b(qkv_a, hb, out_b, i=i):
+                    out_a = attend(qkv_a, i + 1, meta[0])
+                    hb = layer_out(w, i, hb, out_b)
+                    return out_a, hb, layer_in(w, i + 1, hb)
+                out_a, hb, qkv_b = scheduling_group(f"layer{i}a")(a_beside_b)(qkv_a, hb, out_b)
+            return ha[0, 0].astype(jnp.float32) + hb[0, 0].astype(jnp.float32)
+        return compiled(f, True)
+
     def per_layer_us(fn):
         jax.block_until_ready(fn())
         times = []
@@ -156,12 +194,13 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; llama3-8b's layout, {r} requests x {args.ctx} "
           f"tokens, {n} layers a program; XLA_FLAGS={os.environ['XLA_FLAGS']!r}; us a layer", flush=True)
     gemm = tried(lambda: pair_program("gemm", None), "gemm")
-    print("| attention CTAs | gemm | attn | serial | streams | whole | halves | halves, stream 1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| attention CTAs | gemm | attn | serial | streams | whole | halves | halves, stream 1 | the same, grouped |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for ctas in (int(c) for c in args.num_ctas.split(",")):
         row = [tried(lambda k=k: pair_program(k, ctas), k) for k in ("attn", "serial", "streams")]
         row += [tried(lambda p=p, s=s: decode_program(p, s, ctas), f"{p} part(s), stream {int(s)}")
                 for p, s in ((1, False), (2, False), (2, True))]
+        row.append(tried(lambda: grouped_program(ctas), "grouped halves"))
         print(f"| {ctas} | {gemm:.1f} | " + " | ".join(f"{v:.1f}" for v in row) + " |", flush=True)
 
 
