@@ -147,11 +147,11 @@ def main() -> None:
         from jax.experimental.scheduling_groups import scheduling_group
         m = r // 2
 
-        def attend(qkv, i, meta_j):
-            return attn_layer(qkv[:, :heads * head_dim].reshape(m, heads, head_dim) + q[i, :m], pool, *meta_j,
-                              qsl[:m + 1], i, ctas)
-
         def f(q, pool, tables, lens, qsl, x, w):
+            def attend(qkv, i, meta_j):     # (the program's own operands: the pool is no constant)
+                return attn_layer(qkv[:, :heads * head_dim].reshape(m, heads, head_dim) + q[i, :m], pool, *meta_j,
+                                  qsl[:m + 1], i, ctas)
+
             (ha, hb), meta = jnp.split(x, 2), list(zip(jnp.split(tables, 2), jnp.split(lens, 2)))
             qkv_a, qkv_b = layer_in(w, 0, ha), layer_in(w, 0, hb)
             out_a = attend(qkv_a, 0, meta[0])
