@@ -13,7 +13,10 @@ times, per layer, at llama3-8b's layout with `rows` requests of `ctx` tokens eac
             halves whose attention is annotated (one half's attention could then run beside the other's GEMMs),
             and the same with each half's attention in an XLA scheduling group with the other half's o, MLP and
             next q/k/v (jax.experimental.scheduling_groups): without groups XLA scheduled each call-done right
-            after its call-start, so nothing ran beside it
+            after its call-start, so nothing ran beside it. That API marks its call `scheduling_group=NAME`; XLA's
+            latency-hiding scheduler reads integer `_scheduling_group_id` attributes, which
+            jax.experimental.xla_metadata.set_xla_metadata puts on ordinary ops but not on compute_on's call (its
+            lowering writes the call's attributes itself), so whether XLA honours this arm is for the run to show
 
 under each attention CTA count of --num-ctas (the persistent kernel's CTAs; fewer leave SMs to the GEMMs). Only the
 kernel's custom call is annotated: XLA fails at run time on an annotated computation that holds calls of its own
