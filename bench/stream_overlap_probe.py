@@ -118,6 +118,13 @@ def main() -> None:
         gu = h @ w["gate_up"][i]
         return h + (jax.nn.silu(gu[:, :INTER]) * gu[:, INTER:]) @ w["down"][i]
 
+    def part_attention(q, pool, qsl, qkv, i, meta_j, ctas):
+        """A part's attention at layer i, its q from its own q/k/v output (so the data flow is a step's; the pool
+        is not written); q, pool, qsl: the program's operands, meta_j: the part's (tables, lens)."""
+        m = qkv.shape[0]
+        return attn_layer(qkv[:, :heads * head_dim].reshape(m, heads, head_dim) + q[i, :m], pool, *meta_j,
+                          qsl[:m + 1], i, ctas)
+
     def pair_program(kind, ctas):
         """Independent attention and GEMMs, `n` of each: kind "gemm", "attn", "serial" or "streams"."""
         def f(q, pool, tables, lens, qsl, x, w):
@@ -131,14 +138,11 @@ def main() -> None:
         return compiled(f, kind == "streams")
 
     def decode_program(parts, stream, ctas):
-        """A decode step's layers with the rows in `parts` parts (each part's q from its q/k/v output, so the data
-        flow is a step's; the pool is not written)."""
+        """A decode step's layers with the rows in `parts` parts."""
         def f(q, pool, tables, lens, qsl, x, w):
-            hs, m = jnp.split(x, parts), r // parts
-            meta = list(zip(jnp.split(tables, parts), jnp.split(lens, parts)))
+            hs, meta = jnp.split(x, parts), list(zip(jnp.split(tables, parts), jnp.split(lens, parts)))
             for i in range(n):
-                outs = [attn_layer(layer_in(w, i, hs[j])[:, :heads * head_dim].reshape(m, heads, head_dim)
-                                   + q[i, :m], pool, *meta[j], qsl[:m + 1], i, ctas) for j in range(parts)]
+                outs = [part_attention(q, pool, qsl, layer_in(w, i, hs[j]), i, meta[j], ctas) for j in range(parts)]
                 hs = [layer_out(w, i, hs[j], outs[j]) for j in range(parts)]
             return sum(h[0, 0].astype(jnp.float32) for h in hs)
         return compiled(f, stream)
@@ -148,12 +152,10 @@ def main() -> None:
         (jax.experimental.scheduling_groups) with the other half's o projection, MLP and next q/k/v: the
         latency-hiding scheduler is then to keep that work between the call's start and done."""
         from jax.experimental.scheduling_groups import scheduling_group
-        m = r // 2
 
         def f(q, pool, tables, lens, qsl, x, w):
-            def attend(qkv, i, meta_j):     # (the program's own operands: the pool is no constant)
-                return attn_layer(qkv[:, :heads * head_dim].reshape(m, heads, head_dim) + q[i, :m], pool, *meta_j,
-                                  qsl[:m + 1], i, ctas)
+            def attend(qkv, i, meta_j):
+                return part_attention(q, pool, qsl, qkv, i, meta_j, ctas)
 
             (ha, hb), meta = jnp.split(x, 2), list(zip(jnp.split(tables, 2), jnp.split(lens, 2)))
             qkv_a, qkv_b = layer_in(w, 0, ha), layer_in(w, 0, hb)
