@@ -1,5 +1,7 @@
 """Tiny random Llama / Qwen2 / Qwen3 models: jaxpaged's logits through the paged KV cache equal HF
 transformers' (PyTorch, float32) for a prefill and several decode steps."""
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,7 +230,12 @@ def test_float32_checkpoint_loads_as_bfloat16(tmp_path):
 
     hf = save_tiny_model("qwen3", tmp_path)
     want = load_model(tmp_path, dtype="float32").params
-    live = lambda: sum(x.nbytes for x in jax.live_arrays())
+    def live():
+        # Collect first: arrays an earlier test left in reference cycles would otherwise be freed by whichever
+        # automatic collection falls inside the load and count against it.
+        gc.collect()
+        return sum(x.nbytes for x in jax.live_arrays())
+
     before = live()
     got = load_model(tmp_path, dtype="bfloat16", platform="gpu").params
     leaves = jax.tree_util.tree_leaves(got)
