@@ -17,6 +17,9 @@ times, per layer, at llama3-8b's layout with `rows` requests of `ctx` tokens eac
             latency-hiding scheduler reads integer `_scheduling_group_id` attributes, which
             jax.experimental.xla_metadata.set_xla_metadata puts on ordinary ops but not on compute_on's call (its
             lowering writes the call's attributes itself), so whether XLA honours this arm is for the run to show
+  grouped, numbered
+            the same with each group's calls and ops given their group's integer `_scheduling_group_id` in the
+            lowered module before it compiles (number_scheduling_groups)
 
 under each attention CTA count of --num-ctas (the persistent kernel's CTAs; fewer leave SMs to the GEMMs). Only the
 kernel's custom call is annotated: XLA fails at run time on an annotated computation that holds calls of its own
@@ -38,6 +41,65 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 H, INTER = 4096, 14336                          # llama3-8b's hidden and MLP sizes
 STREAM_FLAG = "--xla_gpu_experimental_stream_annotation=true"
+
+
+def number_scheduling_groups(module) -> int:
+    """In place, on a lowered (StableHLO) module: give each call that jax.experimental.scheduling_groups marked
+    `scheduling_group=NAME` the integer `_scheduling_group_id` XLA's latency-hiding scheduler reads (one per NAME,
+    in order of appearance), on the call and on every op of its callee. A callee is shared by every call site of
+    one jitted function (the kernel wrappers), so each marked call gets private copies of the functions it reaches,
+    renamed; the bodies of stream-annotated calls (`_xla_stream_annotation`, compute_on's) are shared as they are,
+    their call carrying the id. Returns the number of groups."""
+    from jax._src.lib.mlir import ir
+
+    funcs = {ir.StringAttr(op.attributes["sym_name"]).value: op for op in module.body.operations
+             if "sym_name" in op.attributes}
+    names: dict[str, int] = {}
+    copies = [0]
+
+    def frontend(op) -> dict:
+        if "mhlo.frontend_attributes" not in op.attributes:
+            return {}
+        d = ir.DictAttr(op.attributes["mhlo.frontend_attributes"])
+        return {d[i].name: d[i].attr for i in range(len(d))}
+
+    def mark(op, gid: int) -> None:
+        attrs = frontend(op)
+        attrs["_scheduling_group_id"] = ir.StringAttr.get(str(gid))
+        op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(attrs)
+
+    def private_callee(call, gid: int) -> None:
+        callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        clone = funcs[callee].clone(ip=ir.InsertionPoint(module.body))
+        copies[0] += 1
+        name = f"{callee}_group{gid}_{copies[0]}"
+        clone.attributes["sym_name"] = ir.StringAttr.get(name)
+        call.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
+        funcs[name] = clone
+        mark_body(clone, gid)
+
+    def mark_body(op, gid: int) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    inner = inner.operation
+                    if inner.name == "func.return":
+                        continue
+                    mark(inner, gid)
+                    if inner.name == "func.call" and "_xla_stream_annotation" not in frontend(inner):
+                        private_callee(inner, gid)
+                    else:
+                        mark_body(inner, gid)
+
+    with module.context:
+        for op in list(funcs["main"].regions[0].blocks[0].operations):
+            op = op.operation
+            group = frontend(op).get("scheduling_group")
+            if op.name == "func.call" and group is not None:
+                gid = names.setdefault(ir.StringAttr(group).value, len(names) + 1)
+                mark(op, gid)
+                private_callee(op, gid)
+    return len(names)
 
 
 def main() -> None:
@@ -90,11 +152,15 @@ def main() -> None:
          for i, (k, s) in enumerate(shapes.items())}
     operands = (q, pool, tables, lens, qsl, x, w)
 
-    def compiled(f, stream: bool):
+    def compiled(f, stream: bool, group_ids: bool = False):
         rpa._launch = launch_on_stream_1 if stream else launch        # read when the program is traced
         jax.clear_caches()                  # (the kernels' own jit caches too)
         try:
-            exe = jax.jit(f).lower(*operands).compile()
+            lowered = jax.jit(f).lower(*operands)
+            if group_ids:       # the module is compiled as changed here
+                print(f"  {number_scheduling_groups(lowered.compiler_ir('stablehlo'))} scheduling groups numbered",
+                      flush=True)
+            exe = lowered.compile()
         finally:
             rpa._launch = launch
         if stream:
@@ -147,7 +213,7 @@ def main() -> None:
             return sum(h[0, 0].astype(jnp.float32) for h in hs)
         return compiled(f, stream)
 
-    def grouped_program(ctas):
+    def grouped_program(ctas, group_ids):
         """Two halves, the attention annotated for stream 1, each half's attention in one XLA scheduling group
         (jax.experimental.scheduling_groups) with the other half's o projection, MLP and next q/k/v: the
         latency-hiding scheduler is then to keep that work between the call's start and done."""
@@ -178,7 +244,7 @@ def main() -> None:
                     return out_a, hb, layer_in(w, i + 1, hb)
                 out_a, hb, qkv_b = scheduling_group(f"layer{i}a")(a_beside_b)(qkv_a, hb, out_b)
             return ha[0, 0].astype(jnp.float32) + hb[0, 0].astype(jnp.float32)
-        return compiled(f, True)
+        return compiled(f, True, group_ids)
 
     def per_layer_us(fn):
         jax.block_until_ready(fn())
@@ -199,13 +265,15 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; llama3-8b's layout, {r} requests x {args.ctx} "
           f"tokens, {n} layers a program; XLA_FLAGS={os.environ['XLA_FLAGS']!r}; us a layer", flush=True)
     gemm = tried(lambda: pair_program("gemm", None), "gemm")
-    print("| attention CTAs | gemm | attn | serial | streams | whole | halves | halves, stream 1 | the same, grouped |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| attention CTAs | gemm | attn | serial | streams | whole | halves | halves, stream 1 | the same, grouped "
+          "| grouped, numbered |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for ctas in (int(c) for c in args.num_ctas.split(",")):
         row = [tried(lambda k=k: pair_program(k, ctas), k) for k in ("attn", "serial", "streams")]
         row += [tried(lambda p=p, s=s: decode_program(p, s, ctas), f"{p} part(s), stream {int(s)}")
                 for p, s in ((1, False), (2, False), (2, True))]
-        row.append(tried(lambda: grouped_program(ctas), "grouped halves"))
+        row += [tried(lambda g=g: grouped_program(ctas, g), f"grouped halves{', ids' if g else ''}")
+                for g in (False, True)]
         print(f"| {ctas} | {gemm:.1f} | " + " | ".join(f"{v:.1f}" for v in row) + " |", flush=True)
 
 

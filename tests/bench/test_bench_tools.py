@@ -400,3 +400,37 @@ def test_ncu_blocks_splits_at_branches_and_shares_the_stall_samples(tmp_path, ca
     assert out[0] == "kernel 0 (k): 100 stall samples"
     assert out[1].startswith("  [0-1] 2 instructions x 64: 80.0% of samples; stalls {'long_sb': 80, 'barrier': 0}")
     assert out[2].startswith("  [2-3] 2 instructions x 32: 20.0% of samples; stalls {'barrier': 20, 'long_sb': 0}")
+
+
+def test_number_scheduling_groups_gives_each_marked_call_its_id_and_private_callees():
+    """stream_overlap_probe's rewrite of a lowered module: each call jax.experimental.scheduling_groups marked gets
+    an integer _scheduling_group_id, on itself and on every op of a private copy of its callees (a jitted helper
+    called from both groups is shared in the lowered module), and the module still compiles to the same values."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.scheduling_groups import scheduling_group
+
+    from bench.stream_overlap_probe import number_scheduling_groups
+
+    @jax.jit
+    def helper(a):
+        return jnp.cos(a) * 2
+
+    def f(a, b):
+        x1, y1 = scheduling_group("first")(lambda a, b: (helper(a), a @ b))(a, b)
+        x2, y2 = scheduling_group("second")(lambda a, b: (helper(b), b @ a))(x1, y1)
+        return x2 + y2
+
+    a = jnp.arange(64.0).reshape(8, 8) / 64
+    b = jnp.eye(8) + a.T
+    lowered = jax.jit(f).lower(a, b)
+    module = lowered.compiler_ir("stablehlo")
+    assert number_scheduling_groups(module) == 2
+    text = str(module)
+    assert 'scheduling_group = "first"' in text and 'scheduling_group = "second"' in text
+    for gid in (1, 2):
+        assert text.count(f'@helper_group{gid}_') == 2          # the copy's definition and its one call
+        assert f'stablehlo.cosine %arg0 {{mhlo.frontend_attributes = {{_scheduling_group_id = "{gid}"}}}}' in text
+    compiled = lowered.compile()
+    assert '_scheduling_group_id="1"' in compiled.as_text() and '_scheduling_group_id="2"' in compiled.as_text()
+    np.testing.assert_allclose(np.asarray(compiled(a, b)), np.asarray(jax.jit(f)(a, b)), rtol=1e-6)
