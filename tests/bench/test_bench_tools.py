@@ -434,3 +434,25 @@ def test_number_scheduling_groups_gives_each_marked_call_its_id_and_private_call
     compiled = lowered.compile()
     assert '_scheduling_group_id="1"' in compiled.as_text() and '_scheduling_group_id="2"' in compiled.as_text()
     np.testing.assert_allclose(np.asarray(compiled(a, b)), np.asarray(jax.jit(f)(a, b)), rtol=1e-6)
+
+
+def test_schedule_sim_replays_the_scheduler_and_fits_its_own_log():
+    """bench/schedule_sim.py: one request's chunks and decode steps, exactly; max_num_seqs 1 runs two requests one
+    after the other; and the cost model fitted to a log the replay wrote is the model that wrote it."""
+    from bench.schedule_sim import CostModel, fit, simulate
+
+    model = CostModel(base_ms=0.3, per_ctx_ms=0.07, weights_ms=5.5, per_token_ms=0.025)
+    steps: list = []
+    r = simulate([10], [5], model, max_num_seqs=4, max_num_batched_tokens=4, record=steps)
+    assert [s[1] for s in steps] == [4, 4, 2, 1, 1, 1, 1] and [s[3] for s in steps] == [4, 8, 10, 11, 12, 13, 14]
+    assert (r.steps, r.output_tokens) == (7, 5)
+    assert r.ttft_median_s == pytest.approx(sum(s[0] for s in steps[:3]))
+    assert steps[0][0] == pytest.approx((0.3 + 0.07 * 4 / 1000 + 5.5) / 1000)
+    assert simulate([3, 3], [2, 2], model, 1, 100).steps == 4 and simulate([3, 3], [2, 2], model, 2, 100).steps == 2
+
+    rng = np.random.default_rng(0)
+    log: list = []
+    simulate(list(rng.integers(20, 400, 600)), list(rng.integers(1, 900, 600)), model, 1024, 16384, record=log)
+    got = fit(np.asarray(log))
+    assert got.weights_ms == pytest.approx(5.5, abs=0.06) and got.per_token_ms == pytest.approx(0.025, abs=6e-4)
+    assert got.per_ctx_ms == pytest.approx(0.07, rel=0.02) and got.base_ms == pytest.approx(0.3, abs=0.05)
