@@ -456,3 +456,23 @@ def test_schedule_sim_replays_the_scheduler_and_fits_its_own_log():
     got = fit(np.asarray(log))
     assert got.weights_ms == pytest.approx(5.5, abs=0.06) and got.per_token_ms == pytest.approx(0.025, abs=6e-4)
     assert got.per_ctx_ms == pytest.approx(0.07, rel=0.02) and got.base_ms == pytest.approx(0.3, abs=0.05)
+
+
+def test_fp8_kv_ablation_rounds_each_head_to_e4m3_at_its_own_power_of_two():
+    """bench/fp8_kv_ablation.py's rounding: each [token, head] scaled by the power of two that puts its largest
+    |value| in [224, 448), rounded to e4m3 and scaled back; e4m3 values times a power of two come back unchanged,
+    a zero head stays zero, and the error is at most e4m3's half step."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from bench.fp8_kv_ablation import e4m3_rounded
+
+    exact = np.array([448.0, -1.5, 0.0625, 3.25], np.float32) * 2.0 ** -20       # e4m3 values x 2**-20
+    rng = np.random.default_rng(0)
+    x = np.stack([np.stack([exact, np.zeros(4, np.float32)]), rng.standard_normal((2, 4)).astype(np.float32) * 30])
+    got = np.asarray(e4m3_rounded(jnp.asarray(x)))
+    np.testing.assert_array_equal(got[0], x[0])
+    scale = 2.0 ** np.ceil(np.log2(np.abs(x[1]).max(-1, keepdims=True) / 448))
+    np.testing.assert_array_equal(got[1], (x[1] / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale)
+    assert np.all(np.abs(got[1] - x[1]) <= np.abs(x[1]) * 2.0 ** -4 + scale * 2.0 ** -10)
+    assert e4m3_rounded(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
