@@ -26,7 +26,7 @@ if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _bench]
     sys.path.append(str(_bench.parent))
 
-from bench.fp8_kv_agreement import prompts  # noqa: E402
+from bench.fp8_kv_agreement import greedy, judged, prompts  # noqa: E402
 
 ARMS = ("none", "k", "v", "kv")
 
@@ -47,7 +47,7 @@ def generate(arm: str, n: int, max_tokens: int, out: Path) -> None:
     import jax
 
     import jaxpaged.pallas_kernels as kernels
-    from jaxpaged import LLM, SamplingParams
+    from jaxpaged import LLM
     if jax.default_backend() != "cpu":
         raise SystemExit("fp8_kv_ablation runs on the CPU only (see its docstring)")
     write_kv = kernels.write_kv
@@ -58,9 +58,7 @@ def generate(arm: str, n: int, max_tokens: int, out: Path) -> None:
     if arm != "none":
         kernels.write_kv = rounding_write_kv
     run = LLM(dtype="bfloat16", max_model_len=256)
-    outs = run.generate(prompts(run.get_tokenizer(), n), SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                       ignore_eos=True), use_tqdm=False)
-    out.write_text(json.dumps([[list(o.prompt_token_ids), list(o.outputs[0].token_ids)] for o in outs]))
+    out.write_text(json.dumps(greedy(run, prompts(run.get_tokenizer(), n), max_tokens)))
 
 
 def main() -> None:
@@ -76,7 +74,7 @@ def main() -> None:
     if a.generate:
         generate(arms[0], a.prompts, a.max_tokens, Path(a.generate))
         return
-    from jaxpaged import LLM, SamplingParams
+    from jaxpaged import LLM
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
@@ -86,16 +84,12 @@ def main() -> None:
                             arm, "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens)], check=True)
         judge = LLM(dtype="bfloat16", max_model_len=256)
         for arm in arms:
-            data = json.loads(files[arm].read_text())
-            scored = judge.generate([{"prompt_token_ids": p + t} for p, t in data],
-                                    SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-            per = [[entry[t].rank == 1 for entry, t in zip(s.prompt_logprobs[len(p):], t)]
-                   for (p, t), s in zip(data, scored)]
-            k, n = sum(map(sum, per)), sum(map(len, per))
+            continuations = [(p, t) for p, t in json.loads(files[arm].read_text())]
+            k, n, whole = judged(judge, continuations)
             what = {"none": "bf16 cache (the measure's ceiling)", "k": "K rounded to e4m3", "v": "V rounded to e4m3",
                     "kv": "K and V rounded to e4m3"}[arm]
             print(f"{what}: {k} of {n} tokens ({k / n:.2%}); continuations with every token the top choice: "
-                  f"{sum(all(x) for x in per)} of {len(per)}  [{time.time() - t0:.0f} s]", flush=True)
+                  f"{whole} of {len(continuations)}  [{time.time() - t0:.0f} s]", flush=True)
 
 
 if __name__ == "__main__":

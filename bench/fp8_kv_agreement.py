@@ -35,16 +35,23 @@ def prompts(tokenizer, n: int, lo: int = 8, hi: int = 160) -> list[dict]:
     return out
 
 
-def top_choices(judge, run, requests: list[dict], max_tokens: int) -> tuple[int, int, int]:
-    """(tokens that are the judge's top choice, tokens, continuations whose every token is)."""
+def judged(judge, continuations: list[tuple[list[int], list[int]]]) -> tuple[int, int, int]:
+    """Each (prompt ids, output ids) judged by one teacher-forced prefill of the judge: (tokens that are its top
+    choice, tokens, continuations whose every token is)."""
+    from jaxpaged import SamplingParams
+    scored = judge.generate([{"prompt_token_ids": p + t} for p, t in continuations],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    per = [[entry[tok].rank == 1 for entry, tok in zip(s.prompt_logprobs[len(p):], t)]
+           for (p, t), s in zip(continuations, scored)]
+    return sum(map(sum, per)), sum(map(len, per)), sum(all(p) for p in per)
+
+
+def greedy(run, requests: list[dict], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """run's greedy continuations of the requests: (prompt ids, output ids) each."""
     from jaxpaged import SamplingParams
     outs = run.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
-    seqs = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids)} for o in outs]
-    scored = judge.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    per = [[entry[t].rank == 1 for entry, t in zip(s.prompt_logprobs[len(o.prompt_token_ids):], o.outputs[0].token_ids)]
-           for o, s in zip(outs, scored)]
-    return sum(map(sum, per)), sum(map(len, per)), sum(all(p) for p in per)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
 def main() -> None:
@@ -60,7 +67,7 @@ def main() -> None:
                          ("e4m3 cache, scales 1.0", {"kv_cache_dtype": "fp8"}),
                          ("e4m3 cache, calculated scales", {"kv_cache_dtype": "fp8", "calculate_kv_scales": True})):
         run = dense if kwargs is None else LLM(dtype="bfloat16", max_model_len=256, **kwargs)
-        k, n, whole = top_choices(dense, run, requests, a.max_tokens)
+        k, n, whole = judged(dense, greedy(run, requests, a.max_tokens))
         print(f"{name}: {k} of {n} tokens ({k / n:.2%}); continuations with every token the top choice: "
               f"{whole} of {len(requests)}  [{time.time() - t0:.0f} s]", flush=True)
 
