@@ -5,8 +5,10 @@ limits. A lever is worth a GPU call if the model says it pays; the model is no m
 The model (milliseconds a step): base + per_ctx x (context tokens / 1000) + max(weights, per_token x tokens). The
 GEMMs read the weights once a step and are bound by them up to weights / per_token tokens, by the tensor cores
 beyond; the attention, the KV write and the other per-request kernels grow with the context the step reads. It is
-fitted to the log's decode steps (a grid over weights and per_token, least squares for the rest, residuals
-clipped at 2 ms) and checked by replaying the log's own limits: the replay's seconds and steps beside the log's.
+fitted to the log's decode steps (a grid over weights, 1-20 ms by 0.05, and per_token, 0-100 us by 0.5: an 8B
+model's range on an H100; least squares for the rest, residuals clipped at 2 ms) and checked by replaying the
+log's own limits: the replay's seconds and steps beside the log's. Decode steps alone leave the fit loose (their
+rows and context grow together), so the check on the whole log, mixed steps included, is what to read first.
 
 The replay schedules as jaxpaged's scheduler does: each step the running requests first (a decode token each, or
 their prompt's next chunk), then waiting requests in arrival order while the token budget and max_num_seqs
