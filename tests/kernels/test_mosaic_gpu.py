@@ -110,6 +110,33 @@ def _interpreter_compile_cache():
     mp.undo()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _callbacks_take_numpy():
+    """The interpreter runs each load, store, copy and barrier of a kernel as an io_callback. jax's io_callback
+    puts the operands XLA hands it (NumPy arrays) on the CPU device as jax Arrays before it calls the callback,
+    and the interpreter's callbacks turn them straight back into Python ints and NumPy arrays: a third of an
+    interpreted kernel's time. Hand the callbacks copies of XLA's NumPy arrays instead: the same values and
+    dtypes, each call's own buffers as before, so the callbacks (and the race detector's bookkeeping) compute the
+    same; the kernels' outputs are bit for bit those of jax's own path."""
+    from jax._src import callback as jax_callback
+    if not INTERPRET or not hasattr(jax_callback, "io_callback_impl"):
+        yield
+        return
+    from jax._src import config, tree_util
+    from jax._src import xla_bridge as xb
+
+    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+        del result_avals, sharding, ordered
+        cpu_device, *_ = xb.local_devices(backend="cpu")
+        with config.default_device(cpu_device):
+            return tree_util.tree_map(np.asarray, callback(*(np.array(a) for a in args)))
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(jax_callback, "io_callback_impl", io_callback_impl)
+    yield
+    mp.undo()
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicCase(Case):
     block_kv: int = 128                 # keys per pipeline step
