@@ -28,7 +28,8 @@ if __package__ in (None, ""):   # run as a file: see bench/common.py add_repo_to
 
 from bench.fp8_kv_agreement import greedy, judged, prompts  # noqa: E402
 
-ARMS = ("none", "k", "v", "kv")
+ARMS = {"none": "bf16 cache (the measure's ceiling)", "k": "K rounded to e4m3", "v": "V rounded to e4m3",
+        "kv": "K and V rounded to e4m3"}
 
 
 def e4m3_rounded(x):
@@ -84,11 +85,9 @@ def main() -> None:
                             arm, "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens)], check=True)
         judge = LLM(dtype="bfloat16", max_model_len=256)
         for arm in arms:
-            continuations = [(p, t) for p, t in json.loads(files[arm].read_text())]
+            continuations = json.loads(files[arm].read_text())
             k, n, whole = judged(judge, continuations)
-            what = {"none": "bf16 cache (the measure's ceiling)", "k": "K rounded to e4m3", "v": "V rounded to e4m3",
-                    "kv": "K and V rounded to e4m3"}[arm]
-            print(f"{what}: {k} of {n} tokens ({k / n:.2%}); continuations with every token the top choice: "
+            print(f"{ARMS[arm]}: {k} of {n} tokens ({k / n:.2%}); continuations with every token the top choice: "
                   f"{whole} of {len(continuations)}  [{time.time() - t0:.0f} s]", flush=True)
 
 
