@@ -120,8 +120,8 @@ def main() -> None:
     from jax.experimental import compute_on as co
 
     from bench.bench_kernels import BLOCK, LAYOUTS, make_pool, random_tables
-    from jaxpaged.pallas_kernels import attention
-    from jaxpaged.pallas_kernels import ragged_paged_attention_mgpu as rpa
+    from pallas_kernels import attention
+    from pallas_kernels import ragged_paged_attention_mgpu as rpa
 
     # compute_on(f, *, compute_type, out_memory_spaces) in jax 0.11 is compute_on2 in 0.10 (whose compute_on is a
     # context manager)
