@@ -17,8 +17,8 @@ the context's work ran entirely beside the GEMMs (max instead of sum): the bound
 
 What the model misses: it prices a prompt token like a decode row. Small prompt chunks beside running decodes
 cost more a token than whole 16k-token chunks, so a schedule that spreads the prompts through the run (a
-max_num_seqs cap) comes out optimistic: on the H100, llama3-8b's caps of 256 and 192 were predicted at +7% and
-+10% and measured at -4% and -3% (bench/results/h100/session57).
+max_num_seqs cap) comes out optimistic; bench/results/NOTES.md has a cap it predicted to gain and that measured
+slower.
 
     python -m bench.schedule_sim STEP_LOG --dataset .cache/gpu/bench_data/sharegpt-llama3-8b-n1000-s0.json \\
         [--max-num-seqs 1024,512,384,256,192,128] [--max-num-batched-tokens 16384] [--overlap]
