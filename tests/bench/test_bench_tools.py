@@ -476,3 +476,33 @@ def test_fp8_kv_ablation_rounds_each_head_to_e4m3_at_its_own_power_of_two():
     np.testing.assert_array_equal(got[1], (x[1] / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale)
     assert np.all(np.abs(got[1] - x[1]) <= np.abs(x[1]) * 2.0 ** -4 + scale * 2.0 ** -10)
     assert e4m3_rounded(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_compile_profile_records_each_compile_and_counts_programs_shared_by_modules(tmp_path, capsys):
+    """bench/compile_profile.py as a pytest plugin: two modules compile one program (equal digests) and one
+    compiles another of its own; the summary counts compiles, distinct programs and each module's own."""
+    import os
+    import subprocess
+    import sys
+    from bench import compile_profile
+    from bench.common import REPO_ROOT
+    run = "    jax.jit(lambda x: x {}).block_until_ready()\n"
+    body = "import jax, numpy as np\n\ndef test_it():\n" + run.format("* 3)(np.ones(5)")
+    (tmp_path / "test_a.py").write_text(body)
+    (tmp_path / "test_b.py").write_text(body + run.format("- 1)(np.ones(7)"))
+    out = tmp_path / "profile"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        "-p", "bench.compile_profile", "--compile-profile", str(out), "test_a.py", "test_b.py"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "main.jsonl").read_text().splitlines()]
+    assert [x["test"] for x in records] == ["test_a.py::test_it", "test_b.py::test_it", "test_b.py::test_it"]
+    assert {x["name"] for x in records} == {"jit__lambda"} and not any(x["hit"] for x in records)
+    assert records[0]["digest"] == records[1]["digest"] != records[2]["digest"]
+    compile_profile.summarize(str(out))
+    table = capsys.readouterr().out
+    assert "| test_b.py | " in table and "| test_a.py | " in table
+    own = {line.split(" | ")[0].strip("| "): int(line.rstrip(" |").split(" | ")[-1])
+           for line in table.splitlines() if line.startswith("| test_")}
+    assert own == {"test_a.py": 0, "test_b.py": 1} and "3 compiles, 2 distinct programs" in table
