@@ -494,7 +494,8 @@ def test_compile_profile_records_each_compile_and_counts_programs_shared_by_modu
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                         "-p", "bench.compile_profile", "--compile-profile", str(out), "test_a.py", "test_b.py"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                       env={**{k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"},   # (its file's name)
+                            "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     records = [json.loads(line) for line in (out / "main.jsonl").read_text().splitlines()]
     assert [x["test"] for x in records] == ["test_a.py::test_it", "test_b.py::test_it", "test_b.py::test_it"]
