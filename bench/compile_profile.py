@@ -82,7 +82,7 @@ def summarize(folder: str) -> None:
             m["misses"] += 1
             m["miss_secs"] += r["secs"]
         modules_of[r["digest"]].add(module(r))
-    for digest, mods in modules_of.items():
+    for mods in modules_of.values():
         if len(mods) == 1:
             by_module[next(iter(mods))]["own"] += 1
     print(f"{len(records)} compiles, {len({r['digest'] for r in records})} distinct programs, "

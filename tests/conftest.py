@@ -15,11 +15,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # On the CPU, XLA compiles the suite's programs with its older loop emitters and LLVM's first optimization level:
 # compiling was most of the suite's time on a cold cache (some 5,000 programs; a tiny model's step 3-5 s each on a
-# 2-core machine), and these options compile in ~60% of the time. The programs compute the same bits (the reference
-# suite's tokens and logprobs, float32 and bf16); level 0 would not (it compiles faster still, but changes results in
-# the last bits and runs SmolLM2's steps far slower). bench/results/NOTES.md has the measurements. The programs
-# users run keep XLA's defaults; the servers the tests start inherit these. A flag already in XLA_FLAGS is left as
-# given, and a run on the GPU (JAX_PLATFORMS=cuda: tests/kernels there) gets neither (the level is every backend's).
+# 2-core machine), and with these options it takes well under two thirds as long. The programs compute the same
+# bits (the reference suite's tokens and logprobs, float32 and bf16); level 0 would not (it compiles faster still,
+# but changes results in the last bits and runs SmolLM2's steps far slower). bench/results/NOTES.md has the
+# measurements. The programs users run keep XLA's defaults; the servers the tests start inherit these. A flag
+# already in XLA_FLAGS is left as given, and a run on the GPU (JAX_PLATFORMS=cuda: tests/kernels there) gets
+# neither (the level is every backend's).
 if os.environ["JAX_PLATFORMS"] == "cpu":
     for _flag, _value in (("xla_cpu_use_fusion_emitters", "false"), ("xla_backend_optimization_level", "1")):
         if f"--{_flag}" not in os.environ.get("XLA_FLAGS", ""):
