@@ -72,7 +72,7 @@ def summarize(folder: str) -> None:
             with open(os.path.join(folder, name)) as f:
                 records += [json.loads(line) for line in f if line.strip()]
     module = lambda r: r["test"].split("::")[0]        # noqa: E731
-    by_module: dict[str, dict] = collections.defaultdict(lambda: collections.Counter())
+    by_module: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     modules_of = collections.defaultdict(set)
     for r in records:
         m = by_module[module(r)]

@@ -22,9 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # already in XLA_FLAGS is left as given, and a run on the GPU (JAX_PLATFORMS=cuda: tests/kernels there) gets
 # neither (the level is every backend's).
 if os.environ["JAX_PLATFORMS"] == "cpu":
+    from jaxpaged.envs import with_xla_default
     for _flag, _value in (("xla_cpu_use_fusion_emitters", "false"), ("xla_backend_optimization_level", "1")):
-        if f"--{_flag}" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+        os.environ["XLA_FLAGS"] = with_xla_default(os.environ.get("XLA_FLAGS", ""), _flag, _value)
 
 
 # Each XLA:CPU program JAX keeps compiled holds its machine code in a few hundred memory mappings (the float32
