@@ -88,6 +88,11 @@ def prepare_inputs(batch: InputBatch, out: SchedulerOutput, req_ids: list[str], 
     targets, prompt_rows = _prompt_targets(batch, req_ids, rows, starts, n_sched, qsl, T, static)
     model_input = ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src, targets)
     sampling, flags = prepare_sampling(batch, rows, static, out.num_steps, vocab_size)
+    if not prompt_rows:
+        # Nothing to score (the prompts of the requests that asked are done, or a one-token prompt): the step is
+        # the variant without prompt logprobs, as it would be without those requests, so their decode steps share
+        # its programs instead of compiling a variant that scores every token for nothing.
+        flags = dataclasses.replace(flags, num_prompt_logprobs=-1)
     return PreparedInputs(model_input, sampling, flags, bucket, prompt_rows)
 
 
@@ -123,7 +128,7 @@ def _input_tokens(batch: InputBatch, req_ids, rows, starts, n_sched, qsl, T: int
 
 def _prompt_targets(batch: InputBatch, req_ids, rows, starts, n_sched, qsl, T: int, static):
     """prompt_logprobs: the next prompt token after each scheduled prompt token (token p scores prompt
-    token p + 1), and where each request's scores land."""
+    token p + 1), and where each request's scores land; no targets (shape [0]) where no token is scored."""
     prompt_rows: dict[str, PromptRows] = {}
     num_reqs = len(req_ids)
     if not num_reqs or static[:num_reqs, PROMPT_LOGPROBS_COLUMN].max() < 0:
@@ -135,7 +140,7 @@ def _prompt_targets(batch: InputBatch, req_ids, rows, starts, n_sched, qsl, T: i
         if count > 0:
             targets[qsl[i]:qsl[i] + count] = batch.token_ids[row][s + 1:s + 1 + count]
             prompt_rows[req_ids[i]] = PromptRows(int(qsl[i]), count, s + 1)
-    return targets, prompt_rows
+    return (targets if prompt_rows else np.zeros(0, np.int32)), prompt_rows
 
 
 def prepare_sampling(batch: InputBatch, rows: np.ndarray, static: np.ndarray, num_steps: int,

@@ -170,13 +170,15 @@ def reference_inputs(runner, out, reqs, block_ids, prev_rows):
     pos = positions[:num_tokens]
     slots = np.zeros(T, np.int32)
     slots[:num_tokens] = tables[req_of_token, pos // runner.block_size] * runner.block_size + pos % runner.block_size
-    targets = np.zeros(0, np.int32)
-    if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
-        targets = np.full(T, -1, np.int32)
-        for i, (r, s, k) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
-            count = min(s + k, r.num_prompt_tokens - 1) - s
-            if r.sampling_params.prompt_logprobs is not None and count > 0:
-                targets[qsl[i]:qsl[i] + count] = r.prompt_token_ids[s + 1:s + 1 + count]
+    # prompt logprobs: the next prompt token for each scheduled prompt token; none at all (shape [0]) in a step
+    # that scores no prompt token, even beside a request that asked for them (its prompt is done)
+    targets = np.full(T, -1, np.int32)
+    for i, (r, s, k) in enumerate(zip(reqs, starts.tolist(), n_sched.tolist())):
+        count = min(s + k, r.num_prompt_tokens - 1) - s
+        if r.sampling_params.prompt_logprobs is not None and count > 0:
+            targets[qsl[i]:qsl[i] + count] = r.prompt_token_ids[s + 1:s + 1 + count]
+    if (targets < 0).all():
+        targets = np.zeros(0, np.int32)
     out_idx = np.array([r.num_output_tokens + r.num_output_placeholders - 1 for r in reqs] + [0] * (R - n))
     return dict(token_ids=token_ids, positions=positions, slot_mapping=slots, block_tables=tables,
                 query_start_loc=qsl, fill_token_idx=fill_idx, fill_src_row=fill_src, prompt_target_ids=targets,
@@ -201,7 +203,7 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     eng = llm.llm_engine
     runner = eng.runner
     real_prepare = runner.prepare          # the engine builds each step's inputs through runner.prepare
-    checked = []
+    checked, scoring = [], []
 
     def prepare(out):
         reqs = [eng.scheduler.requests[rid] for rid in out.req_ids]
@@ -216,6 +218,9 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
                    temperature=si.temperature)
         for k, v in want.items():
             np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
+        # the sampler variant scores prompt tokens exactly where the step has some to score
+        assert (prepared.inputs.flags.num_prompt_logprobs >= 0) == (len(want["prompt_target_ids"]) > 0)
+        scoring.append(len(want["prompt_target_ids"]) > 0)
         checked.append(bool(mi.fill_token_idx.min() < len(mi.token_ids)))
         return prepared
 
@@ -232,6 +237,7 @@ def test_runner_inputs_equal_the_per_request_reference(model_dir, kw):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [20, 25, 25, 25, 12, 30, 8, 8, 16]
     assert len(checked) > 20 and any(checked)            # async steps read tokens from the device
+    assert any(scoring) and not all(scoring)
     if "preemption_mode" in kw:
         assert eng.scheduler.num_preemptions > 0
     # the engine went idle: the runner dropped every request's state
