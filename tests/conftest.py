@@ -13,12 +13,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# No Python stack in the lowered programs' debug locations (the op names stay): lowering wrote up to 100 frames for
-# every op of every program, which took the bf16 reference module 88 s instead of 73 with its programs cached.
-# The programs, and so the persistent cache's keys and the results, are the same. Set before JAX is imported, and
-# the servers the tests start inherit it.
-os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
-
 # On the CPU, XLA compiles the suite's programs with its older loop emitters and LLVM's first optimization level:
 # compiling was most of the suite's time on a cold cache (some 5,000 programs; a tiny model's step 3-5 s each on a
 # 2-core machine), and with these options it takes well under two thirds as long. The programs compute the same
