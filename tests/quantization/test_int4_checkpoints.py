@@ -285,13 +285,16 @@ ALL_KERNELS = ["rms_norm_gemv_x", "rope_qkv", "silu_mul_gemv_x"]
 TRACED = ["rms_norm_gemv_x", "rope_qkv+kv_write", "silu_mul_gemv_x"]
 
 
-@pytest.mark.parametrize("case,kernels", [(CASES[0], TRACED), (CASES[1], TRACED), (CASES[3], ["rope_qkv+kv_write"]),
-                                          (CASES[8], ["rms_norm_gemv_x", "silu_mul_gemv_x"]),
-                                          (CASES[9], ["rope_qkv+kv_write"]),
-                                          (Int4Case("gemma2", "awq", 64), TRACED[:2])],
-                         ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder", "glm-awq-g64",
-                              "phi3-gptq-actorder", "gemma2-awq-g64"])
-def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, monkeypatch, case, kernels):
+# One case with its layers unrolled (the GPU's dispatch); the others under the layer scan, whose program holds each
+# interpreted kernel once rather than once a layer (it compiles in half the time; the kernels are the same).
+@pytest.mark.parametrize("case,kernels,dispatch", [
+    (CASES[0], TRACED, "unrolled"), (CASES[1], TRACED, "scan"), (CASES[3], ["rope_qkv+kv_write"], "scan"),
+    (CASES[8], ["rms_norm_gemv_x", "silu_mul_gemv_x"], "scan"), (CASES[9], ["rope_qkv+kv_write"], "scan"),
+    (Int4Case("gemma2", "awq", 64), TRACED[:2], "scan")],
+    ids=["llama-awq-g32", "qwen2-awq-g128", "qwen3-gptq-actorder", "glm-awq-g64", "phi3-gptq-actorder",
+         "gemma2-awq-g64"])
+def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, monkeypatch, case, kernels,
+                                                                   dispatch):
     """In float16 (the half-precision dtype the CPU's Pallas attention takes: its bf16 pool is held as uint16), one
     request's decode steps through the Pallas kernels (interpreted), with the kernels around the W4A16 GEMVs
     (pallas_kernels/int4_operands.py) on against all off: the greedy tokens and their logprobs are those XLA
@@ -318,7 +321,7 @@ def test_the_operand_kernels_give_a_4bit_decode_row_what_xla_gives(checkpoints, 
         calls.clear()
         tokens, logprobs = decode_traced_anew(path, prompt, dtype="float16", max_model_len=128, block_size=8,
                                               max_num_batched_tokens=32, attention_backend="pallas",
-                                              quantization=case.method, layer_dispatch="unrolled")
+                                              quantization=case.method, layer_dispatch=dispatch)
         return sorted(calls), tokens, logprobs
     traced, xla_tokens, xla_lps = run(False)
     assert traced == []
