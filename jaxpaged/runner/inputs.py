@@ -87,12 +87,7 @@ def prepare_inputs(batch: InputBatch, out: SchedulerOutput, req_ids: list[str], 
     static = batch.sampling[table_rows]
     targets, prompt_rows = _prompt_targets(batch, req_ids, rows, starts, n_sched, qsl, T, static)
     model_input = ModelInput(token_ids, meta, logits_idx, fill_idx, fill_src, targets)
-    sampling, flags = prepare_sampling(batch, rows, static, out.num_steps, vocab_size)
-    if not prompt_rows:
-        # Nothing to score (the prompts of the requests that asked are done, or a one-token prompt): the step is
-        # the variant without prompt logprobs, as it would be without those requests, so their decode steps share
-        # its programs instead of compiling a variant that scores every token for nothing.
-        flags = dataclasses.replace(flags, num_prompt_logprobs=-1)
+    sampling, flags = prepare_sampling(batch, rows, static, out.num_steps, vocab_size, bool(prompt_rows))
     return PreparedInputs(model_input, sampling, flags, bucket, prompt_rows)
 
 
@@ -144,9 +139,12 @@ def _prompt_targets(batch: InputBatch, req_ids, rows, starts, n_sched, qsl, T: i
 
 
 def prepare_sampling(batch: InputBatch, rows: np.ndarray, static: np.ndarray, num_steps: int,
-                     vocab_size: int) -> tuple[SamplingInputs, SamplerFlags]:
+                     vocab_size: int, scores_prompt: bool) -> tuple[SamplingInputs, SamplerFlags]:
     """The sampler's inputs: each request's static row (gathered once above), the index of the output
-    token being sampled, and the per-token extras (penalty histories, logit bias) when any row needs them."""
+    token being sampled, and the per-token extras (penalty histories, logit bias) when any row needs them.
+    scores_prompt: whether the step scores any prompt token. A step that scores none (the prompts of the requests
+    that asked are done, or a one-token prompt) is the variant without prompt logprobs, as it would be without
+    those requests, so their decode steps share its programs instead of scoring every token for nothing."""
     R, n = len(static), len(rows)
     temperature, top_p, min_p = (static[:, c].astype(np.float32) for c in (0, 2, 3))
     pres, freq, rep = (static[:, c].astype(np.float32) for c in (4, 5, 6))
@@ -159,7 +157,7 @@ def prepare_sampling(batch: InputBatch, rows: np.ndarray, static: np.ndarray, nu
         top_k_p=bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()),
         penalties=penalties,
         num_logprobs=_logprobs_width(static[:, 7].max()),
-        num_prompt_logprobs=_logprobs_width(static[:, PROMPT_LOGPROBS_COLUMN].max(), 1),
+        num_prompt_logprobs=_logprobs_width(static[:, PROMPT_LOGPROBS_COLUMN].max(), 1) if scores_prompt else -1,
     )
     out_ids = prompt_ids = np.full((R, 0), -1, np.int32)
     if penalties:
