@@ -74,9 +74,9 @@ class Request:
         self.needs_host_history = bool(sp.presence_penalty or sp.frequency_penalty
                                        or sp.repetition_penalty != 1.0)
         # may run several decode steps on the device between host visits (multi-step scheduling): nothing
-        # the sampler needs per token from the host, and no logprobs to return per token
-        self.multi_step_ok = not (self.needs_host_history or needs_bias or sp.logprobs is not None
-                                  or sp.prompt_logprobs is not None)
+        # the sampler needs per token from the host, and no logprobs to return per token (prompt logprobs are
+        # scored in the prompt's chunks, before the decode steps that multi-step batches are made of)
+        self.multi_step_ok = not (self.needs_host_history or needs_bias or sp.logprobs is not None)
         # check_stop's token sets, built once: EOS (unless ignored) and the stop token ids
         self.eos_stop_ids = frozenset(() if sp.ignore_eos else eos_token_ids)
         self.stop_ids = frozenset(sp.stop_token_ids or ())

@@ -48,6 +48,35 @@ def test_multi_step_gives_the_single_steps_tokens(model_dir):
         assert got == want, steps
 
 
+def test_prompt_logprobs_requests_decode_in_multi_step_batches(model_dir):
+    """A request that asked for prompt logprobs has them scored in its prompt's chunks; its decode steps then join
+    multi-step batches, and give the single steps' tokens and the same prompt logprobs."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(100, 40000, int(k)).tolist() for k in (6, 33)]
+    params = [SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=18, ignore_eos=True, prompt_logprobs=0)]
+
+    def run(steps):
+        llm = LLM(model=model_dir, dtype="float32", max_model_len=160, max_num_seqs=8, block_size=8,
+                  max_num_batched_tokens=16, compile_buckets=False, num_scheduler_steps=steps)
+        sched = llm.llm_engine.scheduler
+        real_schedule, multi = sched.schedule, []
+        sched.schedule = lambda: (lambda out: multi.append(out.num_steps) or out)(real_schedule())
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        prompt_lps = [[None if e is None else {t: lp.logprob for t, lp in e.items()} for e in o.prompt_logprobs]
+                      for o in outs]
+        return [o.outputs[0].token_ids for o in outs], prompt_lps, max(multi)
+
+    want_tokens, want_lps, _ = run(1)
+    tokens, lps, most_steps = run(4)
+    assert most_steps == 4 and tokens == want_tokens
+    assert [len(p) for p in lps] == [len(p) for p in prompts] and [p[0] for p in lps] == [None, None]
+    for got, want in zip(lps, want_lps):
+        for g, w in zip(got[1:], want[1:]):
+            assert g.keys() == w.keys()
+            np.testing.assert_allclose(list(g.values()), list(w.values()), rtol=0, atol=1e-6)
+
+
 def test_multi_step_with_every_layer_unrolled(model_dir):
     """layer_dispatch="unrolled" runs the steps' loop around the one-program step: the scan's tokens."""
     rng = np.random.default_rng(10)
