@@ -15,21 +15,26 @@ def model_dir(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory, "tiny_llama_multistep", num_hidden_layers=2)
 
 
-def _run(model_dir, steps, prompts, params, **kw):
+def _generate(model_dir, steps, prompts, params, **kw):
+    """(the RequestOutputs, the scheduler, each batch's steps a program in turn)."""
     llm = LLM(model=model_dir, dtype="float32", max_model_len=160, max_num_seqs=8, block_size=8,
               compile_buckets=False, num_scheduler_steps=steps, **kw)
     sched = llm.llm_engine.scheduler
-    real_schedule, sched.multi = sched.schedule, 0
+    real_schedule, num_steps = sched.schedule, []
 
     def schedule():
         out = real_schedule()
-        sched.multi += out.num_steps > 1
+        num_steps.append(out.num_steps)
         return out
 
     sched.schedule = schedule
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate(prompts, params, use_tqdm=False), sched, num_steps
+
+
+def _run(model_dir, steps, prompts, params, **kw):
+    outs, sched, num_steps = _generate(model_dir, steps, prompts, params, **kw)
     if steps > 1:
-        assert sched.multi > 0                  # some batches ran several steps per program
+        assert max(num_steps) > 1               # some batches ran several steps per program
     return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], sched
 
 
@@ -57,15 +62,10 @@ def test_prompt_logprobs_requests_decode_in_multi_step_batches(model_dir):
               SamplingParams(temperature=0.8, seed=4, max_tokens=18, ignore_eos=True, prompt_logprobs=0)]
 
     def run(steps):
-        llm = LLM(model=model_dir, dtype="float32", max_model_len=160, max_num_seqs=8, block_size=8,
-                  max_num_batched_tokens=16, compile_buckets=False, num_scheduler_steps=steps)
-        sched = llm.llm_engine.scheduler
-        real_schedule, multi = sched.schedule, []
-        sched.schedule = lambda: (lambda out: multi.append(out.num_steps) or out)(real_schedule())
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs, _, num_steps = _generate(model_dir, steps, prompts, params, max_num_batched_tokens=16)
         prompt_lps = [[None if e is None else {t: lp.logprob for t, lp in e.items()} for e in o.prompt_logprobs]
                       for o in outs]
-        return [o.outputs[0].token_ids for o in outs], prompt_lps, max(multi)
+        return [o.outputs[0].token_ids for o in outs], prompt_lps, max(num_steps)
 
     want_tokens, want_lps, _ = run(1)
     tokens, lps, most_steps = run(4)
