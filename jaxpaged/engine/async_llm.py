@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.core import resolve_model_path
+from jaxpaged.engine.model_path import resolve_model_path
 from jaxpaged.engine.generation_config import default_sampling_fields
 from jaxpaged.engine.core_client import CoreChannel, CoreProcClient, EngineDeadError, run_core_process
 from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from jaxpaged import envs
 from jaxpaged.config import EngineArgs, RunConfig, detect_platform, resolve
 from jaxpaged.engine.cache_sizing import activation_reserve, block_bytes, size_kv_cache, tree_bytes
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.model_path import resolve_model_path
 from jaxpaged.engine.messages import (CoreInfo, CoreStats, EngineCoreOutput, EngineCoreRequest, FinishReason,
                                       PromptLogprobs, SampleLogprobs)
 from jaxpaged.engine.output import ModelRunnerOutput
@@ -43,20 +43,6 @@ DEVICE_MEMORY_PERIOD_S = 1.0
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
-
-
-def resolve_model_path(model: str | None, quantization: str | None = None) -> str:
-    """The model folder: the given one; for a GGUF file (as vLLM's --model file.gguf), its HF folder in the
-    cache (converted on first use, its tokenizer from the file); or the embedded SmolLM2-135M-Instruct.
-    Under quantization="gguf" the folder need not hold the weights as float32 (the loader reads the file)."""
-    weights = quantization != "gguf"
-    if model is None:
-        from jaxpaged.models.gguf_convert import default_model_dir
-        return str(default_model_dir(envs.JAXPAGED_CACHE_ROOT / "models", weights))
-    if model.endswith(".gguf") and os.path.isfile(model):
-        from jaxpaged.models.gguf_convert import gguf_model_dir
-        return str(gguf_model_dir(model, envs.JAXPAGED_CACHE_ROOT / "models", weights))
-    return model
 
 
 def _configure_jax() -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 
 from jaxpaged.config import EngineArgs
-from jaxpaged.engine.core import EngineCore, resolve_model_path
+from jaxpaged.engine.core import EngineCore
+from jaxpaged.engine.model_path import resolve_model_path
 from jaxpaged.engine.generation_config import default_sampling_fields
 from jaxpaged.engine.detokenizer import prepare as prepare_detokenizer
 from jaxpaged.engine.input_processor import InputProcessor, PromptType

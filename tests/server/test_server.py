@@ -28,11 +28,16 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 
 
 @pytest.fixture(scope="module")
-def server():
+def server_process():
     with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--served-model-name", MODEL, "--api-key", API_KEY,
                         "--max-request-body-mib", str(MAX_BODY_MIB), "--max-logprobs", str(MAX_LOGPROBS)]) as srv:
-        yield srv.base
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    return server_process.base
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,17 @@ def greedy(llm, prompts, max_tokens, **kw):
 
 
 # ---- basic endpoints -----------------------------------------------------------------------------
+def test_only_the_engine_core_loads_jax(server_process):
+    """The API process parses, tokenizes and streams; JAX is the core process's alone. An API process that
+    imported it (through the engine's or the models' modules) would start seconds later on every server start,
+    before it even spawns the core."""
+    def loads_jax(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "/jaxlib/" in f.read()
+    assert loads_jax(server_process.core_pid())
+    assert not loads_jax(server_process.proc.pid)
+
+
 def test_models_version_health_docs(server, client, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
     # probes, metrics and the docs need no key (as vLLM); every other route does
