@@ -136,23 +136,26 @@ def case_getter(tmp_path_factory):
     return get
 
 
-def run_setup(llm: LLM, case: Case, setup: str) -> list[tuple]:
-    """The setup's workload; asserts that its mechanism ran. Returns (output, its SamplingParams) pairs."""
+def run_setup(llm: LLM, case: Case, setup: str, scored: bool = True) -> list[tuple]:
+    """The setup's workload; asserts that its mechanism ran. Returns (output, its SamplingParams) pairs.
+    scored=False asks no logprobs of any request (the same greedy tokens: logprobs never change what is sampled),
+    for a caller that judges only the tokens; its engine then compiles only the plain sampler's steps."""
     eng = llm.llm_engine
     p = case.prompts
+    with_lps = SCORED if scored else GREEDY
     if setup == "chunked":
         assert len(p[0]) > CHUNK
-        prompts, params = [p[0]], [SCORED]
+        prompts, params = [p[0]], [with_lps]
         outs = llm.generate(prompts, params, use_tqdm=False)
     elif setup == "prefix":
         # no prompt logprobs on the second: they would bypass the prefix cache, as in vLLM
-        params = [GREEDY, SCORED.clone(prompt_logprobs=None)]
+        params = [GREEDY, with_lps.clone(prompt_logprobs=None)]
         outs = [llm.generate([p[1 + i]], sp, use_tqdm=False)[0] for i, sp in enumerate(params)]
         assert outs[1].num_cached_tokens >= 2 * BLOCK_SIZE
     else:
         preemptions = eng.scheduler.num_preemptions
         # the third stops at EOS as HF's generate does
-        params = [SCORED, GREEDY, GREEDY.clone(ignore_eos=False)]
+        params = [with_lps, GREEDY, GREEDY.clone(ignore_eos=False)]
         outs = llm.generate(p[3:6], params, use_tqdm=False)
         assert eng.scheduler.num_preemptions > preemptions
     pool = eng.kv_manager.pool
