@@ -48,7 +48,7 @@ def run_stand_in_core(args, channels, parent_pid: int, tokens_per_step: int = 16
         inp.connect(ch.input_addr)
     out = CoreOutputs(ctx, channels)
     # the folder the API processes load the tokenizer from, also where they read generation_config.json: a name
-    # that is no folder would send transformers to the model hub (retried for ~25 s offline)
+    # that is no folder would send transformers to the model hub, which it retries with back-off without a network
     from jaxpaged.engine.model_path import resolve_model_path
     out.broadcast(CoreInfo(resolve_model_path(args.model), "none", "bfloat16", VOCAB, (2,), 1 << 20, 1 << 16, 20, 16,
                            1 << 20, 1, "stand-in core", 0.0))
