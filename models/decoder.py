@@ -176,10 +176,18 @@ def held_dtype(cfg: DecoderConfig, dtype):
     return jnp.dtype(cfg.weight_dtype) if cfg.weight_dtype else dtype
 
 
+def dot_precision(dtype):
+    """A float32 dot's precision: HIGHEST, so that a float32 run computes in float32 end to end (at JAX's default,
+    XLA runs float32 dots on Ampere and later GPUs as TF32, 10 mantissa bits: logprobs 1e-2 off float32's,
+    bench/f32_gpu_check.py); XLA's default for every other dtype."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def matmul(x, w, dtype):
     """x @ w in dtype with w as held (held_dtype: bf16 values held in f32 on the CPU): x widened to w's dtype,
     the product rounded to dtype, which is what XLA:CPU computes for a bf16 dot; the model's dtype elsewhere."""
-    return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ()))).astype(dtype)
+    return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
+                               precision=dot_precision(w.dtype)).astype(dtype)
 
 
 class Linear(nn.Module):
@@ -220,7 +228,8 @@ class Embed(nn.Module):
 
 def _dot_t(x, w, dtype):
     """x @ w.T in dtype, w [out, in] as GGUF stores it (no transposed copy)."""
-    return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())))
+    return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                               precision=dot_precision(dtype))
 
 
 class GGUFEmbed(nn.Module):
@@ -306,7 +315,8 @@ class Int4Linear(nn.Module):
             raise ValueError("keep_splits takes the Pallas kernels' rows")
         else:
             x, qweight, scales, affine = _in_turn(x, qweight, scales, affine)
-            y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits))
+            y = jnp.dot(x, dequantize_int4(qweight, scales, dtype=self.dtype, **affine, bits=self.bits),
+                        precision=dot_precision(self.dtype))
         return y if bias is None else y + bias
 
 

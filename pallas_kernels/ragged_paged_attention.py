@@ -29,6 +29,9 @@ import jax.numpy as jnp
 
 from ._checks import from_cache
 
+# The f32 math's dots in float32 (XLA's default runs float32 dots on Ampere and later GPUs as TF32).
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 def _token_metadata(query_start_loc, seq_lens, num_tokens):
     """Request index and absolute position of every token of the flat batch.
@@ -66,7 +69,8 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     k = k.transpose(0, 1, 3, 2, 4).reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
     v = v.transpose(0, 1, 3, 2, 4).reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
-    s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32)) * scale     # [T, K, G, M*S]
+    s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32),
+                   precision=HIGHEST) * scale                                   # [T, K, G, M*S]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
@@ -81,7 +85,8 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32)) / jnp.where(l == 0, 1.0, l)
+    o = jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32),
+                   precision=HIGHEST) / jnp.where(l == 0, 1.0, l)
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
@@ -124,7 +129,7 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
                                                                              num_kv_heads, head_dim)
         v = kv_cache[layer_idx, 1, blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens,
                                                                              num_kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32))
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32), precision=HIGHEST)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
@@ -139,7 +144,8 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32))
+        acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32),
+                                                  precision=HIGHEST)
         return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),

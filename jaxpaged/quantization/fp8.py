@@ -110,7 +110,9 @@ def fp8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array, input_s
     """x dtype[M, K] @ W -> dtype[M, N] for the device form above."""
     if block_cols is not None:
         w = dequantize(weight, weight_scale, block_cols, x.dtype)
-        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+        # a float32 run's dot in float32 (models/decoder.py dot_precision)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                   precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
     xq, sx = quantize_activations(x, input_scale)
     m = x.shape[0]
     if m % FP8_GEMM_ROWS:        # cuBLASLt's fp8 GEMM takes multiples of 16 rows; XLA expands w otherwise

@@ -162,7 +162,9 @@ def int8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array, weight
     """x dtype[M, K] @ W -> dtype[M, N] for the device form above."""
     if not activations:
         w = dequantize(weight, weight_scale, weight_zero, x.dtype)
-        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+        # a float32 run's dot in float32 (models/decoder.py dot_precision)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                   precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
     xq, sx = quantize_activations(x, input_scale)
     y = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return (y.astype(jnp.float32) * sx * weight_scale[:, 0]).astype(x.dtype)

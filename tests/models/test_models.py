@@ -160,6 +160,37 @@ def test_the_sampled_rows_logits_come_after_the_prompt_head(family, tmp_path):
         assert rows_logits and min(rows_logits) > barrier, (barrier, rows_logits)
 
 
+def _dots(jaxpr):
+    """(operand dtypes, precision) of every dot_general, the jaxprs nested in any equation (loops' bodies,
+    pjit, conditionals' branches) walked too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield tuple(v.aval.dtype.name for v in eqn.invars), eqn.params["precision"]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _dots(inner)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])       # the LM head tied and not; soft caps
+def test_a_float32_model_computes_every_dot_in_float32(family, tmp_path):
+    """Every float32 dot of a step (the layers' linears, attention, the LM head) asks HIGHEST precision, which
+    XLA:GPU computes in float32: at JAX's default it runs them as TF32 on Ampere and later GPUs, and a float32
+    SmolLM2-sized model's logprobs then stray ~1e-2 from HF float32's (bench/f32_gpu_check.py). The CPU computes
+    both alike, so this reads the traced program."""
+    save_tiny_model(family, tmp_path)
+    loaded = load_model(tmp_path, dtype="float32")
+    runner = PagedRunner(loaded)
+    n = 5
+    jaxpr = jax.make_jaxpr(lambda: runner.model.apply({"params": runner.params}, jnp.zeros(n, jnp.int32), runner.kv,
+                                                      runner.meta(n), jnp.arange(n)))().jaxpr
+    dots = list(_dots(jaxpr))
+    assert len(dots) >= 7                   # q/k/v, o, gate/up, down, attention's two, the LM head
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert all(dtypes == ("float32", "float32") and precision == highest for dtypes, precision in dots), dots
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
 def test_per_layer_phases_equal_the_scanned_model(family, tmp_path):
     """embed -> layer x L (each on its own weights) -> head gives the scanned model's logits and cache.
