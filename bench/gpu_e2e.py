@@ -49,27 +49,25 @@ def near_match(got: list[list[int]], ref: list[list[int]]) -> dict:
 
 def smollm2_check(backends: list[str], max_tokens: int = 32, layer_dispatch: str | None = None,
                   dtype: str = "float32") -> dict:
-    import jax
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxpaged import LLM, SamplingParams
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False     # HF's float32 dots in float32, as the engine's are
     res = {"dtype": dtype}
-    with jax.default_matmul_precision("highest"):
-        for backend in backends:
-            t0 = time.perf_counter()
-            llm = LLM(dtype=dtype, max_model_len=512, attention_backend=backend, gpu_memory_utilization=0.3,
-                      compile_buckets=False, layer_dispatch=layer_dispatch)
-            start = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-            res[backend] = {"layer_dispatch": llm.llm_engine.run.layer_dispatch,
-                            "startup_s": start, "generate_s": time.perf_counter() - t1,
-                            "token_ids": [o.outputs[0].token_ids for o in outs],
-                            "texts": [o.outputs[0].text for o in outs]}
-            path, tok, eos = llm.llm_engine.model_path, llm.get_tokenizer(), set(llm.llm_engine.eos_token_ids)
-            del llm
+    for backend in backends:
+        t0 = time.perf_counter()
+        llm = LLM(dtype=dtype, max_model_len=512, attention_backend=backend, gpu_memory_utilization=0.3,
+                  compile_buckets=False, layer_dispatch=layer_dispatch)
+        start = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        res[backend] = {"layer_dispatch": llm.llm_engine.run.layer_dispatch,
+                        "startup_s": start, "generate_s": time.perf_counter() - t1,
+                        "token_ids": [o.outputs[0].token_ids for o in outs],
+                        "texts": [o.outputs[0].text for o in outs]}
+        path, tok, eos = llm.llm_engine.model_path, llm.get_tokenizer(), set(llm.llm_engine.eos_token_ids)
+        del llm
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
     ref = []
     for p in PROMPTS:
