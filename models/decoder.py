@@ -178,8 +178,8 @@ def held_dtype(cfg: DecoderConfig, dtype):
 
 def dot_precision(dtype):
     """A float32 dot's precision: HIGHEST, so that a float32 run computes in float32 end to end (at JAX's default,
-    XLA runs float32 dots on Ampere and later GPUs as TF32, 10 mantissa bits: logprobs 1e-2 off float32's,
-    bench/f32_gpu_check.py); XLA's default for every other dtype."""
+    XLA runs float32 dots on Ampere and later GPUs as TF32, 10 mantissa bits; bench/f32_gpu_check.py measures the
+    difference); XLA's default for every other dtype."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
