@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import pallas_kernels
+from jaxpaged.pallas_kernels import dot_precision
 from jaxpaged.pallas_kernels.int4_matmul import (GEMV_MAX_ROWS, PACK_ROWS, dequantize_int4, int4_matmul, slab_rows,
                                                  use_f16x2)
 from jaxpaged.pallas_kernels.int4_operands import norm_gemv_x_supported, rms_norm_gemv_x, rope_qkv, silu_mul_gemv_x
@@ -174,13 +175,6 @@ def _blocks_shape(rows: int, row_len: int, qtype: str) -> tuple[int, int]:
 def held_dtype(cfg: DecoderConfig, dtype):
     """The dtype the dense matmul weights are held in (DecoderConfig.weight_dtype), else the model's."""
     return jnp.dtype(cfg.weight_dtype) if cfg.weight_dtype else dtype
-
-
-def dot_precision(dtype):
-    """A float32 dot's precision: HIGHEST, so that a float32 run computes in float32 end to end (at JAX's default,
-    XLA runs float32 dots on Ampere and later GPUs as TF32, 10 mantissa bits; bench/f32_gpu_check.py measures the
-    difference); XLA's default for every other dtype."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def matmul(x, w, dtype):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._checks import (CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, cache_values_dtype, in_triton_32bit_window, is_hopper,
-                      pool_blocks_outside_window)
+from ._checks import (CPU_BF16_CACHE_DTYPE, FP8_CACHE_DTYPE, cache_values_dtype, dot_precision, in_triton_32bit_window,
+                      is_hopper, pool_blocks_outside_window)
 from .kv_write import write_kv_pallas, write_kv_reference
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from .ragged_paged_attention import ragged_paged_attention_reference, ragged_paged_attention_xla
@@ -63,7 +63,7 @@ MOSAIC_FP8_DECODE_MIN_HEAD_DIM = 128
 # bound by bytes and gains nothing from it (368 against 369 us at 64 x 4k), so keeps the default.
 MOSAIC_FP8_DECODE_CONFIG = {"block_kv": 64, "max_concurrent_steps": 3, "split_keys": True}
 
-__all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype",
+__all__ = ["BACKENDS", "CPU_BF16_CACHE_DTYPE", "FP8_CACHE_DTYPE", "attention", "cache_values_dtype", "dot_precision",
            "in_triton_32bit_window", "is_hopper", "pool_blocks_outside_window",
            "paged_decode_attention", "paged_decode_attention_reference", "ragged_paged_attention_reference",
            "ragged_paged_attention_xla", "write_kv", "write_kv_reference"]

@@ -22,6 +22,12 @@ _HELD_VALUES = {jnp.dtype(FP8_CACHE_DTYPE): jnp.dtype(jnp.float8_e4m3fn),
                 jnp.dtype(CPU_BF16_CACHE_DTYPE): jnp.dtype(jnp.bfloat16)}
 
 
+def dot_precision(dtype):
+    """A dot's precision for operands of dtype: HIGHEST for float32, so that float32 math stays float32 (at XLA's
+    default, Ampere and later GPUs run a float32 dot as TF32: 10 mantissa bits); the default for other dtypes."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def cache_values_dtype(cache_dtype):
     """The dtype of the values a pool of cache_dtype holds (its own, or what its bytes or bits stand for)."""
     return _HELD_VALUES.get(jnp.dtype(cache_dtype), jnp.dtype(cache_dtype))

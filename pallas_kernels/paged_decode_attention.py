@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import check_triton_offsets, from_cache, validate_q_and_cache
+from ._checks import check_triton_offsets, dot_precision, from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 NUM_SMS = 132            # H100 SXM: the SM count where no GPU says its own (lowering on the CPU)
@@ -96,7 +96,7 @@ def _decode_kernel(layer_ref, seq_lens_ref, block_tables_ref, slopes_ref, q_ref,
     key_end = jnp.minimum(seq_len, end_block * block_size)
     row = jax.lax.broadcasted_iota(jnp.int32, (group_pad, head_dim), 0)
     q = plgpu.load(q_ref.at[r, h, pl.ds(0, group_pad), :], mask=row < group, other=0.0)   # [Gp, D]
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    precision = dot_precision(q.dtype)
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
     if alibi:      # per row (query head) slope, in the base-2 domain of the scores

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from ._checks import check_triton_offsets, from_cache, validate_q_and_cache
+from ._checks import check_triton_offsets, dot_precision, from_cache, validate_q_and_cache
 from ._softmax import NEG, init_carry, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -129,7 +129,7 @@ def _attend(q, req, first_pos, num_tokens, block_tables_ref, kv_ref, layer, h, *
     kv_begin = 0
     if sliding_window is not None:
         kv_begin = (jnp.maximum(first_pos - sliding_window + 1, 0) // bk) * bk
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    precision = dot_precision(q.dtype)
     # base-2 softmax: exp2(x * log2(e)) == exp(x), one multiply folded into the scale
     qk_scale = scale if soft_cap is not None else scale * _LOG2E
     max_blocks = block_tables_ref.shape[1]

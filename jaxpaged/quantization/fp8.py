@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.pallas_kernels import dot_precision
+
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0            # the largest finite e4m3fn value
 FP8_GEMM_ROWS = 16        # x's rows are padded to a multiple of this for the fp8 GEMM
@@ -110,9 +112,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array, input_s
     """x dtype[M, K] @ W -> dtype[M, N] for the device form above."""
     if block_cols is not None:
         w = dequantize(weight, weight_scale, block_cols, x.dtype)
-        # a float32 run's dot in float32 (models/decoder.py dot_precision)
-        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                   precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=dot_precision(x.dtype))
     xq, sx = quantize_activations(x, input_scale)
     m = x.shape[0]
     if m % FP8_GEMM_ROWS:        # cuBLASLt's fp8 GEMM takes multiples of 16 rows; XLA expands w otherwise

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.pallas_kernels import dot_precision
+
 I8_MAX = 127.0
 _MIN_SCALE = 1e-12        # an all-zero row keeps a finite scale
 # The tensors of one linear layer, required first, then optional ones, by format.
@@ -162,9 +164,7 @@ def int8_linear(x: jax.Array, weight: jax.Array, weight_scale: jax.Array, weight
     """x dtype[M, K] @ W -> dtype[M, N] for the device form above."""
     if not activations:
         w = dequantize(weight, weight_scale, weight_zero, x.dtype)
-        # a float32 run's dot in float32 (models/decoder.py dot_precision)
-        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                   precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=dot_precision(x.dtype))
     xq, sx = quantize_activations(x, input_scale)
     y = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return (y.astype(jnp.float32) * sx * weight_scale[:, 0]).astype(x.dtype)
