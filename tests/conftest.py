@@ -13,25 +13,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# On the CPU, compiling is most of the suite's time on a cold cache (some 7,000 programs, most of them tiny
-# models' steps and interpreted kernels), so the tests' processes compile with XLA's older loop emitters at LLVM's
-# optimization level 0, in one codegen unit: about half the compile time of XLA's defaults. The cost is run time
-# where the programs' arrays are large: at level 0 the loops XLA generates itself (the layer scan's weight slices,
-# the XLA attention path's gathers) run unvectorized, and SmolLM2's decode steps take ~2.5x as long. So the servers
-# the tests start (ServerProcess: SmolLM2 serving for a whole module) compile at level 1 (SERVER_XLA_FLAGS). The
-# matmuls go to the same library kernels at either level; elementwise results may differ in the last bits, and a
-# test comparing a server's tokens with LLM's in this process compares greedy choices, which such differences
-# do not move on its prompts. bench/results/NOTES.md has the measurements. The programs users run keep XLA's
-# defaults. A flag already in XLA_FLAGS is left as given, and a run on the GPU (JAX_PLATFORMS=cuda: tests/kernels
-# there) gets none of these (the level is every backend's).
-SERVER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+# On the CPU, XLA compiles the suite's programs with its older loop emitters and LLVM's first optimization level:
+# compiling was most of the suite's time on a cold cache (some 5,000 programs; a tiny model's step 3-5 s each on a
+# 2-core machine), and with these options it takes well under two thirds as long. The programs compute the same
+# bits (the reference suite's tokens and logprobs, float32 and bf16); level 0 would not (it compiles faster still,
+# but changes results in the last bits and runs SmolLM2's steps far slower). bench/results/NOTES.md has the
+# measurements. The programs users run keep XLA's defaults; the servers the tests start inherit these. A flag
+# already in XLA_FLAGS is left as given, and a run on the GPU (JAX_PLATFORMS=cuda: tests/kernels there) gets
+# neither (the level is every backend's).
 if os.environ["JAX_PLATFORMS"] == "cpu":
     from jaxpaged.envs import with_xla_default
-    for _flag, _value in (("xla_cpu_use_fusion_emitters", "false"), ("xla_backend_optimization_level", "0"),
-                          ("xla_cpu_parallel_codegen_split_count", "1")):
-        os.environ["XLA_FLAGS"] = with_xla_default(os.environ.get("XLA_FLAGS", ""), _flag, _value)
     for _flag, _value in (("xla_cpu_use_fusion_emitters", "false"), ("xla_backend_optimization_level", "1")):
-        SERVER_XLA_FLAGS = with_xla_default(SERVER_XLA_FLAGS, _flag, _value)
+        os.environ["XLA_FLAGS"] = with_xla_default(os.environ.get("XLA_FLAGS", ""), _flag, _value)
 
 
 # Each XLA:CPU program JAX keeps compiled holds its machine code in a few hundred memory mappings (the float32
@@ -508,8 +501,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="jaxpaged-server-", delete=False)
         cmd = [sys.executable, "-m", "jaxpaged.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--uvicorn-log-level", "warning", "--disable-log-requests", *self.flags]
-        env = {**os.environ, "XLA_FLAGS": SERVER_XLA_FLAGS}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ),
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         try:
             deadline = time.time() + self.start_timeout_s
