@@ -27,10 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ._checks import from_cache
-
-# The f32 math's dots in float32 (XLA's default runs float32 dots on Ampere and later GPUs as TF32).
-HIGHEST = jax.lax.Precision.HIGHEST
+from ._checks import dot_precision, from_cache
 
 
 def _token_metadata(query_start_loc, seq_lens, num_tokens):
@@ -70,7 +67,7 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     v = v.transpose(0, 1, 3, 2, 4).reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32),
-                   precision=HIGHEST) * scale                                   # [T, K, G, M*S]
+                   precision=dot_precision(qg.dtype)) * scale                                   # [T, K, G, M*S]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)
@@ -86,7 +83,7 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32),
-                   precision=HIGHEST) / jnp.where(l == 0, 1.0, l)
+                   precision=dot_precision(p.dtype)) / jnp.where(l == 0, 1.0, l)
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
@@ -129,7 +126,7 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
                                                                              num_kv_heads, head_dim)
         v = kv_cache[layer_idx, 1, blocks].transpose(0, 1, 3, 2, 4).reshape(num_tokens, chunk_tokens,
                                                                              num_kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32), precision=HIGHEST)
+        s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32), precision=dot_precision(qg.dtype))
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
@@ -145,7 +142,7 @@ def ragged_paged_attention_xla(q, kv_cache, layer_idx, block_tables, seq_lens, q
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * alpha + jnp.sum(p, axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, from_cache(v, jnp.float32),
-                                                  precision=HIGHEST)
+                                                  precision=dot_precision(p.dtype))
         return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
