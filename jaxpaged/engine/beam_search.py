@@ -6,6 +6,13 @@ Unlike vLLM (which resubmits each beam as a new prompt and leans on the prefix c
 requests that stay in the scheduler: a chosen candidate is a fork of its parent beam that shares every
 block (`Scheduler.add_forked` -> `KVCacheManager.fork`), and the shared partly filled last block is copied
 on write when two beams diverge in it. The engine must be idle while it runs (offline use).
+
+A pool too small for every beam at once still finishes, as vLLM's does: beams preempt each other, and when
+the beams that hold blocks have all given their candidates while the others wait for room (nothing can be
+scheduled), those beams are parked: their blocks are freed, their candidates kept, and a parked beam's
+children recompute its tokens as new requests instead of forking its blocks (the prefix cache serves what
+is still cached). One beam (the prompt and max_tokens) fits whatever the pool: validate_prompt refuses a
+prompt for which it would not.
 """
 from __future__ import annotations
 
@@ -86,7 +93,11 @@ def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) 
     pending: dict[str, list[tuple[int, float]]] = {}        # request id -> its top candidates
     try:
         while any(inst.beams for inst in instances):
-            pending.update(_step(engine, 2 * width))
+            got = _step(engine, 2 * width)
+            if got is None:
+                _park(engine, instances, pending)
+                continue
+            pending.update(got)
             for inst in instances:
                 if inst.beams and all(_live(b).request_id in pending for b in inst.beams):
                     _select(engine, inst, params, pending, ids)
@@ -94,15 +105,20 @@ def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) 
         for inst in instances:   # on error: free whatever is still held
             for b in inst.beams:
                 sched.finish_request(b.request, RequestStatus.FINISHED_ABORTED)
+        # the engine is idle again: no step will hand these ids to the runner (EngineCore.step's idle release)
+        engine.runner.release_finished(sched.finished_req_ids)
+        sched.finished_req_ids = set()
     return [_finish(engine, inst, params) for inst in instances]
 
 
-def _step(engine, k: int) -> dict[str, list[tuple[int, float]]]:
-    """One synchronous engine step over the beams; returns the top-k candidates of each sampled beam."""
+def _step(engine, k: int) -> dict[str, list[tuple[int, float]]] | None:
+    """One synchronous engine step over the beams; returns the top-k candidates of each sampled beam, or None
+    when nothing could be scheduled."""
     sched = engine.scheduler
     out = sched.schedule()
     if out.is_empty:
-        raise RuntimeError("beam search stalled: nothing could be scheduled")
+        engine.runner.release_finished(out.finished_req_ids | set(out.preempted_req_ids))
+        return None
     result = engine.runner.execute(out)
     got = {}
     for rid, row in result.rows.items():
@@ -111,6 +127,18 @@ def _step(engine, k: int) -> dict[str, list[tuple[int, float]]]:
         got[rid] = list(zip(result.logprobs.top_ids[row][:k].tolist(),
                             result.logprobs.top_logprobs[row][:k].tolist()))
     return got
+
+
+def _park(engine, instances: list[_Instance], pending) -> None:
+    """Nothing could be scheduled: the beams whose candidates are in hold the blocks that the waiting (preempted)
+    beams need. Free those blocks; each parked beam keeps its candidates, and its children recompute."""
+    sched = engine.scheduler
+    parked = [_live(b) for inst in instances for b in inst.beams
+              if _live(b).request_id in pending and not _live(b).is_finished]
+    if not parked or not sched.waiting:
+        raise RuntimeError("beam search stalled: nothing could be scheduled")
+    for req in parked:
+        sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
 
 def _select(engine, inst: _Instance, params: BeamSearchParams, pending, ids) -> None:
@@ -135,7 +163,10 @@ def _select(engine, inst: _Instance, params: BeamSearchParams, pending, ids) -> 
                         block_size=engine.block_size)
         for t in new.tokens[len(inst.prompt_ids):]:
             child.append_output_token(t)
-        sched.add_forked(parent, child)
+        if parent.is_finished:           # parked (_park): recompute its tokens
+            sched.add_request(child)
+        else:
+            sched.add_forked(parent, child)
         new.request = child
     if inst.steps >= params.max_tokens:
         for new, _ in candidates[:params.beam_width]:

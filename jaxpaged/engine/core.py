@@ -219,7 +219,13 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.stats.on_schedule(sched, self.scheduler.requests)
         t2 = time.perf_counter()
-        new = None if sched.is_empty else self.runner.dispatch(sched)
+        if sched.is_empty:
+            # Nothing to launch, but the requests this schedule reports finished or preempted (an abort of every
+            # running request) must still leave the runner's batch, as a dispatch's hand-off would take them.
+            self.runner.release_finished(sched.finished_req_ids | set(sched.preempted_req_ids))
+            new = None
+        else:
+            new = self.runner.dispatch(sched)
         t3 = time.perf_counter()
         try:
             outputs += self._finish_inflight()

@@ -344,17 +344,23 @@ def test_counters_mean_what_vllms_mean(llm):
 
 
 def test_abort_frees_blocks_immediately(llm):
+    """An abort frees the request's blocks at once, and the runner drops its row: also when it was the only
+    running request, so that the next schedule is empty and launches nothing (a client that leaves an otherwise
+    idle server, again and again, must not grow the runner's batch)."""
     eng = llm.llm_engine
     free0 = eng.kv_manager.pool.num_free_blocks
-    eng.add_request("victim", PROMPTS[4], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    for _ in range(3):
-        eng.step()
-    assert eng.kv_manager.pool.num_free_blocks < free0
-    eng.abort_request("victim")
-    assert eng.kv_manager.pool.num_free_blocks == free0
-    while eng.has_unfinished_requests():
-        eng.step()
-    assert eng.kv_manager.pool.num_free_blocks == free0
+    for victim in ("victim", "victim-2"):
+        eng.add_request(victim, PROMPTS[4], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        assert eng.kv_manager.pool.num_free_blocks < free0 and victim in eng.runner.batch.rows
+        eng.abort_request(victim)
+        assert eng.kv_manager.pool.num_free_blocks == free0
+        while eng.has_unfinished_requests():
+            eng.step()
+        eng.step()                       # idle: nothing to schedule
+        assert eng.kv_manager.pool.num_free_blocks == free0
+        assert not eng.runner.batch.rows, eng.runner.batch.rows
 
 
 @pytest.fixture(scope="module")
@@ -529,3 +535,23 @@ def test_beam_search_matches_reference_and_shares_blocks(llm, model_dir, monkeyp
     assert copies                                  # diverging beams copied a shared partly filled block
     assert max(shared) >= 2 * 3                    # beams share their prompt blocks
     assert kv.pool.num_free_blocks == eng.num_blocks - 1 and not eng.has_unfinished_requests()
+
+
+def test_beam_search_finishes_on_a_pool_too_small_for_its_beams(llm, model_dir):
+    """Two prompts of 52 and 41 tokens at beam width 4 need 13 blocks of 16 with every beam held at once; over
+    9 the beams preempt each other, and the ones that hold blocks once they have given their candidates are
+    parked (their children recompute): the same sequences and scores as on the large pool, and every block
+    back at the end. (Before parking, such a search stopped with "beam search stalled".)"""
+    rng = np.random.default_rng(7)
+    prompts = [{"prompt_token_ids": rng.integers(100, 40000, n).tolist()} for n in (52, 41)]
+    params = BeamSearchParams(beam_width=4, max_tokens=10)
+    small = make_llm(model_dir, num_gpu_blocks_override=10, max_num_batched_tokens=32)
+    got, want = small.beam_search(prompts, params), llm.beam_search(prompts, params)
+    for g, w in zip(got, want):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        np.testing.assert_allclose([s.cum_logprob for s in g.sequences], [s.cum_logprob for s in w.sequences],
+                                   rtol=1e-5)
+    eng = small.llm_engine
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.kv_manager.pool.num_free_blocks == eng.num_blocks - 1 and not eng.has_unfinished_requests()
+    assert not eng.runner.batch.rows
