@@ -541,7 +541,7 @@ def test_beam_search_finishes_on_a_pool_too_small_for_its_beams(llm, model_dir):
     """Two prompts of 52 and 41 tokens at beam width 4 need 13 blocks of 16 with every beam held at once; over
     9 the beams preempt each other, and the ones that hold blocks once they have given their candidates are
     parked (their children recompute): the same sequences and scores as on the large pool, and every block
-    back at the end. (Before parking, such a search stopped with "beam search stalled".)"""
+    back at the end."""
     rng = np.random.default_rng(7)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, n).tolist()} for n in (52, 41)]
     params = BeamSearchParams(beam_width=4, max_tokens=10)
