@@ -117,7 +117,7 @@ def _step(engine, k: int) -> dict[str, list[tuple[int, float]]] | None:
     sched = engine.scheduler
     out = sched.schedule()
     if out.is_empty:
-        engine.runner.release_finished(out.finished_req_ids | set(out.preempted_req_ids))
+        engine.runner.release_finished(out.dropped_req_ids)
         return None
     result = engine.runner.execute(out)
     got = {}

@@ -222,7 +222,7 @@ class EngineCore:
         if sched.is_empty:
             # Nothing to launch, but the requests this schedule reports finished or preempted (an abort of every
             # running request) must still leave the runner's batch, as a dispatch's hand-off would take them.
-            self.runner.release_finished(sched.finished_req_ids | set(sched.preempted_req_ids))
+            self.runner.release_finished(sched.dropped_req_ids)
             new = None
         else:
             new = self.runner.dispatch(sched)

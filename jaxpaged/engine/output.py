@@ -62,6 +62,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
+    @property
+    def dropped_req_ids(self) -> set[str]:
+        """The requests the runner drops at this hand-off (finished or preempted), launched or not."""
+        return self.finished_req_ids | set(self.preempted_req_ids)
+
     @functools.cached_property
     def req_ids(self) -> list[str]:
         """The batch's request ids in batch order (read once scheduling is done: stats and the runner)."""

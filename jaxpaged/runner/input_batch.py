@@ -54,8 +54,7 @@ class InputBatch:
     def apply(self, sched: SchedulerOutput) -> None:
         """Bring the state up to a step's hand-off: drop finished and preempted requests, add the new
         ones, record the blocks the others got."""
-        self.remove(sched.finished_req_ids)
-        self.remove(sched.preempted_req_ids)
+        self.remove(sched.dropped_req_ids)
         for new in sched.scheduled_new_reqs:
             self.add(new)
         self.update(sched.scheduled_cached_reqs)
