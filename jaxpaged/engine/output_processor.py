@@ -71,6 +71,8 @@ class OutputProcessor:
                            params.logprobs, deferred_text=not streams and not stop)
                    for sid in sample_ids]
         parent = _Parent(request_id, prompt, prompt_token_ids, params, arrival_time, samples, len(samples))
+        if params.prompt_logprobs is not None and len(prompt_token_ids) == 1:
+            parent.prompt_logprobs = [None]      # no later prompt token to score: the list is its first entry alone
         self.parents[request_id] = parent
         for i, s in enumerate(samples):
             self._samples[s.request_id] = (parent, s, i)

@@ -278,6 +278,9 @@ def test_prompt_logprobs_match_hf(model_dir, llm, reference, chunk):
         top = np.argsort(-lps[p - 1])[:2].tolist()
         assert set(entry) == set(top) | {tok}
     assert out.outputs[0].token_ids == reference[0][:2]
+    # a one-token prompt has only the first entry, as vLLM's: [None]
+    one = engine.generate([prompt[:1]], GREEDY.clone(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]
 
 
 def test_n_samples_share_prompt_and_differ(llm):
