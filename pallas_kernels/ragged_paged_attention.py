@@ -67,7 +67,7 @@ def ragged_paged_attention_reference(q, kv_cache, layer_idx, block_tables, seq_l
     v = v.transpose(0, 1, 3, 2, 4).reshape(num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     s = jnp.einsum("tkgd,tckd->tkgc", qg, from_cache(k, jnp.float32),
-                   precision=dot_precision(qg.dtype)) * scale                                   # [T, K, G, M*S]
+                   precision=dot_precision(qg.dtype)) * scale                 # [T, K, G, M*S]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(max_blocks * block_size, dtype=jnp.int32)

@@ -105,9 +105,7 @@ def _search(engine, prompt_ids: list[list[int]], params: BeamSearchParams, ids) 
         for inst in instances:   # on error: free whatever is still held
             for b in inst.beams:
                 sched.finish_request(b.request, RequestStatus.FINISHED_ABORTED)
-        # the engine is idle again: no step will hand these ids to the runner (EngineCore.step's idle release)
-        engine.runner.release_finished(sched.finished_req_ids)
-        sched.finished_req_ids = set()
+        engine.core.release_finished()       # the engine is idle again
     return [_finish(engine, inst, params) for inst in instances]
 
 

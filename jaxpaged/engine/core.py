@@ -235,13 +235,17 @@ class EngineCore:
             self.stats.prepare_inputs_s += new.prepared.prepare_s
             self.stats.launch_s += new.launch_s
         if self._inflight is None and not self.scheduler.has_unfinished():
-            # idle: no next step will pass these ids to the runner, so release them now
-            self.runner.release_finished(self.scheduler.finished_req_ids)
-            self.scheduler.finished_req_ids = set()
+            self.release_finished()
         t4 = time.perf_counter()
         self.stats.on_step(self.scheduler, self.kv_manager, schedule_s=t2 - t1, execute_s=t3 - t2,
                            process_s=(t1 - t0) + (t4 - t3))
         return outputs
+
+    def release_finished(self) -> None:
+        """The engine is idle: no next step will pass the requests finished since the last one to the runner, so
+        it drops them now."""
+        self.runner.release_finished(self.scheduler.finished_req_ids)
+        self.scheduler.finished_req_ids = set()
 
     def _needs_sync(self) -> bool:
         return any(r.needs_host_history for r in self.scheduler.running)
